@@ -1,0 +1,8 @@
+"""chunkmem: train PyTorch models larger than the GPU's memory by keeping model data in chunks."""
+
+from chunkmem.config import Config
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.wrapper import ChunkedModel, prepare
+
+__all__ = ["Config", "ChunkedModel", "MemoryBudgetError", "prepare"]
+__version__ = "0.1.0"

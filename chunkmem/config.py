@@ -1,0 +1,69 @@
+"""User-facing configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(field: str, value: int | str | None) -> int | None:
+    """Turn 1024, "512MiB", "20GiB" or "20GB" into bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"Config.{field}={value!r}: expected an int of bytes or a string like '20GiB'")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"Config.{field}={value!r}: expected a size like 1024, '512MiB', '20GiB' or '20GB'")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"Config.{field}={value!r}: a size must be positive")
+    return value
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How chunkmem places model data. See SPEC section 3.
+
+    device: "cuda", "cuda:N" or "cpu" (the CPU simulation of a device with a budget).
+    device_memory: most bytes of chunks on the device; None means all that is free.
+    host_memory: most bytes of chunks in host memory; None means what the machine can spare.
+    dtype: "fp32" | "bf16" | "fp16", the dtype of parameters and gradients during compute.
+    chunk_size: elements per chunk; None searches the size that wastes least.
+    """
+
+    device: str = dataclasses.field(default_factory=default_device)
+    device_memory: int | str | None = None
+    host_memory: int | str | None = None
+    dtype: str = "fp32"
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"Config.device={self.device!r}: expected 'cuda', 'cuda:N' or 'cpu'")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"Config.device={self.device!r} but CUDA is not available: "
+                             "use device='cpu' for the CPU simulation")
+        object.__setattr__(self, "device_memory", parse_size("device_memory", self.device_memory))
+        object.__setattr__(self, "host_memory", parse_size("host_memory", self.host_memory))
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Config.dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        if self.chunk_size is not None and (
+                isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+            raise ValueError(f"Config.chunk_size={self.chunk_size!r}: expected a positive int of elements or None")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,12 @@
+"""Errors chunkmem raises for problems a user can fix.
+
+Each message says what happened, the numbers involved and what to change.
+"""
+
+
+class MemoryBudgetError(RuntimeError):
+    """The memory budget cannot hold what one training step needs at once."""
+
+
+class ChunkStateError(RuntimeError):
+    """A chunk or tensor was asked to make a move its current state forbids (a bug, not a user error)."""

@@ -1,0 +1,77 @@
+"""The hooks that connect a model's execution to the runtime (see runtime's Note on parameters).
+
+Installing them is the only change made to the user's modules; `remove()` takes them all off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from chunkmem.runtime import Runtime
+
+
+_DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
+
+
+class FetchMode(TorchFunctionMode):
+    """Brings a managed parameter to the device when a torch function receives it unannounced."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if type(func) is _DESCRIPTOR_CALL:  # `.data = `, `.shape`: attribute access, not compute
+            return func(*args, **kwargs)
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, nn.Parameter):
+                self.runtime.acquire_extra(arg)
+            elif isinstance(arg, (list, tuple)):
+                for item in arg:
+                    if isinstance(item, nn.Parameter):
+                        self.runtime.acquire_extra(item)
+        return func(*args, **kwargs)
+
+
+class Hooks:
+    """Module, gradient and saved-tensor hooks of one prepared model."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.handles: list[RemovableHandle] = []
+        for sub in module.modules():
+            self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(sub.register_forward_hook(self._post_forward))
+        for param, record in runtime.store.records.items():
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(
+                    lambda _p, record=record: runtime.grad_ready(record)))
+
+    def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        self.runtime.enter_module(module)
+
+    def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        self.runtime.exit_module(module)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """The context of one forward pass of the whole model."""
+        runtime = self.runtime
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime):
+                yield
+        finally:
+            runtime.release_all()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

@@ -1,0 +1,146 @@
+"""The optimizer of a prepared model: torch.optim's own update rules, applied chunk group by group.
+
+The update of each chunk group runs where its fp32 master lives (device or host), by calling
+torch.optim's functional Adam/AdamW/SGD on views into the master, gradient and state chunks. So the
+arithmetic is PyTorch's: in fp32 the result is bit-identical to the plain optimizer on that device.
+`param_groups` are the user's own dicts, so LR schedulers and manual edits take effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim.adam import adam as adam_update
+from torch.optim.sgd import sgd as sgd_update
+
+from chunkmem.runtime import Runtime
+from chunkmem.state import TensorState
+from chunkmem.store import ChunkGroup, ParamRecord
+
+SUPPORTED = (Adam, AdamW, SGD)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What an optimizer keeps per parameter and how it updates a list of them."""
+
+    states: tuple[str, ...]
+    update: Callable[[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list[torch.Tensor]], None]
+
+
+def rule_for(optimizer: Optimizer) -> Rule:
+    if type(optimizer) not in SUPPORTED:
+        names = ", ".join(f"torch.optim.{t.__name__}" for t in SUPPORTED)
+        raise TypeError(f"chunkmem cannot drive {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
+                        f"supported optimizers are {names}")
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "differentiable", "capturable"):
+            if group.get(flag):
+                raise ValueError(f"{type(optimizer).__name__}({flag}=True) is not supported by chunkmem: "
+                                 f"construct the optimizer with {flag}=False")
+    if isinstance(optimizer, SGD):
+        momentum = any(g["momentum"] for g in optimizer.param_groups)
+        return Rule(("momentum_buffer",) if momentum else (), _sgd)
+    return Rule(("exp_avg", "exp_avg_sq"), _adam)
+
+
+def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
+          states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    beta1, beta2 = group["betas"]
+    adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps,
+                foreach=group.get("foreach"), fused=group.get("fused"),
+                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
+         states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    # torch.optim.SGD starts a momentum buffer as a copy of the first gradient: pass None until then.
+    buffers = states.get("momentum_buffer")
+    given = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] if buffers else [None] * len(params)
+    sgd_update(params, grads, given, foreach=group.get("foreach"), fused=group.get("fused"),
+               weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+               dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+    for buffer, new in zip(buffers or [], given):
+        if new is not None and new.data_ptr() != buffer.data_ptr():
+            buffer.copy_(new)
+    for step in steps:
+        step += 1
+
+
+class ChunkOptimizer(Optimizer):
+    """Drop-in for the user's optimizer; its state lives in chunks, not in `self.state`."""
+
+    def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.runtime = runtime
+        self.rule = rule
+        self.wrapped_type = type(optimizer)
+        records = runtime.store.records
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param not in records:
+                    raise ValueError("the optimizer holds a parameter that is not in the model passed to "
+                                     "chunkmem.prepare: build the optimizer from model.parameters()")
+        self.steps: dict[ParamRecord, torch.Tensor] = {
+            records[p]: torch.tensor(0.0) for g in self.param_groups for p in g["params"]}
+
+    def group_of(self) -> dict[ParamRecord, dict]:
+        records = self.runtime.store.records
+        return {records[p]: g for g in self.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        runtime = self.runtime
+        inv_scale = 1.0
+        if runtime.scaler is not None:
+            scale = runtime.scaler.scale  # the factor backward put into the gradients
+            found_inf = not all(torch.isfinite(runtime.read(g.chunks["grad"])).all().item()
+                                for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
+            runtime.scaler.update(found_inf)
+            if found_inf:
+                return loss
+            inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
+        group_of = self.group_of()
+        for chunk_group in runtime.groups():
+            members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
+            if members:
+                self._step_group(chunk_group, members, group_of, inv_scale)
+        return loss
+
+    def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
+                    group_of: dict[ParamRecord, dict], inv_scale: float) -> None:
+        runtime, on_device = self.runtime, self.runtime.optimizer_on_device
+        lowp = "master" in chunk_group.chunks
+        grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
+            chunk_group.chunks["grad"])
+        if lowp:
+            grad = grad.float().mul_(inv_scale) if inv_scale != 1.0 else grad.float()
+        master = runtime.writable(chunk_group.master, on_device)
+        states = {k: runtime.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
+        for group in {id(group_of[r]): group_of[r] for r in members}.values():
+            subset = [r for r in members if group_of[r] is group]
+            self.rule.update(group, [r.view(master) for r in subset], [r.view(grad) for r in subset],
+                             {k: [r.view(flat) for r in subset] for k, flat in states.items()},
+                             [self.steps[r] for r in subset])
+        if lowp:
+            runtime.writable(chunk_group.param, on_device).copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.runtime.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("a chunkmem optimizer keeps its state in chunks: save it with "
+                                  "chunkmem.save_checkpoint(path, model, optimizer)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("load a chunkmem optimizer's state with chunkmem.load_checkpoint(path, model, optimizer)")

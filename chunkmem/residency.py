@@ -1,0 +1,145 @@
+"""Which chunks are on the device: the budget, evictions and the bytes that move.
+
+The manager is the only place that moves chunks between host and device, so its counters are the
+truth for `memory_stats()`. Which chunk to evict is a policy's choice (`EvictionPolicy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+
+from chunkmem.chunk import Chunk
+from chunkmem.device import Device
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.state import ChunkState
+
+
+class EvictionPolicy(Protocol):
+    def accessed(self, chunk: Chunk) -> None: ...
+    def victim(self, candidates: list[Chunk]) -> Chunk: ...
+
+
+class LeastRecentlyUsed:
+    """Evict the resident chunk whose last access is oldest."""
+
+    def __init__(self) -> None:
+        self._clock = itertools.count()
+        self._last: dict[str, int] = {}
+
+    def accessed(self, chunk: Chunk) -> None:
+        self._last[chunk.name] = next(self._clock)
+
+    def victim(self, candidates: list[Chunk]) -> Chunk:
+        return min(candidates, key=lambda c: self._last.get(c.name, -1))
+
+
+@dataclasses.dataclass
+class TrafficStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    device_chunk_bytes: int = 0
+    device_chunk_bytes_peak: int = 0
+    uploads: int = 0
+    evictions: int = 0
+
+
+class Residency:
+    """Keeps the device's chunk bytes within `limit`, evicting by `policy` when a chunk must come in.
+
+    `on_move(chunk)` is called whenever a chunk's device payload appears or goes, so parameter
+    views can follow it.
+    """
+
+    def __init__(self, device: Device, limit: int, policy: EvictionPolicy,
+                 on_move: Callable[[Chunk], None]) -> None:
+        self.device = device
+        self.limit = limit
+        self.policy = policy
+        self.on_move = on_move
+        self.stats = TrafficStats()
+        self.resident: dict[str, Chunk] = {}
+        self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
+
+    def to_device(self, chunk: Chunk) -> torch.Tensor:
+        """Make `chunk` resident (evicting others if needed) and return its device payload."""
+        self.policy.accessed(chunk)
+        if not chunk.state.on_device:
+            self._make_room(chunk)
+            if chunk.state is ChunkState.FREE:
+                chunk.materialize_device(self.device)
+            else:
+                chunk.upload(self.device)
+                self.stats.h2d_bytes += chunk.nbytes
+                self.stats.uploads += 1
+            self._added(chunk)
+        return chunk.device  # type: ignore[return-value]
+
+    def to_host(self, chunk: Chunk) -> torch.Tensor:
+        """Bring the host payload up to date (the device copy, if any, stays) and return it."""
+        if chunk.state is ChunkState.DEVICE_DIRTY:
+            chunk.download(self.device)
+            self.stats.d2h_bytes += chunk.nbytes
+        elif chunk.state is ChunkState.FREE:
+            chunk.materialize_host()
+        return chunk.host
+
+    def host_for_write(self, chunk: Chunk) -> torch.Tensor:
+        """The host payload, made the only copy, for code that is about to change it on the host."""
+        host = self.to_host(chunk)
+        if chunk.state.on_device:
+            self._drop(chunk)
+        chunk.write_host()
+        return host
+
+    def evict(self, chunk: Chunk) -> None:
+        if chunk.state.on_device:
+            self.to_host(chunk)
+            self._drop(chunk)
+
+    def reset(self, chunk: Chunk) -> None:
+        """Forget the chunk's contents: it reads as zeros again (gradients at zero_grad)."""
+        if chunk.state.on_device:
+            self._removed(chunk)
+        chunk.reset()
+        self.on_move(chunk)
+
+    def fits(self, chunks: Iterable[Chunk]) -> bool:
+        """Whether these chunks could all be resident at once, together with the pinned ones."""
+        pinned = sum(c.nbytes for c in self.resident.values() if c.pins)
+        extra = sum(c.nbytes for c in set(chunks) if not c.pins)
+        return pinned + extra <= self.limit
+
+    def _make_room(self, chunk: Chunk) -> None:
+        while self.stats.device_chunk_bytes + chunk.nbytes > self.limit:
+            candidates = [c for c in self.resident.values() if not c.pins]
+            if not candidates:
+                pinned = ", ".join(c.name for c in self.resident.values())
+                raise MemoryBudgetError(
+                    f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device but "
+                    f"{self.stats.device_chunk_bytes} of the {self.limit} allowed are held by chunks "
+                    f"in use ({pinned}): raise Config.device_memory or lower Config.chunk_size")
+            self.evict(self.policy.victim(candidates))
+            self.stats.evictions += 1
+
+    def _drop(self, chunk: Chunk) -> None:
+        self._removed(chunk)
+        chunk.drop_device()
+        self.on_move(chunk)
+
+    def _added(self, chunk: Chunk) -> None:
+        self.resident[chunk.name] = chunk
+        self.by_storage[chunk.device.untyped_storage().data_ptr()] = chunk  # type: ignore[union-attr]
+        self.stats.device_chunk_bytes += chunk.nbytes
+        self.stats.device_chunk_bytes_peak = max(self.stats.device_chunk_bytes_peak,
+                                                 self.stats.device_chunk_bytes)
+        self.on_move(chunk)
+
+    def _removed(self, chunk: Chunk) -> None:
+        del self.resident[chunk.name]
+        del self.by_storage[chunk.device.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+        self.stats.device_chunk_bytes -= chunk.nbytes

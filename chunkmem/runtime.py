@@ -1,0 +1,212 @@
+"""The chunk runtime of one model: parameters in chunks, the budget, and what hooks call into.
+
+[Note: how parameters reach the device]
+Forward: a module's pre-hook acquires its own parameters (their chunks come to the device and are
+pinned) and its post-hook releases them. A parameter used outside its module (tied weights,
+`F.linear(x, other.weight)`) is caught by `FetchMode` and held until the current module ends.
+Backward: autograd's saved tensors that are views into a device chunk are packed as (chunk,
+offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
+chunk may leave the device between forward and backward. An unpacked view keeps the old device
+buffer alive until the op that asked for it finishes: at most the few chunks one op reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from chunkmem.chunk import Chunk
+from chunkmem.config import Config
+from chunkmem.device import make_device
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.layout import search_chunk_size
+from chunkmem.residency import LeastRecentlyUsed, Residency
+from chunkmem.scaler import LossScaler
+from chunkmem.state import TensorState
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
+
+log = logging.getLogger("chunkmem")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """A saved tensor that is a view into a chunk, kept by address rather than by buffer."""
+
+    chunk: Chunk
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class Runtime:
+    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str]) -> None:
+        self.config = config
+        self.device = make_device(config.device)
+        self.limit = config.device_memory or self.device.free_bytes()
+        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size)
+        for kind in state_kinds:
+            self.store.add_family(kind)
+        self._check_host_budget()
+        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self.store.point_views)
+        self.store.load_initial_values()
+        for group in self.store.groups:
+            self.store.point_views(group.param)
+        self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
+                               for m in module.modules()}
+        self._check_working_set()
+        # Everything fits: keep all model data on the device and step the optimizer there.
+        self.optimizer_on_device = self.store.model_data_bytes() <= self.limit
+        if self.optimizer_on_device:
+            for chunk in self.store.chunks():
+                self.residency.to_device(chunk)
+        self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
+        self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
+        self.frames: list[list[ParamRecord]] = [[]]
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _chunk_size(self, params: list[tuple[str, int]]) -> int:
+        if self.config.chunk_size is not None:
+            return self.config.chunk_size
+        return search_chunk_size(params)
+
+    def _check_host_budget(self) -> None:
+        need, allowed = self.store.model_data_bytes(), self.config.host_memory
+        if allowed is not None and need > allowed:
+            raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
+                                    f"{allowed}: raise host_memory, or use a lower-precision dtype")
+
+    def _check_working_set(self) -> None:
+        for module, records in self.module_records.items():
+            need = sum(c.nbytes for c in {r.group.param for r in records})
+            if need > self.limit:
+                raise MemoryBudgetError(
+                    f"module {type(module).__name__} needs its parameter chunks on the device at once: "
+                    f"{need} bytes, but Config.device_memory allows {self.limit}: raise device_memory "
+                    f"to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
+
+    # -- forward -------------------------------------------------------------------------------
+    def acquire(self, records: Iterable[ParamRecord]) -> None:
+        records = list(records)
+        for record in records:
+            record.move("acquire")
+            if record.uses == 0:
+                record.group.param.pins += 1
+            record.uses += 1
+        for chunk in {r.group.param: None for r in records}:
+            self.residency.to_device(chunk)
+
+    def release(self, records: Iterable[ParamRecord]) -> None:
+        for record in records:
+            record.uses -= 1
+            if record.uses == 0:
+                record.move("release")
+                record.group.param.pins -= 1
+
+    def acquire_extra(self, param: nn.Parameter) -> None:
+        """Hold a parameter used outside its own module until the current module ends."""
+        record = self.store.records.get(param)
+        if record is not None and record.state is TensorState.HOLD:
+            self.acquire([record])
+            self.frames[-1].append(record)
+
+    def enter_module(self, module: nn.Module) -> None:
+        self.frames.append([])
+        self.acquire(self.module_records.get(module, ()))
+
+    def exit_module(self, module: nn.Module) -> None:
+        self.release(self.module_records.get(module, ()))
+        self.release(self.frames.pop())
+
+    def release_all(self) -> None:
+        """After a forward, or a forward that raised: nothing stays in COMPUTE."""
+        for record in self.store.records.values():
+            if record.uses:
+                record.uses = 1
+                self.release([record])
+        self.frames = [[]]
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | ChunkRef:
+        try:
+            chunk = self.residency.by_storage.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+            return tensor
+        if chunk is None or tensor.dtype != chunk.dtype:
+            return tensor
+        return ChunkRef(chunk, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def unpack(self, saved: torch.Tensor | ChunkRef) -> torch.Tensor:
+        if isinstance(saved, ChunkRef):
+            return self.residency.to_device(saved.chunk).as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    # -- backward ------------------------------------------------------------------------------
+    def grad_ready(self, record: ParamRecord) -> None:
+        """Move a fresh `param.grad` into the gradient chunk, accumulating as autograd would."""
+        grad = record.param.grad
+        record.param.grad = None
+        if grad is None:
+            return
+        chunk = record.group.chunks["grad"]
+        if self.optimizer_on_device:
+            flat = self.residency.to_device(chunk)
+            chunk.write_device()
+        else:
+            flat = self.residency.host_for_write(chunk)
+            self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
+        view = record.view(flat)
+        if record.grad_state is TensorState.FREE:
+            view.copy_(grad)
+        else:
+            view.add_(grad.to(view.device))
+        record.move_grad("write")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.store.trainable_groups():
+            self.residency.reset(group.chunks["grad"])
+            if set_to_none:
+                for record in group.members:
+                    record.move_grad("free")
+        self.grads_scaled = self.scaler is not None
+
+    # -- access to values ------------------------------------------------------------------------
+    def read(self, chunk: Chunk) -> torch.Tensor:
+        """The freshest payload of a chunk, for reading."""
+        return chunk.payload()
+
+    def writable(self, chunk: Chunk, on_device: bool) -> torch.Tensor:
+        """A payload to change in place: on the device (marked dirty) or on the host (the only copy)."""
+        if on_device:
+            flat = self.residency.to_device(chunk)
+            chunk.write_device()
+            return flat
+        return self.residency.host_for_write(chunk)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Gradient views of parameters that have one, in model order (for norms and clipping)."""
+        return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
+                for r in self.store.records.values() if r.grad_state is TensorState.HOLD]
+
+    def fp32_value(self, record: ParamRecord) -> torch.Tensor:
+        return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
+
+    def set_value(self, record: ParamRecord, value: torch.Tensor) -> None:
+        if value.shape != record.shape:
+            raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(record.shape)}")
+        for kind in dict.fromkeys(("master", "param")):
+            chunk = record.group.chunks.get(kind)
+            if chunk is not None:
+                record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = dataclasses.asdict(self.residency.stats)
+        stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
+                     chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
+        return stats
+
+    def groups(self) -> list[ChunkGroup]:
+        return list(self.store.trainable_groups())

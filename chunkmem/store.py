@@ -1,0 +1,147 @@
+"""Parameters as views into chunks: the records, the chunk groups, and the views that follow moves.
+
+Trainable and frozen parameters are packed into separate chunk lists, so frozen chunks carry no
+gradient, master or optimizer storage. Chunk group `i` is chunk `i` of every family of one list:
+its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunks share one layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from chunkmem.chunk import Chunk
+from chunkmem.device import Device
+from chunkmem.layout import Layout, Slot, pack
+from chunkmem.state import TensorState, next_tensor_state
+
+
+@dataclasses.dataclass(eq=False)
+class ParamRecord:
+    """One managed parameter: where it lives and the states of its value and its gradient."""
+
+    name: str
+    aliases: tuple[str, ...]  # every name it has in the module (tied weights have several)
+    param: nn.Parameter
+    shape: torch.Size
+    slot: Slot
+    group: ChunkGroup
+    state: TensorState = TensorState.HOLD
+    uses: int = 0  # nested COMPUTE uses (a module called inside another that shares the weight)
+    grad_state: TensorState = TensorState.FREE
+
+    def move(self, move: str) -> None:
+        self.state = next_tensor_state(self.state, move, f"parameter {self.name}")
+
+    def move_grad(self, move: str) -> None:
+        self.grad_state = next_tensor_state(self.grad_state, move, f"gradient of {self.name}")
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's slice of a chunk payload, in its shape."""
+        return flat[self.slot.offset:self.slot.offset + self.slot.numel].view(self.shape)
+
+
+@dataclasses.dataclass(eq=False)
+class ChunkGroup:
+    """Chunk `index` of every family of one chunk list, and the parameters packed into it."""
+
+    index: int
+    trainable: bool
+    chunks: dict[str, Chunk]  # family -> chunk: "param", "grad", "master", "exp_avg", ...
+    members: list[ParamRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def param(self) -> Chunk:
+        return self.chunks["param"]
+
+    @property
+    def master(self) -> Chunk:
+        """The fp32 copy the optimizer updates (the parameter chunk itself in fp32)."""
+        return self.chunks.get("master", self.chunks["param"])
+
+
+class ParamStore:
+    """All chunk groups of one model and the parameters in them."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device,
+                 chunk_size: Callable[[list[tuple[str, int]]], int], multiple_of: int = 1) -> None:
+        self.dtype = dtype
+        self.device = device
+        named = _unique_parameters(module)
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        self.chunk_size = chunk_size([(n, p.numel()) for n, p in named])
+        self.groups: list[ChunkGroup] = []
+        self.records: dict[nn.Parameter, ParamRecord] = {}
+        aliases = _aliases(module)
+        for params, is_trainable in ((trainable, True), (frozen, False)):
+            layout = pack([(n, p.numel()) for n, p in params], self.chunk_size, multiple_of)
+            self._add_groups(layout, dict(params), is_trainable, aliases)
+        self._group_of_param_chunk = {g.param.name: g for g in self.groups}
+
+    def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
+                    aliases: dict[nn.Parameter, tuple[str, ...]]) -> None:
+        prefix = "" if trainable else "frozen_"
+        for index in range(layout.num_chunks):
+            families = ["param", "grad"] + (["master"] if self.dtype != torch.float32 else [])
+            group = ChunkGroup(index, trainable, {
+                kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype)
+                for kind in (families if trainable else ["param"])})
+            for slot in layout.members(index):
+                param = params[slot.name]
+                record = ParamRecord(slot.name, aliases[param], param, param.shape, slot, group)
+                group.members.append(record)
+                self.records[param] = record
+            self.groups.append(group)
+
+    def _chunk(self, name: str, dtype: torch.dtype) -> Chunk:
+        return Chunk(name, self.chunk_size, dtype, self.device)
+
+    def add_family(self, kind: str) -> None:
+        """Give every trainable group a zeroed fp32 chunk of `kind` (an optimizer state)."""
+        for group in self.trainable_groups():
+            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32)
+
+    def trainable_groups(self) -> Iterator[ChunkGroup]:
+        return (g for g in self.groups if g.trainable)
+
+    def chunks(self) -> Iterator[Chunk]:
+        return (c for g in self.groups for c in g.chunks.values())
+
+    def load_initial_values(self) -> None:
+        """Copy each parameter's current value into its chunks (skipped for meta tensors)."""
+        for group in self.groups:
+            for kind in ("param", "master"):
+                if kind in group.chunks:
+                    group.chunks[kind].materialize_host()
+            for record in group.members:
+                if record.param.device.type != "meta":
+                    record.view(group.param.host).copy_(record.param.detach())
+                    if "master" in group.chunks:
+                        record.view(group.master.host).copy_(record.param.detach())
+
+    def point_views(self, chunk: Chunk) -> None:
+        """Point parameters at their chunk's device payload when resident, else at the host one."""
+        group = self._group_of_param_chunk.get(chunk.name)
+        if group is None:
+            return
+        flat = chunk.device if chunk.device is not None else chunk.host
+        for record in group.members:
+            record.param.data = record.view(flat)
+
+    def model_data_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks())
+
+
+def _unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(module.named_parameters())
+
+
+def _aliases(module: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
+    names: dict[nn.Parameter, tuple[str, ...]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[param] = names.get(param, ()) + (name,)
+    return names

@@ -1,0 +1,140 @@
+"""`chunkmem.prepare`: the two lines a training loop adds, and the module it gets back."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
+
+from chunkmem.config import Config
+from chunkmem.hooks import Hooks
+from chunkmem.optim import ChunkOptimizer, rule_for
+from chunkmem.runtime import Runtime
+from chunkmem.scaler import LossScaler
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by the fp16 loss scale in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+        ctx.scale = scaler.scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class ChunkedModel(nn.Module):
+    """The user's module (at `.module`) with its model data in chunks.
+
+    Inputs are moved to the compute device and floating-point inputs cast to the compute dtype.
+    Attributes the wrapper lacks are looked up on the wrapped module (`model.config`, ...).
+    """
+
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        super().__init__()
+        self.module = module
+        self.runtime = runtime
+        self.hooks = Hooks(module, runtime)
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(runtime.device.torch_device)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(self._to_compute, (args, kwargs))
+        with self.hooks.forward():
+            output = self.module(*args, **kwargs)
+        scaler = self.runtime.scaler
+        if scaler is None or not torch.is_grad_enabled():
+            return output
+        # One scaling node after the module on each output: every backward path crosses exactly one,
+        # even when one output is computed from another inside the module (loss from logits).
+        return tree_map(lambda t: _ScaleGrad.apply(t, scaler)
+                        if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+
+    def _to_compute(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        dtype = self.runtime.config.torch_dtype if value.is_floating_point() else value.dtype
+        return value.to(self.runtime.device.torch_device, dtype)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.runtime.memory_stats()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.runtime.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
+        runtime = self.runtime
+        grads = runtime.grad_views()
+        if runtime.scaler is not None and runtime.grads_scaled:
+            torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
+            runtime.grads_scaled = False
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+        return total
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
+        records = self.runtime.store.records
+        values = {p: self.runtime.fp32_value(r) for p, r in records.items()}
+        out = OrderedDict() if destination is None else destination
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            out[prefix + name] = values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        records = self.runtime.store.records
+        with torch.no_grad():
+            for name, target in expected.items():
+                if name not in state_dict:
+                    continue
+                if target in records:
+                    self.runtime.set_value(records[target], state_dict[name])
+                else:
+                    target.copy_(state_dict[name])
+        return _IncompatibleKeys(missing, unexpected)
+
+
+def prepare(model: nn.Module, optimizer: Optimizer,
+            config: Config | None = None) -> tuple[ChunkedModel, ChunkOptimizer]:
+    """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3."""
+    if isinstance(model, ChunkedModel):
+        raise ValueError("this model was already prepared by chunkmem: pass the original module once")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"chunkmem.prepare expects an nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, ChunkOptimizer):
+        raise ValueError("this optimizer was already prepared by chunkmem: pass the original torch.optim one")
+    rule = rule_for(optimizer)
+    if optimizer.state:
+        raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
+                         "prepare before training, and restore with chunkmem.load_checkpoint")
+    runtime = Runtime(model, config or Config(), rule.states)
+    wrapped = ChunkedModel(model, runtime)
+    return wrapped, ChunkOptimizer(runtime, optimizer, rule)
