@@ -31,14 +31,24 @@ class FetchMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if type(func) is _DESCRIPTOR_CALL:  # `.data = `, `.shape`: attribute access, not compute
             return func(*args, **kwargs)
-        for arg in (*args, *kwargs.values()):
-            if isinstance(arg, nn.Parameter):
-                self.runtime.acquire_extra(arg)
-            elif isinstance(arg, (list, tuple)):
-                for item in arg:
-                    if isinstance(item, nn.Parameter):
-                        self.runtime.acquire_extra(item)
-        return func(*args, **kwargs)
+        records = self.runtime.unannounced(_parameters(args, kwargs))
+        if not records:
+            return func(*args, **kwargs)
+        self.runtime.acquire(records)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.runtime.release(records)
+
+
+def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
+    found = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, nn.Parameter):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found.extend(item for item in arg if isinstance(item, nn.Parameter))
+    return found
 
 
 class Hooks:
@@ -56,10 +66,10 @@ class Hooks:
                     lambda _p, record=record: runtime.grad_ready(record)))
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
-        self.runtime.enter_module(module)
+        self.runtime.acquire(self.runtime.module_records[module])
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
-        self.runtime.exit_module(module)
+        self.runtime.release(self.runtime.module_records[module])
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

@@ -3,7 +3,7 @@
 [Note: how parameters reach the device]
 Forward: a module's pre-hook acquires its own parameters (their chunks come to the device and are
 pinned) and its post-hook releases them. A parameter used outside its module (tied weights,
-`F.linear(x, other.weight)`) is caught by `FetchMode` and held until the current module ends.
+`F.linear(x, other.weight)`) is caught by `FetchMode` and held for the one op that receives it.
 Backward: autograd's saved tensors that are views into a device chunk are packed as (chunk,
 offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
 chunk may leave the device between forward and backward. An unpacked view keeps the old device
@@ -65,7 +65,6 @@ class Runtime:
                 self.residency.to_device(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
-        self.frames: list[list[ParamRecord]] = [[]]
 
     # -- set-up ------------------------------------------------------------------------------
     def _chunk_size(self, params: list[tuple[str, int]]) -> int:
@@ -106,20 +105,10 @@ class Runtime:
                 record.move("release")
                 record.group.param.pins -= 1
 
-    def acquire_extra(self, param: nn.Parameter) -> None:
-        """Hold a parameter used outside its own module until the current module ends."""
-        record = self.store.records.get(param)
-        if record is not None and record.state is TensorState.HOLD:
-            self.acquire([record])
-            self.frames[-1].append(record)
-
-    def enter_module(self, module: nn.Module) -> None:
-        self.frames.append([])
-        self.acquire(self.module_records.get(module, ()))
-
-    def exit_module(self, module: nn.Module) -> None:
-        self.release(self.module_records.get(module, ()))
-        self.release(self.frames.pop())
+    def unannounced(self, params: Iterable[nn.Parameter]) -> list[ParamRecord]:
+        """The managed parameters among `params` that no running module has acquired."""
+        records = (self.store.records.get(p) for p in params)
+        return [r for r in records if r is not None and r.state is TensorState.HOLD]
 
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
@@ -127,7 +116,6 @@ class Runtime:
             if record.uses:
                 record.uses = 1
                 self.release([record])
-        self.frames = [[]]
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | ChunkRef:
         try:

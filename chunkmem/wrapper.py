@@ -89,7 +89,10 @@ class ChunkedModel(nn.Module):
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
             runtime.grads_scaled = False
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach)
+        # torch.nn.utils.clip_grads_with_norm_ reads `p.grad`; these are views, so apply its rule here.
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.device))
         return total
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",

@@ -1,0 +1,88 @@
+"""Models and training loops shared by the tests: always a plain PyTorch reference beside chunkmem."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import chunkmem
+
+
+def mlp(width: int = 32, depth: int = 6, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def tiny_gpt2(seed: int = 0, layers: int = 4) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=layers, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def mlp_batches(steps: int, width: int = 32, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, width, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(steps)]
+
+
+def gpt2_batches(steps: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(steps)]
+
+
+def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def gpt2_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids).loss.float()
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, loss_fn: Callable,
+          scheduler: Callable | None = None, clip: float | None = None, accumulate: int = 1) -> list[float]:
+    """A plain loop; works the same on a plain model and on a prepared one."""
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate:
+            continue
+        if clip is not None:
+            clip_fn = getattr(model, "clip_grad_norm_", None)
+            clip_fn(clip) if clip_fn else nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def prepared(model: nn.Module, make_opt: Callable, **config) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A deep copy of `model` prepared by chunkmem in the CPU simulation."""
+    copy_ = copy.deepcopy(model)
+    return chunkmem.prepare(copy_, make_opt(copy_.parameters()), chunkmem.Config(device="cpu", **config))
+
+
+def updates(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def assert_updates_close(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], rtol: float) -> None:
+    """Per-tensor relative difference of updates (final minus initial), normwise."""
+    for name in ref:
+        scale = ref[name].norm().clamp_min(1e-12)
+        assert (got[name] - ref[name]).norm() / scale <= rtol, name

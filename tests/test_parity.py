@@ -1,0 +1,173 @@
+"""chunkmem against plain PyTorch on deep copies: losses, parameters, across budgets and optimizers."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from tests.helpers import (gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2,
+                           train)
+
+OPTIMIZERS = {
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "adam": functools.partial(torch.optim.Adam, lr=1e-2, weight_decay=0.01),
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "nesterov": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
+    "plain_sgd": functools.partial(torch.optim.SGD, lr=0.05),
+}
+BUDGETS = [None, 1.0, 0.5, 0.3]
+
+
+def reference(model: torch.nn.Module, make_opt, batches, loss_fn, **kw) -> tuple[list[float], dict]:
+    ref = copy.deepcopy(model)
+    losses = train(ref, make_opt(ref.parameters()), batches, loss_fn, **kw)
+    return losses, ref.state_dict()
+
+
+def budget(model: torch.nn.Module, fraction: float | None) -> int | None:
+    return None if fraction is None else int(param_bytes(model) * fraction)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_mlp_fp32_is_bit_identical_to_pytorch_at_every_budget(name):
+    # The optimizer runs torch.optim's own functional update on views, so fp32 matches exactly.
+    model, make_opt, batches = mlp(), OPTIMIZERS[name], mlp_batches(5)
+    ref_losses, ref_state = reference(model, make_opt, batches, mlp_loss)
+    for fraction in BUDGETS:
+        cm, opt = prepared(model, make_opt, device_memory=budget(model, fraction))
+        assert train(cm, opt, batches, mlp_loss) == ref_losses, fraction
+        state = cm.state_dict()
+        for key, value in ref_state.items():
+            assert torch.equal(state[key], value), (fraction, key)
+        stats = cm.memory_stats()
+        assert stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+
+
+def test_gpt2_tied_embeddings_fp32_bit_identical_at_every_budget():
+    model, make_opt, batches = tiny_gpt2(), OPTIMIZERS["adamw"], gpt2_batches(4)
+    ref_losses, ref_state = reference(model, make_opt, batches, gpt2_loss)
+    for fraction in [None, 0.5, 0.25]:
+        cm, opt = prepared(model, make_opt, device_memory=budget(model, fraction))
+        assert train(cm, opt, batches, gpt2_loss) == ref_losses, fraction
+        state = cm.state_dict()
+        assert state.keys() == ref_state.keys()
+        assert state["lm_head.weight"] is state["transformer.wte.weight"]
+        for key, value in ref_state.items():
+            assert torch.equal(state[key], value), (fraction, key)
+        if fraction == 0.25:
+            assert cm.memory_stats()["evictions"] > 0, "a quarter budget must force chunks off the device"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_loss_curve_tracks_fp32(dtype):
+    model, make_opt, batches = tiny_gpt2(), functools.partial(torch.optim.AdamW, lr=3e-3), gpt2_batches(3) * 4
+    fp32_losses, _ = reference(model, make_opt, batches, gpt2_loss)
+    results = []
+    for fraction in [None, 0.3]:
+        cm, opt = prepared(model, make_opt, dtype=dtype, device_memory=budget(model, fraction))
+        losses = train(cm, opt, batches, gpt2_loss)
+        assert all(abs(a - b) / b < 0.02 for a, b in zip(losses, fp32_losses)), (losses, fp32_losses)
+        assert losses[-1] < losses[0] - 0.3, "training must make progress"
+        results.append((losses, cm.state_dict()))
+    assert results[0][0] == results[1][0], "low precision must also be identical across budgets"
+
+
+def test_lr_scheduler_drives_live_param_groups():
+    model, make_opt, batches = mlp(), OPTIMIZERS["adamw"], mlp_batches(6)
+    sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.1)
+    ref = copy.deepcopy(model)
+    ref_opt = make_opt(ref.parameters())
+    ref_losses = train(ref, ref_opt, batches, mlp_loss, scheduler=sched(ref_opt))
+    cm, opt = prepared(model, make_opt, device_memory=budget(model, 0.4))
+    s = sched(opt)
+    assert train(cm, opt, batches, mlp_loss, scheduler=s) == ref_losses
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.1**3)
+
+
+def test_gradient_accumulation_and_clipping_match_pytorch():
+    model, make_opt, batches = mlp(), OPTIMIZERS["adam"], mlp_batches(6)
+    ref_losses, ref_state = reference(model, make_opt, batches, mlp_loss, clip=0.05, accumulate=3)
+    cm, opt = prepared(model, make_opt, device_memory=budget(model, 0.4))
+    assert train(cm, opt, batches, mlp_loss, clip=0.05, accumulate=3) == ref_losses
+    for key, value in ref_state.items():
+        assert torch.equal(cm.state_dict()[key], value), key
+
+
+def test_clip_grad_norm_returns_the_global_norm():
+    model, batches = mlp(), mlp_batches(1)
+    ref = copy.deepcopy(model)
+    mlp_loss(ref, batches[0]).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    cm, _ = prepared(model, OPTIMIZERS["adamw"], device_memory=budget(model, 0.4))
+    mlp_loss(cm, batches[0]).backward()
+    assert torch.equal(cm.clip_grad_norm_(1e-3), expected)
+    assert torch.equal(cm.clip_grad_norm_(1e9), torch.nn.utils.get_total_norm(
+        [p.grad for p in ref.parameters()])), "the second call sees the clipped gradients"
+
+
+class Awkward(torch.nn.Module):
+    """A weight used outside its module, a module called twice, a branch without gradient, frozen weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(16, 32)
+        self.block = torch.nn.Linear(32, 32)
+        self.head_source = torch.nn.Linear(32, 32)  # never called: its weight is used by forward directly
+        self.unused = torch.nn.Linear(32, 32)
+        self.frozen = torch.nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.out = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.block(torch.tanh(self.block(h))))
+        h = torch.nn.functional.linear(h, self.head_source.weight)
+        h = self.frozen(h)
+        if use_branch:
+            h = h + self.unused(h)
+        return self.out(h)
+
+
+def test_awkward_model_matches_pytorch_under_a_tight_budget():
+    model, make_opt = Awkward(), OPTIMIZERS["adamw"]
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)]
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0], use_branch=False), b[1])  # noqa: E731
+    ref_losses, ref_state = reference(model, make_opt, batches, loss_fn)
+    cm, opt = prepared(model, make_opt, device_memory=budget(model, 0.35))
+    assert train(cm, opt, batches, loss_fn) == ref_losses
+    state = cm.state_dict()
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
+    assert torch.equal(state["unused.weight"], model.unused.weight), "no gradient: untouched"
+    assert torch.equal(state["frozen.weight"], model.frozen.weight), "frozen: untouched"
+    store = cm.runtime.store
+    frozen_record = store.records[cm.module.frozen.weight]
+    assert not frozen_record.group.trainable and set(frozen_record.group.chunks) == {"param"}
+
+
+def test_nothing_moves_after_the_first_iteration_when_the_model_fits():
+    model, make_opt, batches = tiny_gpt2(), OPTIMIZERS["adamw"], gpt2_batches(4)
+    for dtype in ["fp32", "bf16"]:
+        cm, opt = prepared(model, make_opt, dtype=dtype)
+        train(cm, opt, batches[:1], gpt2_loss)
+        before = cm.memory_stats()
+        train(cm, opt, batches[1:], gpt2_loss)
+        after = cm.memory_stats()
+        assert (after["h2d_bytes"], after["d2h_bytes"]) == (before["h2d_bytes"], before["d2h_bytes"]), dtype
+        # Everything but the gradients (freed by zero_grad, re-made on the device) stays resident.
+        assert all(c.state.on_device for c in cm.runtime.store.chunks() if not c.name.startswith("grad"))
+
+
+def test_model_data_bytes_counts_every_family():
+    model = mlp()
+    numel = sum(p.numel() for p in model.parameters())
+    cm, _ = prepared(model, OPTIMIZERS["adamw"], dtype="bf16", chunk_size=4096)
+    chunks = cm.memory_stats()["num_chunks"]
+    # bf16 param + bf16 grad + fp32 master + two fp32 Adam states per element, in whole chunks.
+    assert cm.memory_stats()["model_data_bytes"] == chunks // 5 * 4096 * (2 + 2 + 4 + 4 + 4)
+    assert chunks // 5 * 4096 >= numel
