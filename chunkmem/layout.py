@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 ALIGN = 64  # elements: a multiple of every vector width, fine-grained enough for small models
 
@@ -59,16 +59,18 @@ def pack(params: Sequence[tuple[str, int]], chunk_size: int, multiple_of: int = 
     return Layout(chunk_size, tuple(slots), math.ceil(count / multiple_of) * multiple_of)
 
 
-def search_chunk_size(params: Sequence[tuple[str, int]], multiple_of: int = 1, steps: int = 32) -> int:
+def search_chunk_size(params: Sequence[tuple[str, int]], multiple_of: int = 1, steps: int = 32,
+                      fits: Callable[[int], bool] = lambda size: True) -> int:
     """The chunk size in [largest, 2 x largest] (aligned) that wastes the fewest elements.
 
     Never below the largest parameter; capped at twice it so that chunks stay fine-grained enough
-    for a budget to hold a few of them. Ties go to the smaller size.
+    for a budget to hold a few of them. Sizes for which `fits` is false are taken only when no
+    size fits (the budget check then explains why). Ties go to the smaller size.
     """
     largest = max((numel for _, numel in params), default=1)
     low = _align(largest)
     candidates = sorted({_align(low + (low * k) // steps) for k in range(steps + 1)})
-    return min(candidates, key=lambda size: (pack(params, size, multiple_of).wasted, size))
+    return min(candidates, key=lambda size: (not fits(size), pack(params, size, multiple_of).wasted, size))
 
 
 def _align(n: int) -> int:

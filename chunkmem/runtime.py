@@ -27,7 +27,7 @@ from chunkmem.layout import search_chunk_size
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
 
 log = logging.getLogger("chunkmem")
 
@@ -47,7 +47,7 @@ class Runtime:
         self.config = config
         self.device = make_device(config.device)
         self.limit = config.device_memory or self.device.free_bytes()
-        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size)
+        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module))
         for kind in state_kinds:
             self.store.add_family(kind)
         self._check_host_budget()
@@ -67,10 +67,13 @@ class Runtime:
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
 
     # -- set-up ------------------------------------------------------------------------------
-    def _chunk_size(self, params: list[tuple[str, int]]) -> int:
+    def _chunk_size(self, module: nn.Module) -> int:
+        """The configured size, or the least wasteful one whose per-module working set fits the budget."""
         if self.config.chunk_size is not None:
             return self.config.chunk_size
-        return search_chunk_size(params)
+        itemsize = self.config.torch_dtype.itemsize
+        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], fits=lambda size:
+                                 working_set_chunks(module, size) * size * itemsize <= self.limit)
 
     def _check_host_budget(self) -> None:
         need, allowed = self.store.model_data_bytes(), self.config.host_memory

@@ -8,7 +8,7 @@ its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunk
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -66,20 +66,17 @@ class ChunkGroup:
 class ParamStore:
     """All chunk groups of one model and the parameters in them."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device,
-                 chunk_size: Callable[[list[tuple[str, int]]], int], multiple_of: int = 1) -> None:
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device, chunk_size: int,
+                 multiple_of: int = 1) -> None:
         self.dtype = dtype
         self.device = device
-        named = _unique_parameters(module)
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        frozen = [(n, p) for n, p in named if not p.requires_grad]
-        self.chunk_size = chunk_size([(n, p.numel()) for n, p in named])
+        self.chunk_size = chunk_size
         self.groups: list[ChunkGroup] = []
         self.records: dict[nn.Parameter, ParamRecord] = {}
         aliases = _aliases(module)
-        for params, is_trainable in ((trainable, True), (frozen, False)):
-            layout = pack([(n, p.numel()) for n, p in params], self.chunk_size, multiple_of)
-            self._add_groups(layout, dict(params), is_trainable, aliases)
+        params = dict(module.named_parameters())
+        for layout, is_trainable in zip(layouts(module, chunk_size, multiple_of), (True, False)):
+            self._add_groups(layout, params, is_trainable, aliases)
         self._group_of_param_chunk = {g.param.name: g for g in self.groups}
 
     def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
@@ -136,8 +133,20 @@ class ParamStore:
         return sum(c.nbytes for c in self.chunks())
 
 
-def _unique_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return list(module.named_parameters())
+def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[Layout, Layout]:
+    """The layouts of the trainable and of the frozen parameters, each in module order."""
+    named = list(module.named_parameters())
+    return (pack([(n, p.numel()) for n, p in named if p.requires_grad], chunk_size, multiple_of),
+            pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
+
+
+def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
+    """The most parameter chunks one module's own parameters span under this chunk size."""
+    trainable, frozen = layouts(module, chunk_size)
+    where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
+    name_of = {p: n for n, p in module.named_parameters()}
+    return max((len({where[name_of[p]] for p in m.parameters(recurse=False)}) for m in module.modules()),
+               default=0)
 
 
 def _aliases(module: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:

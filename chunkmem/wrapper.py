@@ -108,20 +108,27 @@ class ChunkedModel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         expected = self.module.state_dict(keep_vars=True)
-        missing = [k for k in expected if k not in state_dict]
+        records = self.runtime.store.records
+
+        def given(name: str, target: torch.Tensor) -> str | None:
+            """The key that supplies `name`: itself, or any name of the same (tied) parameter."""
+            names = records[target].aliases if target in records else ()
+            return next((k for k in (name, *names) if k in state_dict), None)
+
+        missing = [k for k, t in expected.items() if given(k, t) is None]
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
                                f"missing keys {missing}, unexpected keys {unexpected}")
-        records = self.runtime.store.records
         with torch.no_grad():
             for name, target in expected.items():
-                if name not in state_dict:
+                key = given(name, target)
+                if key is None:
                     continue
                 if target in records:
-                    self.runtime.set_value(records[target], state_dict[name])
+                    self.runtime.set_value(records[target], state_dict[key])
                 else:
-                    target.copy_(state_dict[name])
+                    target.copy_(state_dict[key])
         return _IncompatibleKeys(missing, unexpected)
 
 

@@ -1,0 +1,110 @@
+"""Config and prepare reject bad input with errors that name the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import chunkmem
+from chunkmem.config import parse_size
+from tests.helpers import mlp, param_bytes
+
+
+@pytest.mark.parametrize("text,expected", [(1024, 1024), ("512MiB", 512 * 2**20), ("20GiB", 20 * 2**30),
+                                           ("20GB", 20 * 10**9), ("1.5 GiB", int(1.5 * 2**30))])
+def test_sizes_accept_ints_and_units(text, expected):
+    assert parse_size("device_memory", text) == expected
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(device_memory="lots"), r"Config.device_memory='lots': expected a size"),
+    (dict(device_memory=-5), r"Config.device_memory=-5: a size must be positive"),
+    (dict(host_memory="3XB"), r"Config.host_memory='3XB'"),
+    (dict(dtype="int8"), r"Config.dtype='int8': expected one of \['bf16', 'fp16', 'fp32'\]"),
+    (dict(chunk_size=0), r"Config.chunk_size=0"),
+    (dict(chunk_size=2.5), r"Config.chunk_size=2.5"),
+    (dict(device="tpu"), r"Config.device='tpu': expected 'cuda', 'cuda:N' or 'cpu'"),
+])
+def test_bad_values_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        chunkmem.Config(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is absent")
+def test_cuda_without_cuda_says_to_use_the_simulation():
+    with pytest.raises(ValueError, match="use device='cpu'"):
+        chunkmem.Config(device="cuda")
+
+
+def test_unknown_field_is_a_type_error():
+    with pytest.raises(TypeError, match="device_mem"):
+        chunkmem.Config(device_mem="1GiB")
+
+
+def test_unsupported_optimizer_names_its_class_and_the_supported_ones():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"torch.optim.rmsprop.RMSprop: supported optimizers are "
+                                        r"torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD"):
+        chunkmem.prepare(model, torch.optim.RMSprop(model.parameters()), chunkmem.Config(device="cpu"))
+
+
+def test_amsgrad_is_refused_with_the_fix():
+    model = mlp()
+    with pytest.raises(ValueError, match="amsgrad=False"):
+        chunkmem.prepare(model, torch.optim.Adam(model.parameters(), amsgrad=True), chunkmem.Config(device="cpu"))
+
+
+def test_chunk_size_below_a_parameter_names_the_parameter():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"parameter '0.weight' has 1024 elements, more than chunk_size=100"):
+        chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         chunkmem.Config(device="cpu", chunk_size=100))
+
+
+def test_budget_too_small_for_one_module_fails_before_training():
+    model = mlp()
+    with pytest.raises(chunkmem.MemoryBudgetError,
+                       match=r"module Linear .* \d+ bytes, but Config.device_memory allows 1000: raise device_memory"):
+        chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         chunkmem.Config(device="cpu", device_memory=1000))
+
+
+def test_host_budget_too_small_is_a_memory_budget_error():
+    model = mlp()
+    with pytest.raises(chunkmem.MemoryBudgetError, match="host memory"):
+        chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                         chunkmem.Config(device="cpu", host_memory=param_bytes(model)))
+
+
+def test_optimizer_over_another_model_is_refused():
+    model, other = mlp(), mlp()
+    with pytest.raises(ValueError, match="not in the model"):
+        chunkmem.prepare(model, torch.optim.SGD(other.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+
+
+def test_preparing_twice_is_refused():
+    model = mlp()
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match="already prepared"):
+        chunkmem.prepare(cm, opt, chunkmem.Config(device="cpu"))
+
+
+def test_load_state_dict_reports_missing_keys_like_pytorch():
+    model = mlp()
+    cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    state = cm.state_dict()
+    del state["0.bias"]
+    with pytest.raises(RuntimeError, match=r"missing keys \['0.bias'\]"):
+        cm.load_state_dict(state)
+    result = cm.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["0.bias"]
+    state["0.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"value for 0.weight has shape \(3,\), expected \(32, 32\)"):
+        cm.load_state_dict(state, strict=False)
+
+
+def test_optimizer_state_dict_points_to_checkpoints():
+    model = mlp()
+    _, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    with pytest.raises(NotImplementedError, match="chunkmem.save_checkpoint"):
+        opt.state_dict()
