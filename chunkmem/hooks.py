@@ -57,6 +57,7 @@ class Hooks:
     def __init__(self, module: nn.Module, runtime: Runtime) -> None:
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
+        self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
         for sub in module.modules():
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
             self.handles.append(sub.register_forward_hook(self._post_forward))
@@ -66,10 +67,12 @@ class Hooks:
                     lambda _p, record=record: runtime.grad_ready(record)))
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        self.runtime.emit("pre_forward", "fwd", self.names[module])
         self.runtime.acquire(self.runtime.module_records[module])
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         self.runtime.release(self.runtime.module_records[module])
+        self.runtime.emit("post_forward", "fwd", self.names[module])
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:

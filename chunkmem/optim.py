@@ -108,13 +108,17 @@ class ChunkOptimizer(Optimizer):
                                 for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
             runtime.scaler.update(found_inf)
             if found_inf:
+                runtime.step_done()
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
         for chunk_group in runtime.groups():
             members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
             if members:
+                runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
                 self._step_group(chunk_group, members, group_of, inv_scale)
+                runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+        runtime.step_done()
         return loss
 
     def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 from chunkmem.chunk import Chunk
 from chunkmem.device import Device
 from chunkmem.errors import MemoryBudgetError
+from chunkmem.observe import Move, Observer, kind_of
 from chunkmem.state import ChunkState
 
 
@@ -56,16 +58,17 @@ class Residency:
     """
 
     def __init__(self, device: Device, limit: int, policy: EvictionPolicy,
-                 on_move: Callable[[Chunk], None]) -> None:
+                 on_move: Callable[[Chunk], None], observers: list[Observer] | None = None) -> None:
         self.device = device
         self.limit = limit
         self.policy = policy
         self.on_move = on_move
+        self.observers = observers if observers is not None else []
         self.stats = TrafficStats()
         self.resident: dict[str, Chunk] = {}
         self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
 
-    def to_device(self, chunk: Chunk) -> torch.Tensor:
+    def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
         """Make `chunk` resident (evicting others if needed) and return its device payload."""
         self.policy.accessed(chunk)
         if not chunk.state.on_device:
@@ -73,20 +76,28 @@ class Residency:
             if chunk.state is ChunkState.FREE:
                 chunk.materialize_device(self.device)
             else:
+                start = time.perf_counter()
                 chunk.upload(self.device)
                 self.stats.h2d_bytes += chunk.nbytes
                 self.stats.uploads += 1
+                self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
             self._added(chunk)
         return chunk.device  # type: ignore[return-value]
 
-    def to_host(self, chunk: Chunk) -> torch.Tensor:
+    def to_host(self, chunk: Chunk, reason: str = "optimizer") -> torch.Tensor:
         """Bring the host payload up to date (the device copy, if any, stays) and return it."""
         if chunk.state is ChunkState.DEVICE_DIRTY:
+            start = time.perf_counter()
             chunk.download(self.device)
             self.stats.d2h_bytes += chunk.nbytes
+            self.report(chunk, "device", "host", chunk.nbytes, time.perf_counter() - start, reason)
         elif chunk.state is ChunkState.FREE:
             chunk.materialize_host()
         return chunk.host
+
+    def report(self, chunk: Chunk, src: str, dst: str, nbytes: int, seconds: float, reason: str) -> None:
+        for observer in self.observers:
+            observer.moved(Move(chunk.name, kind_of(chunk.name), src, dst, nbytes, seconds, reason))
 
     def host_for_write(self, chunk: Chunk) -> torch.Tensor:
         """The host payload, made the only copy, for code that is about to change it on the host."""
@@ -98,7 +109,7 @@ class Residency:
 
     def evict(self, chunk: Chunk) -> None:
         if chunk.state.on_device:
-            self.to_host(chunk)
+            self.to_host(chunk, "evict")
             self._drop(chunk)
 
     def reset(self, chunk: Chunk) -> None:

@@ -24,6 +24,7 @@ from chunkmem.config import Config
 from chunkmem.device import make_device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.layout import search_chunk_size
+from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
@@ -51,7 +52,12 @@ class Runtime:
         for kind in state_kinds:
             self.store.add_family(kind)
         self._check_host_budget()
-        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self.store.point_views)
+        self.observers: list[Observer] = []
+        self.step_count = 0  # optimizer steps taken
+        self.moment_index = 0  # moments since the last step
+        self.warmup = True
+        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self.store.point_views,
+                                   self.observers)
         self.store.load_initial_values()
         for group in self.store.groups:
             self.store.point_views(group.param)
@@ -131,8 +137,22 @@ class Runtime:
 
     def unpack(self, saved: torch.Tensor | ChunkRef) -> torch.Tensor:
         if isinstance(saved, ChunkRef):
+            self.emit("backward", "bwd", saved.chunk.name)
             return self.residency.to_device(saved.chunk).as_strided(saved.size, saved.stride, saved.offset)
         return saved
+
+    # -- moments ----------------------------------------------------------------------------------
+    def emit(self, name: str, stage: str, where: str) -> None:
+        """Tell observers a moment has come (see observe.Moment)."""
+        if self.observers:
+            moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
+            for observer in self.observers:
+                observer.moment(moment)
+        self.moment_index += 1
+
+    def step_done(self) -> None:
+        self.step_count += 1
+        self.moment_index = 0
 
     # -- backward ------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord) -> None:
@@ -142,12 +162,16 @@ class Runtime:
         if grad is None:
             return
         chunk = record.group.chunks["grad"]
+        self.emit("grad", "bwd", chunk.name)
         if self.optimizer_on_device:
             flat = self.residency.to_device(chunk)
             chunk.write_device()
         else:
             flat = self.residency.host_for_write(chunk)
-            self.residency.stats.d2h_bytes += grad.numel() * grad.element_size()
+            # The gradient leaves the device as soon as it is written: counted as an eviction.
+            nbytes = grad.numel() * grad.element_size()
+            self.residency.stats.d2h_bytes += nbytes
+            self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
         view = record.view(flat)
         if record.grad_state is TensorState.FREE:
             view.copy_(grad)
@@ -198,6 +222,19 @@ class Runtime:
         stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats
+
+    def model_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device and host.
+
+        Every chunk keeps a host payload (the device copy is a cache), so the host side is constant.
+        """
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+        for chunk in self.store.chunks():
+            kind = kind_of(chunk.name)
+            out["host"][kind] = out["host"].get(kind, 0) + chunk.nbytes
+            if chunk.state.on_device:
+                out["device"][kind] = out["device"].get(kind, 0) + chunk.nbytes
+        return out
 
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())
