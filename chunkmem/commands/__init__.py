@@ -1,0 +1,1 @@
+"""Subcommands of the `chunkmem` command (see chunkmem/cli.py)."""
