@@ -123,7 +123,10 @@ class ChunkOptimizer(Optimizer):
 
     def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                     group_of: dict[ParamRecord, dict], inv_scale: float) -> None:
-        runtime, on_device = self.runtime, self.runtime.optimizer_on_device
+        runtime, on_device = self.runtime, self.runtime.placer.homed(chunk_group.index)
+        needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
+                                *(chunk_group.chunks[k] for k in self.rule.states)])
+        runtime.placer.access(list(needed), "optim", chunk_group.index)
         lowp = "master" in chunk_group.chunks
         grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
             chunk_group.chunks["grad"])

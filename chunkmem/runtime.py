@@ -19,12 +19,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from chunkmem.activations import ActivationMeter, Saved
 from chunkmem.chunk import Chunk
 from chunkmem.config import Config
 from chunkmem.device import make_device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.layout import search_chunk_size
 from chunkmem.observe import Moment, Observer, kind_of
+from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
@@ -63,10 +65,10 @@ class Runtime:
             self.store.point_views(group.param)
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
-        self._check_working_set()
-        # Everything fits: keep all model data on the device and step the optimizer there.
-        self.optimizer_on_device = self.store.model_data_bytes() <= self.limit
-        if self.optimizer_on_device:
+        working_set = self._check_working_set()
+        self.activations = ActivationMeter()
+        self.placer = Placer(self.residency, self.store, self.limit, working_set, self.nonmodel_bytes)
+        if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.to_device(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
@@ -87,7 +89,9 @@ class Runtime:
             raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
                                     f"{allowed}: raise host_memory, or use a lower-precision dtype")
 
-    def _check_working_set(self) -> None:
+    def _check_working_set(self) -> int:
+        """The most chunk bytes one module needs at once; an error if the budget cannot hold them."""
+        most = 0
         for module, records in self.module_records.items():
             need = sum(c.nbytes for c in {r.group.param for r in records})
             if need > self.limit:
@@ -95,6 +99,14 @@ class Runtime:
                     f"module {type(module).__name__} needs its parameter chunks on the device at once: "
                     f"{need} bytes, but Config.device_memory allows {self.limit}: raise device_memory "
                     f"to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
+            most = max(most, need)
+        return most
+
+    def nonmodel_bytes(self) -> int:
+        """Device bytes that are not chunks: the allocator's reading on CUDA, saved activations in simulation."""
+        if self.device.torch_device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device.torch_device) - self.residency.stats.device_chunk_bytes
+        return self.activations.live
 
     # -- forward -------------------------------------------------------------------------------
     def acquire(self, records: Iterable[ParamRecord]) -> None:
@@ -104,8 +116,7 @@ class Runtime:
             if record.uses == 0:
                 record.group.param.pins += 1
             record.uses += 1
-        for chunk in {r.group.param: None for r in records}:
-            self.residency.to_device(chunk)
+        self.placer.access(list({r.group.param: None for r in records}))
 
     def release(self, records: Iterable[ParamRecord]) -> None:
         for record in records:
@@ -126,20 +137,21 @@ class Runtime:
                 record.uses = 1
                 self.release([record])
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor | ChunkRef:
+    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef:
         try:
             chunk = self.residency.by_storage.get(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            return tensor
+            chunk = None
         if chunk is None or tensor.dtype != chunk.dtype:
-            return tensor
+            return self.activations.wrap(tensor)
         return ChunkRef(chunk, tensor.storage_offset(), tensor.size(), tensor.stride())
 
-    def unpack(self, saved: torch.Tensor | ChunkRef) -> torch.Tensor:
+    def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
         if isinstance(saved, ChunkRef):
             self.emit("backward", "bwd", saved.chunk.name)
-            return self.residency.to_device(saved.chunk).as_strided(saved.size, saved.stride, saved.offset)
-        return saved
+            self.placer.access([saved.chunk])
+            return saved.chunk.device.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
+        return saved.tensor
 
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
@@ -151,6 +163,8 @@ class Runtime:
         self.moment_index += 1
 
     def step_done(self) -> None:
+        self.placer.step_done()
+        self.warmup = self.placer.phase is not Phase.FOLLOW
         self.step_count += 1
         self.moment_index = 0
 
@@ -163,7 +177,8 @@ class Runtime:
             return
         chunk = record.group.chunks["grad"]
         self.emit("grad", "bwd", chunk.name)
-        if self.optimizer_on_device:
+        self.placer.access([chunk], "grad", record.group.index)
+        if self.placer.homed(record.group.index):
             flat = self.residency.to_device(chunk)
             chunk.write_device()
         else:
@@ -212,7 +227,7 @@ class Runtime:
         if value.shape != record.shape:
             raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
                              f"expected {tuple(record.shape)}")
-        for kind in dict.fromkeys(("master", "param")):
+        for kind in ("master", "param"):
             chunk = record.group.chunks.get(kind)
             if chunk is not None:
                 record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)

@@ -1,0 +1,277 @@
+"""Warm-up statistics turned into placement: what to record, what to decide, how to follow the plan.
+
+[Note: warm-up]
+The first step runs under a conservative chunk budget and records, at every access of chunks, the
+non-model bytes on the device and which chunks were needed ("use"), which gradient chunk was written
+("grad") and which chunk group the optimizer updated ("optim"). At the end of that step:
+  1. homes: chunk groups whose whole optimizer data (param, grad, master, states) fits in what the
+     peak non-model data and the streaming working set leave free stay on the device for good and
+     are updated there; the rest stream, and their optimizer runs on the host (PatrickStar's margin);
+  2. the steady-state access sequence follows from the record and the homes;
+  3. the chunk budget at each access is the device budget minus the non-model bytes at that access
+     and the next, minus a safety margin; a Belady plan over that sequence says what moves when.
+A later step that accesses chunks in another order than recorded (a new shape, another branch)
+falls back to least-recently-used placement under the conservative budget, and is recorded anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable, Sequence
+
+from chunkmem.chunk import Chunk
+from chunkmem.plan import INFINITY, Access, Plan, build_plan, next_uses
+from chunkmem.residency import LeastRecentlyUsed, Residency
+from chunkmem.store import ChunkGroup, ParamStore
+
+log = logging.getLogger("chunkmem")
+
+WARMUP_FRACTION = 0.5  # of the device budget, for chunks, while nothing is known of non-model data
+SAFETY_FRACTION = 0.05  # of the device budget: temporaries the estimate cannot see, fragmentation
+
+
+class Phase(enum.Enum):
+    RECORD = "record"  # warm-up: conservative budget, LRU, record
+    FOLLOW = "follow"  # steady state: follow the plan
+    DIVERGED = "diverged"  # this step left the recorded path: conservative until it ends, then record
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One recorded moment. kind: "use" (chunks needed together), "grad" (a gradient written to a
+    group's gradient chunk), "optim" (a group's optimizer update)."""
+
+    kind: str
+    chunks: tuple[str, ...]
+    group: int
+    nonmodel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupChunks:
+    """The chunk names of one trainable chunk group, and its bytes in all families."""
+
+    index: int
+    param: str
+    grad: str
+    updated: tuple[str, ...]  # what the optimizer writes: master (or param in fp32) and states
+    nbytes: int
+
+
+def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
+                 limit: int) -> set[int]:
+    """Chunk groups that stay on the device and step there: as many as the margin holds, last first.
+
+    The last groups in forward order are the first needed by backward, so keeping them is cheapest.
+    """
+    peak = max((e.nonmodel for e in events), default=0)
+    streaming = max((sum(sizes[c] for c in set(e.chunks)) for e in events if e.kind == "use"), default=0)
+    room = limit - peak - int(limit * SAFETY_FRACTION) - streaming
+    homes: set[int] = set()
+    for group in sorted(groups, key=lambda g: -g.index):
+        if group.nbytes > room:
+            break
+        homes.add(group.index)
+        room -= group.nbytes
+    return homes
+
+
+def steady_sequence(events: Sequence[Event], groups: dict[int, GroupChunks],
+                    homes: set[int]) -> tuple[list[Access], list[int]]:
+    """The device accesses of a step once homes are fixed, and the non-model bytes at each."""
+    accesses, nonmodel = [], []
+    for event in events:
+        if event.kind == "use":
+            accesses.append(Access(event.chunks))
+        elif event.group in homes and event.kind == "grad":
+            accesses.append(Access((groups[event.group].grad,), frozenset([groups[event.group].grad])))
+        elif event.group in homes and event.kind == "optim":
+            g = groups[event.group]
+            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated))),
+                                   frozenset((g.param, *g.updated))))
+        else:
+            continue
+        nonmodel.append(event.nonmodel)
+    return accesses, nonmodel
+
+
+def chunk_budgets(accesses: Sequence[Access], nonmodel: Sequence[int], sizes: dict[str, int],
+                  limit: int) -> list[int]:
+    """Budget for chunks at each access: what non-model data (now and next) leaves, less the margin.
+
+    Never below what the access itself needs: if non-model data leaves less, the plan holds only
+    that access's chunks there, and the out-of-memory fallback handles the rest.
+    """
+    margin = int(limit * SAFETY_FRACTION)
+    out = []
+    for i, access in enumerate(accesses):
+        ahead = nonmodel[i + 1] if i + 1 < len(nonmodel) else 0
+        need = sum(sizes[c] for c in set(access.chunks))
+        out.append(max(need, limit - max(nonmodel[i], ahead) - margin))
+    return out
+
+
+class Follower:
+    """Walks a plan access by access; says what to do and notices when the step leaves the path."""
+
+    def __init__(self, plan: Plan, accesses: Sequence[Access]) -> None:
+        self.plan = plan
+        self.accesses = list(accesses)
+        self.nexts = next_uses(accesses)
+        self.by_index: dict[int, list] = {}
+        for action in plan.actions:
+            self.by_index.setdefault(action.at, []).append(action)
+        self.cursor = 0
+
+    def matches(self, chunks: tuple[str, ...]) -> bool:
+        return self.cursor < len(self.accesses) and self.accesses[self.cursor].chunks == chunks
+
+    def next_use(self, name: str) -> int:
+        """When the chunk is needed next, counted from the current access (INFINITY: not this step)."""
+        if self.cursor == 0:
+            return INFINITY
+        return self.nexts[self.cursor - 1].get(name, INFINITY)
+
+    def finished(self) -> bool:
+        return self.cursor == len(self.accesses)
+
+
+def plan_step(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
+              limit: int) -> tuple[set[int], Plan, list[Access]]:
+    """Everything decided at the end of warm-up: homes, the steady sequence and its Belady plan."""
+    homes = decide_homes(events, groups, sizes, limit)
+    accesses, nonmodel = steady_sequence(events, {g.index: g for g in groups}, homes)
+    budgets = chunk_budgets(accesses, nonmodel, sizes, limit)
+    return homes, build_plan(accesses, sizes, budgets), accesses
+
+
+class Placer:
+    """Drives a Residency through warm-up and the plan; also its eviction policy.
+
+    The runtime reports every access here. While recording, eviction is least-recently-used under
+    the conservative budget; while following, Belady over the recorded future under the per-access
+    budget, with the plan's evictions and prefetches applied around each access.
+    """
+
+    def __init__(self, residency: Residency, store: ParamStore, limit: int, working_set: int,
+                 nonmodel: Callable[[], int]) -> None:
+        self.residency = residency
+        self.store = store
+        self.limit = limit
+        self.nonmodel = nonmodel
+        self.chunks = {c.name: c for c in store.chunks()}
+        self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
+        self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
+                                   tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
+                                   sum(c.nbytes for c in g.chunks.values())) for g in store.trainable_groups()]
+        everything_fits = store.model_data_bytes() <= limit
+        self.homes = {g.index for g in self.groups} if everything_fits else set()
+        self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
+        self.lru = LeastRecentlyUsed()
+        self.phase = Phase.RECORD
+        self.events: list[Event] = []
+        self.follower: Follower | None = None
+        self.start: set[str] = set()
+        residency.policy = self
+        residency.limit = self.conservative
+
+    # -- EvictionPolicy -----------------------------------------------------------------------------
+    def accessed(self, chunk: Chunk) -> None:
+        self.lru.accessed(chunk)
+
+    def victim(self, candidates: list[Chunk]) -> Chunk:
+        if self.phase is Phase.FOLLOW and self.follower is not None:
+            return max(candidates, key=lambda c: (self.follower.next_use(c.name), c.name))  # type: ignore[union-attr]
+        return self.lru.victim(candidates)
+
+    # -- accesses ---------------------------------------------------------------------------------
+    def homed(self, group: int) -> bool:
+        return group in self.homes
+
+    def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
+        """Chunks needed on the device together now (kind "use"), or a group's gradient write or
+        optimizer update (device accesses only when the group is homed on the device)."""
+        names = tuple(c.name for c in chunks)
+        if self.phase is Phase.RECORD:
+            self.events.append(Event(kind, names, group, self.nonmodel()))
+        if kind != "use" and group not in self.homes:
+            return
+        if self.phase is Phase.FOLLOW:
+            if self.follower.matches(names):  # type: ignore[union-attr]
+                self._before(self.follower.cursor)  # type: ignore[union-attr]
+            else:
+                self._diverge(names)
+        for chunk in chunks:
+            chunk.pins += 1
+        try:
+            for chunk in chunks:
+                self.residency.to_device(chunk)
+        finally:
+            for chunk in chunks:
+                chunk.pins -= 1
+        if self.phase is Phase.FOLLOW:
+            self.follower.cursor += 1  # type: ignore[union-attr]
+            self._prefetch(self.follower.cursor)  # type: ignore[union-attr]
+
+    def _before(self, index: int) -> None:
+        self.residency.limit = self.follower.plan.budgets[index]  # type: ignore[union-attr]
+        for action in self.follower.by_index.get(index, []):  # type: ignore[union-attr]
+            chunk = self.chunks[action.chunk]
+            if action.verb == "evict" and chunk.state.on_device and not chunk.pins:
+                self.residency.evict(chunk)
+
+    def _prefetch(self, index: int) -> None:
+        follower = self.follower
+        if index >= len(follower.accesses):  # type: ignore[union-attr]
+            return
+        room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index])  # type: ignore[union-attr]
+        for action in follower.by_index.get(index, []):  # type: ignore[union-attr]
+            chunk = self.chunks[action.chunk]
+            if action.verb == "prefetch" and not chunk.state.on_device and \
+                    self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
+                self.residency.to_device(chunk, "prefetch")
+
+    def _diverge(self, names: tuple[str, ...]) -> None:
+        expected = self.follower.accesses[self.follower.cursor].chunks \
+            if self.follower.cursor < len(self.follower.accesses) else "the end of the step"  # type: ignore[union-attr]
+        log.warning("chunk access %d of this step was %s, the warm-up recorded %s (a new input shape or "
+                    "another branch?): placing by least-recently-used for the rest of the step and "
+                    "recording the next one", self.follower.cursor, names, expected)  # type: ignore[union-attr]
+        self.phase = Phase.DIVERGED
+        self.residency.limit = self.conservative
+
+    # -- steps ------------------------------------------------------------------------------------
+    def step_done(self) -> None:
+        """At the end of an optimizer step: plan after warm-up, re-plan or re-record after that."""
+        if self.phase is Phase.FOLLOW and not self.follower.finished():  # type: ignore[union-attr]
+            self._diverge(("<end of step>",))
+        if self.phase is Phase.DIVERGED:
+            self.phase, self.events = Phase.RECORD, []
+            return
+        if self.phase is Phase.RECORD:
+            self.homes, plan, accesses = plan_step(self.events, self.groups, self.sizes, self.limit)
+            self._send_home_others()
+            self.phase, self.events = Phase.FOLLOW, []
+            self.follower = Follower(plan, accesses)
+        # The plan starts from what is resident now; the steady state repeats, so re-plan only when that changes.
+        resident = set(self.residency.resident)
+        follower = self.follower
+        if resident != self.start:
+            self.start = resident
+            plan = build_plan(follower.accesses, self.sizes, follower.plan.budgets, resident)  # type: ignore[union-attr]
+            follower = self.follower = Follower(plan, follower.accesses)  # type: ignore[union-attr]
+        follower.cursor = 0  # type: ignore[union-attr]
+
+    def _send_home_others(self) -> None:
+        """Groups that lost their device home leave the device but for their parameter chunk."""
+        for group in self.store.trainable_groups():
+            if group.index not in self.homes:
+                for kind, chunk in group.chunks.items():
+                    if kind != "param":
+                        self.residency.evict(chunk)
+
+
+def _state_names(group: ChunkGroup) -> list[str]:
+    return [c.name for k, c in group.chunks.items() if k not in ("param", "grad", "master")]
