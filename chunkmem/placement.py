@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from chunkmem.chunk import Chunk
-from chunkmem.plan import INFINITY, Access, Plan, build_plan, next_uses
+from chunkmem.plan import INFINITY, Access, Plan, build_plan, next_uses, simulate
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.store import ChunkGroup, ParamStore
 
@@ -62,20 +62,48 @@ class GroupChunks:
 
 def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
                  limit: int) -> set[int]:
-    """Chunk groups that stay on the device and step there: as many as the margin holds, last first.
+    """Chunk groups that stay on the device and step there: the cheapest choice the margin allows.
 
-    The last groups in forward order are the first needed by backward, so keeping them is cheapest.
+    The margin (PatrickStar's rule) is what the peak non-model data, the streaming working set and
+    the safety margin leave; it bounds how many groups could live on the device. Among keeping the
+    last k groups (the first that backward needs) for k up to that bound, the one whose plan moves
+    fewest bytes wins, a streamed-gradient host group counting its gradient chunk. Ties keep more
+    groups home: their optimizer runs on the device.
     """
     peak = max((e.nonmodel for e in events), default=0)
     streaming = max((sum(sizes[c] for c in set(e.chunks)) for e in events if e.kind == "use"), default=0)
     room = limit - peak - int(limit * SAFETY_FRACTION) - streaming
-    homes: set[int] = set()
-    for group in sorted(groups, key=lambda g: -g.index):
+    ordered = sorted(groups, key=lambda g: -g.index)
+    choices: list[set[int]] = [set()]
+    for group in ordered:
         if group.nbytes > room:
             break
-        homes.add(group.index)
         room -= group.nbytes
-    return homes
+        choices.append(choices[-1] | {group.index})
+    by_index = {g.index: g for g in groups}
+    return min(choices, key=lambda homes: (_traffic(events, by_index, homes, sizes, limit), -len(homes)))
+
+
+def _traffic(events: Sequence[Event], groups: dict[int, GroupChunks], homes: set[int],
+             sizes: dict[str, int], limit: int) -> int:
+    """Bytes one steady step moves if `homes` stay on the device: Belady from the steady start.
+
+    A step starts with what the last one left resident, less the gradient chunks (zero_grad frees
+    them; re-making them copies nothing) and less the parameter chunks the host optimizer rewrote.
+    Two rounds from "the homes are resident" reach that start in practice.
+    """
+    accesses, nonmodel = steady_sequence(events, groups, homes)
+    budgets = chunk_budgets(accesses, nonmodel, sizes, limit)
+    nexts = next_uses(accesses)
+    grads = {g.grad for g in groups.values()}
+    rewritten = {g.param for index, g in groups.items() if index not in homes}
+    start = {name for i in homes for name in (groups[i].param, *groups[i].updated)}
+    for _ in range(2):
+        moved = simulate(accesses, sizes, budgets, lambda i, held, _: max(held, key=lambda c: nexts[i].get(c, INFINITY)),
+                         resident=start, dirty=start, free=grads)
+        start = moved["end"] - grads - rewritten
+    streamed = sum(sizes[g.grad] for index, g in groups.items() if index not in homes)
+    return moved["h2d"] + moved["d2h"] + streamed
 
 
 def steady_sequence(events: Sequence[Event], groups: dict[int, GroupChunks],
@@ -255,8 +283,9 @@ class Placer:
             self._send_home_others()
             self.phase, self.events = Phase.FOLLOW, []
             self.follower = Follower(plan, accesses)
-        # The plan starts from what is resident now; the steady state repeats, so re-plan only when that changes.
-        resident = set(self.residency.resident)
+        # The plan starts from what is resident now, less the gradients zero_grad will free; the steady
+        # state repeats, so re-plan only when that changes.
+        resident = set(self.residency.resident) - {g.grad for g in self.groups}
         follower = self.follower
         if resident != self.start:
             self.start = resident

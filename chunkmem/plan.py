@@ -100,9 +100,14 @@ Rule = Callable[[int, set[str], set[str]], str]  # (index, evictable, needed) ->
 
 
 def simulate(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int], rule: Rule,
-             resident: set[str] = frozenset(), dirty: set[str] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
-    """Bytes moved by one step under an eviction `rule`, fetching on demand; no prefetch."""
-    held, changed = set(resident), set(dirty)
+             resident: set[str] = frozenset(), dirty: set[str] = frozenset(),  # type: ignore[assignment]
+             free: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
+    """Bytes moved by one step under an eviction `rule`, fetching on demand; no prefetch.
+
+    `free` chunks hold no data yet (gradients after zero_grad): bringing them in copies nothing.
+    The result also holds "end", the chunks resident when the step ends.
+    """
+    held, changed, empty = set(resident), set(dirty), set(free)
     moved = {"h2d": 0, "d2h": 0, "fetches": 0}
     for i, access in enumerate(accesses):
         needed = set(access.chunks)
@@ -114,10 +119,12 @@ def simulate(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequenc
                 changed.discard(victim)
         for name in needed - held:
             held.add(name)
-            moved["h2d"] += sizes[name]
-            moved["fetches"] += 1
+            if name not in empty:
+                moved["h2d"] += sizes[name]
+                moved["fetches"] += 1
+        empty -= needed
         changed |= access.writes
-    return moved
+    return moved | {"end": held}
 
 
 def validate(plan: Plan, accesses: Sequence[Access], sizes: dict[str, int],

@@ -48,6 +48,8 @@ class TrafficStats:
     device_chunk_bytes_peak: int = 0
     uploads: int = 0
     evictions: int = 0
+    prefetches: int = 0
+    grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
 
 
 class Residency:
@@ -80,6 +82,7 @@ class Residency:
                 chunk.upload(self.device)
                 self.stats.h2d_bytes += chunk.nbytes
                 self.stats.uploads += 1
+                self.stats.prefetches += reason == "prefetch"
                 self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
             self._added(chunk)
         return chunk.device  # type: ignore[return-value]

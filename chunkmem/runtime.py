@@ -186,6 +186,7 @@ class Runtime:
             # The gradient leaves the device as soon as it is written: counted as an eviction.
             nbytes = grad.numel() * grad.element_size()
             self.residency.stats.d2h_bytes += nbytes
+            self.residency.stats.grad_stream_bytes += nbytes
             self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
         view = record.view(flat)
         if record.grad_state is TensorState.FREE:
