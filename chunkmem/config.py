@@ -42,6 +42,8 @@ class Config:
     host_memory: most bytes of chunks in host memory; None means what the machine can spare.
     dtype: "fp32" | "bf16" | "fp16", the dtype of parameters and gradients during compute.
     chunk_size: elements per chunk; None searches the size that wastes least.
+    offload_activations: keep tensors autograd saves for backward in host memory until backward
+        needs them (with activation checkpointing these are the segment boundaries).
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -49,6 +51,7 @@ class Config:
     host_memory: int | str | None = None
     dtype: str = "fp32"
     chunk_size: int | None = None
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -63,6 +66,8 @@ class Config:
         if self.chunk_size is not None and (
                 isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"Config.chunk_size={self.chunk_size!r}: expected a positive int of elements or None")
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
 
     @property
     def torch_dtype(self) -> torch.dtype:

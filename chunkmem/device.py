@@ -23,11 +23,21 @@ class Device(Protocol):
 
 
 class SimulatedDevice:
-    """A device simulated in CPU memory: separate buffers, real copies."""
+    """A device simulated in CPU memory: separate buffers, real copies.
+
+    `fail_allocations` makes the next that many allocations raise torch.OutOfMemoryError, as a
+    full GPU would, so the fallback path is tested without one.
+    """
 
     torch_device = torch.device("cpu")
 
+    def __init__(self) -> None:
+        self.fail_allocations = 0
+
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.fail_allocations > 0:
+            self.fail_allocations -= 1
+            raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
         return torch.empty(numel, dtype=dtype)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -144,9 +144,10 @@ def chunk_budgets(accesses: Sequence[Access], nonmodel: Sequence[int], sizes: di
 class Follower:
     """Walks a plan access by access; says what to do and notices when the step leaves the path."""
 
-    def __init__(self, plan: Plan, accesses: Sequence[Access]) -> None:
+    def __init__(self, plan: Plan, accesses: Sequence[Access], nonmodel: Sequence[int]) -> None:
         self.plan = plan
         self.accesses = list(accesses)
+        self.nonmodel = list(nonmodel)  # recorded non-model bytes at each access
         self.nexts = next_uses(accesses)
         self.by_index: dict[int, list] = {}
         for action in plan.actions:
@@ -167,12 +168,12 @@ class Follower:
 
 
 def plan_step(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-              limit: int) -> tuple[set[int], Plan, list[Access]]:
+              limit: int) -> tuple[set[int], Follower]:
     """Everything decided at the end of warm-up: homes, the steady sequence and its Belady plan."""
     homes = decide_homes(events, groups, sizes, limit)
     accesses, nonmodel = steady_sequence(events, {g.index: g for g in groups}, homes)
     budgets = chunk_budgets(accesses, nonmodel, sizes, limit)
-    return homes, build_plan(accesses, sizes, budgets), accesses
+    return homes, Follower(build_plan(accesses, sizes, budgets), accesses, nonmodel)
 
 
 class Placer:
@@ -227,10 +228,7 @@ class Placer:
         if kind != "use" and group not in self.homes:
             return
         if self.phase is Phase.FOLLOW:
-            if self.follower.matches(names):  # type: ignore[union-attr]
-                self._before(self.follower.cursor)  # type: ignore[union-attr]
-            else:
-                self._diverge(names)
+            self._check_path(names)
         for chunk in chunks:
             chunk.pins += 1
         try:
@@ -261,12 +259,25 @@ class Placer:
                     self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
                 self.residency.to_device(chunk, "prefetch")
 
-    def _diverge(self, names: tuple[str, ...]) -> None:
-        expected = self.follower.accesses[self.follower.cursor].chunks \
-            if self.follower.cursor < len(self.follower.accesses) else "the end of the step"  # type: ignore[union-attr]
-        log.warning("chunk access %d of this step was %s, the warm-up recorded %s (a new input shape or "
-                    "another branch?): placing by least-recently-used for the rest of the step and "
-                    "recording the next one", self.follower.cursor, names, expected)  # type: ignore[union-attr]
+    def _check_path(self, names: tuple[str, ...]) -> None:
+        """Follow the plan if this access is the recorded one and non-model data is as recorded."""
+        follower = self.follower
+        if not follower.matches(names):  # type: ignore[union-attr]
+            expected = follower.accesses[follower.cursor].chunks \
+                if follower.cursor < len(follower.accesses) else "the end of the step"  # type: ignore[union-attr]
+            self._diverge(f"chunk access {follower.cursor} of this step was {names}, the warm-up "  # type: ignore[union-attr]
+                          f"recorded {expected} (another branch?)")
+            return
+        now, then = self.nonmodel(), follower.nonmodel[follower.cursor]  # type: ignore[union-attr]
+        if now > then + int(self.limit * SAFETY_FRACTION):
+            self._diverge(f"non-model data at chunk access {follower.cursor} is {now} bytes, the warm-up "  # type: ignore[union-attr]
+                          f"recorded {then} (a larger input?)")
+            return
+        self._before(follower.cursor)  # type: ignore[union-attr]
+
+    def _diverge(self, why: str) -> None:
+        log.warning("%s: placing by least-recently-used under the conservative budget for the rest of "
+                    "this step, and recording the next one", why)
         self.phase = Phase.DIVERGED
         self.residency.limit = self.conservative
 
@@ -274,15 +285,15 @@ class Placer:
     def step_done(self) -> None:
         """At the end of an optimizer step: plan after warm-up, re-plan or re-record after that."""
         if self.phase is Phase.FOLLOW and not self.follower.finished():  # type: ignore[union-attr]
-            self._diverge(("<end of step>",))
+            self._diverge(f"the step ended after {self.follower.cursor} chunk accesses, the warm-up "  # type: ignore[union-attr]
+                          f"recorded {len(self.follower.accesses)}")  # type: ignore[union-attr]
         if self.phase is Phase.DIVERGED:
             self.phase, self.events = Phase.RECORD, []
             return
         if self.phase is Phase.RECORD:
-            self.homes, plan, accesses = plan_step(self.events, self.groups, self.sizes, self.limit)
+            self.homes, self.follower = plan_step(self.events, self.groups, self.sizes, self.limit)
             self._send_home_others()
-            self.phase, self.events = Phase.FOLLOW, []
-            self.follower = Follower(plan, accesses)
+            self.phase, self.events, self.start = Phase.FOLLOW, [], set()
         # The plan starts from what is resident now, less the gradients zero_grad will free; the steady
         # state repeats, so re-plan only when that changes.
         resident = set(self.residency.resident) - {g.grad for g in self.groups}
@@ -290,7 +301,7 @@ class Placer:
         if resident != self.start:
             self.start = resident
             plan = build_plan(follower.accesses, self.sizes, follower.plan.budgets, resident)  # type: ignore[union-attr]
-            follower = self.follower = Follower(plan, follower.accesses)  # type: ignore[union-attr]
+            follower = self.follower = Follower(plan, follower.accesses, follower.nonmodel)  # type: ignore[union-attr]
         follower.cursor = 0  # type: ignore[union-attr]
 
     def _send_home_others(self) -> None:

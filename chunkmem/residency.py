@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -19,6 +20,8 @@ from chunkmem.device import Device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.observe import Move, Observer, kind_of
 from chunkmem.state import ChunkState
+
+log = logging.getLogger("chunkmem")
 
 
 class EvictionPolicy(Protocol):
@@ -50,6 +53,7 @@ class TrafficStats:
     evictions: int = 0
     prefetches: int = 0
     grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
+    oom_fallbacks: int = 0
 
 
 class Residency:
@@ -75,17 +79,30 @@ class Residency:
         self.policy.accessed(chunk)
         if not chunk.state.on_device:
             self._make_room(chunk)
-            if chunk.state is ChunkState.FREE:
-                chunk.materialize_device(self.device)
-            else:
-                start = time.perf_counter()
-                chunk.upload(self.device)
-                self.stats.h2d_bytes += chunk.nbytes
-                self.stats.uploads += 1
-                self.stats.prefetches += reason == "prefetch"
-                self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
+            try:
+                self._bring(chunk, reason)
+            except torch.OutOfMemoryError as error:
+                # The budget was right for chunks but the device is full (non-model data grew beyond the
+                # warm-up's record): the most conservative placement is no other chunk on the device.
+                log.warning("device out of memory bringing %s (%s): evicting every chunk not in use and "
+                            "retrying; if this repeats, lower Config.device_memory", chunk.name, error)
+                self.stats.oom_fallbacks += 1
+                for other in [c for c in self.resident.values() if not c.pins]:
+                    self.evict(other)
+                self._bring(chunk, reason)
             self._added(chunk)
         return chunk.device  # type: ignore[return-value]
+
+    def _bring(self, chunk: Chunk, reason: str) -> None:
+        if chunk.state is ChunkState.FREE:
+            chunk.materialize_device(self.device)
+            return
+        start = time.perf_counter()
+        chunk.upload(self.device)
+        self.stats.h2d_bytes += chunk.nbytes
+        self.stats.uploads += 1
+        self.stats.prefetches += reason == "prefetch"
+        self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
 
     def to_host(self, chunk: Chunk, reason: str = "optimizer") -> torch.Tensor:
         """Bring the host payload up to date (the device copy, if any, stays) and return it."""

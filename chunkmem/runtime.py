@@ -66,7 +66,7 @@ class Runtime:
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
         working_set = self._check_working_set()
-        self.activations = ActivationMeter()
+        self.activations = ActivationMeter(config.offload_activations, self._host_like)
         self.placer = Placer(self.residency, self.store, self.limit, working_set, self.nonmodel_bytes)
         if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
@@ -101,6 +101,9 @@ class Runtime:
                     f"to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
             most = max(most, need)
         return most
+
+    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.device.host_alloc(tensor.numel(), tensor.dtype).view(tensor.shape)
 
     def nonmodel_bytes(self) -> int:
         """Device bytes that are not chunks: the allocator's reading on CUDA, saved activations in simulation."""
@@ -151,7 +154,7 @@ class Runtime:
             self.emit("backward", "bwd", saved.chunk.name)
             self.placer.access([saved.chunk])
             return saved.chunk.device.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
-        return saved.tensor
+        return saved.get(self.activations)
 
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
@@ -235,6 +238,7 @@ class Runtime:
 
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)
+        stats["activation_offload_bytes"] = self.activations.offload_bytes
         stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats

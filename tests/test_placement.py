@@ -1,0 +1,146 @@
+"""Warm-up placement on the real runtime: plans, homes, re-warm, fallback, activations."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import torch
+
+import chunkmem
+from chunkmem.placement import Event, GroupChunks, Phase, chunk_budgets, decide_homes, steady_sequence
+from chunkmem.plan import INFINITY, Access, next_uses, simulate
+from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, train
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+def group(i: int, size: int = 10) -> GroupChunks:
+    return GroupChunks(i, f"param.{i}", f"grad.{i}", (f"exp_avg.{i}",), 3 * size)
+
+
+def test_budget_is_what_non_model_data_leaves_now_and_next_less_the_margin():
+    accesses = [Access(("a",)), Access(("b",)), Access(("c",))]
+    budgets = chunk_budgets(accesses, [0, 500, 100], {"a": 10, "b": 10, "c": 10}, limit=1000)
+    assert budgets == [1000 - 500 - 50, 1000 - 500 - 50, 1000 - 100 - 50]
+    assert chunk_budgets([Access(("a",))], [2000], {"a": 10}, 1000) == [10], "never below the access's own need"
+
+
+def test_homes_take_what_the_margin_holds_and_pay_off():
+    groups = [group(0), group(1)]
+    sizes = {n: 10 for g in groups for n in (g.param, g.grad, *g.updated)}
+    events = [Event("use", ("param.0",), -1, 0), Event("use", ("param.1",), -1, 0),
+              Event("use", ("param.1",), -1, 0), Event("grad", ("grad.1",), 1, 0),
+              Event("use", ("param.0",), -1, 0), Event("grad", ("grad.0",), 0, 0),
+              Event("optim", (), 0, 0), Event("optim", (), 1, 0)]
+    assert decide_homes(events, groups, sizes, limit=1000) == {0, 1}, "everything fits: all home"
+    assert decide_homes(events, groups, sizes, limit=20) == set(), "no margin: the optimizer runs on the host"
+    accesses, _ = steady_sequence(events, {g.index: g for g in groups}, {1})
+    assert [a.chunks for a in accesses] == [("param.0",), ("param.1",), ("param.1",), ("grad.1",), ("param.0",),
+                                            ("param.1", "grad.1", "exp_avg.1")]
+
+
+def steady_run(model, batches, loss_fn, budget):
+    cm, opt = prepared(model, ADAMW, device_memory=budget)
+    train(cm, opt, batches[:2], loss_fn)
+    placer = cm.runtime.placer
+    start = set(placer.start)
+    dirty = {c.name for c in cm.runtime.store.chunks() if c.state.name == "DEVICE_DIRTY"}
+    before = cm.memory_stats()
+    losses = train(cm, opt, batches[2:3], loss_fn)
+    after = cm.memory_stats()
+    moved = sum(after[k] - before[k] for k in ("h2d_bytes", "d2h_bytes")) - \
+        (after["grad_stream_bytes"] - before["grad_stream_bytes"])
+    return cm, placer, start, dirty, moved, losses
+
+
+def test_steady_state_moves_exactly_what_the_optimum_moves_on_the_recorded_sequence():
+    model, batches = tiny_gpt2(), gpt2_batches(3)
+    probe, *_ = steady_run(model, batches, gpt2_loss, None)
+    budget = probe.runtime.activations.peak + param_bytes(model) // 3
+    cm, placer, start, dirty, moved, _ = steady_run(model, batches, gpt2_loss, budget)
+    assert placer.phase is Phase.FOLLOW and cm.runtime.warmup is False
+    accesses, budgets = placer.follower.accesses, placer.follower.plan.budgets
+    nexts = next_uses(accesses)
+    grads = {c.name for c in cm.runtime.store.chunks() if c.name.startswith("grad")}
+    best = simulate(accesses, placer.sizes, budgets, lambda i, held, _: max(
+        held, key=lambda c: nexts[i].get(c, INFINITY)), resident=start, dirty=dirty, free=grads)
+    assert moved == best["h2d"] + best["d2h"] > 0
+    stats = cm.memory_stats()
+    assert stats["prefetches"] > 0 and stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+
+
+def test_a_larger_input_re_records_and_results_stay_identical(caplog):
+    model = tiny_gpt2()
+    longer = [torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(9))]
+    batches = gpt2_batches(3) + longer + gpt2_batches(2)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) * 8)
+    phases, losses = [], []
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        for batch in batches:
+            phases.append(cm.runtime.placer.phase)
+            losses += train(cm, opt, [batch], gpt2_loss)
+    assert phases == [Phase.RECORD, Phase.FOLLOW, Phase.FOLLOW, Phase.FOLLOW, Phase.RECORD, Phase.FOLLOW]
+    assert any("non-model data at chunk access" in r.getMessage() for r in caplog.records)
+    assert losses == expected
+    state, ref_state = cm.state_dict(), ref.state_dict()
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_another_branch_re_records(caplog):
+    from tests.test_parity import Awkward
+
+    model = Awkward()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)]
+    branch = [False, False, True, False]
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0], use_branch=branch.pop(0)), b[1])  # noqa: E731
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 2)
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        train(cm, opt, batches, loss_fn)
+    assert any("another branch" in r.getMessage() for r in caplog.records)
+    assert cm.runtime.placer.phase is Phase.FOLLOW, "the step after the branch was recorded and planned"
+
+
+def test_out_of_memory_falls_back_and_the_step_completes_identically(caplog):
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 2)
+    losses = train(cm, opt, batches[:2], mlp_loss)
+    cm.runtime.device.fail_allocations = 1
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        losses += train(cm, opt, batches[2:], mlp_loss)
+    assert cm.memory_stats()["oom_fallbacks"] == 1
+    assert any("out of memory" in r.getMessage() for r in caplog.records)
+    assert losses == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_activation_meter_counts_saved_tensors_until_backward_frees_them():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    out = cm(torch.randn(32, 64))
+    # Linear 1 saves its input, tanh its output, Linear 2 its input (= tanh's output): two distinct storages.
+    assert cm.runtime.activations.live == 2 * 32 * 64 * 4
+    out.sum().backward()
+    del out
+    assert cm.runtime.activations.live == 0
+
+
+def test_offloading_activations_keeps_results_and_lowers_the_device_peak():
+    model, batches = tiny_gpt2(), gpt2_batches(3)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    results = {}
+    for offload in (False, True):
+        cm, opt = prepared(model, ADAMW, offload_activations=offload)
+        cm.train()
+        losses = train(cm, opt, batches, gpt2_loss)
+        results[offload] = (losses, cm.state_dict(), cm.runtime.activations.peak, cm.memory_stats())
+    assert results[True][0] == results[False][0]
+    assert all(torch.equal(results[True][1][k], v) for k, v in results[False][1].items())
+    assert results[True][2] < results[False][2] / 2
+    assert results[True][3]["activation_offload_bytes"] > 0 == results[False][3]["activation_offload_bytes"]
