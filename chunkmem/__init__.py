@@ -3,7 +3,7 @@
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.wrapper import ChunkedModel, prepare
+from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
-__all__ = ["Config", "ChunkedModel", "MemoryBudgetError", "load_checkpoint", "prepare", "save_checkpoint"]
+__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "load_checkpoint", "prepare", "save_checkpoint"]
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ class Chunk:
         self.device: torch.Tensor | None = None  # [numel] on the compute device when resident
         self.state = ChunkState.FREE
         self.pins = 0  # member tensors in COMPUTE
+        self.pending: object | None = None  # the device's token for an upload compute has not waited on
 
     def __repr__(self) -> str:
         return f"Chunk({self.name}, {self.numel} x {self.dtype}, {self.state.name}, pins={self.pins})"
@@ -54,7 +55,7 @@ class Chunk:
     def upload(self, dev: Device) -> None:
         new = self._check("upload")
         self.device = dev.alloc(self.numel, self.dtype)
-        dev.upload(self.host, self.device)
+        self.pending = dev.upload(self.host, self.device)
         self.state = new
 
     def download(self, dev: Device) -> None:

@@ -17,7 +17,14 @@ class Device(Protocol):
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
-    def upload(self, host: torch.Tensor, device: torch.Tensor) -> None: ...
+    def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
+        """Start a host-to-device copy; returns a token for `wait` (None when already complete)."""
+        ...
+
+    def wait(self, token: object) -> None:
+        """Make compute wait for the copy behind `token`, without blocking the host."""
+        ...
+
     def download(self, device: torch.Tensor, host: torch.Tensor) -> None: ...
     def free_bytes(self) -> int: ...
 
@@ -43,8 +50,12 @@ class SimulatedDevice:
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
-    def upload(self, host: torch.Tensor, device: torch.Tensor) -> None:
+    def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
         device.copy_(host)
+        return None
+
+    def wait(self, token: object) -> None:
+        pass
 
     def download(self, device: torch.Tensor, host: torch.Tensor) -> None:
         host.copy_(device)
@@ -68,13 +79,19 @@ class CudaDevice:
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
-    def upload(self, host: torch.Tensor, device: torch.Tensor) -> None:
-        compute = torch.cuda.current_stream(self.torch_device)
-        self.copy_stream.wait_stream(compute)
+    def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
+        # The copy runs on its own stream; compute waits for it only where the chunk is used, so a
+        # prefetch overlaps with the module running now.
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.torch_device))
         with torch.cuda.stream(self.copy_stream):
             device.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
         device.record_stream(self.copy_stream)
-        compute.wait_stream(self.copy_stream)
+        return done
+
+    def wait(self, token: object) -> None:
+        torch.cuda.current_stream(self.torch_device).wait_event(token)  # type: ignore[arg-type]
 
     def download(self, device: torch.Tensor, host: torch.Tensor) -> None:
         # The host copy is read by host code right after, so this waits for it.

@@ -91,6 +91,9 @@ class Residency:
                     self.evict(other)
                 self._bring(chunk, reason)
             self._added(chunk)
+        if chunk.pending is not None and reason != "prefetch":
+            self.device.wait(chunk.pending)
+            chunk.pending = None
         return chunk.device  # type: ignore[return-value]
 
     def _bring(self, chunk: Chunk, reason: str) -> None:

@@ -132,9 +132,17 @@ class ChunkedModel(nn.Module):
         return _IncompatibleKeys(missing, unexpected)
 
 
-def prepare(model: nn.Module, optimizer: Optimizer,
-            config: Config | None = None) -> tuple[ChunkedModel, ChunkOptimizer]:
-    """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3."""
+LOCAL = "local"  # `prepare(..., group=LOCAL)`: no sharding, even under an initialised process group
+
+
+def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
+            group: Any = None) -> tuple[ChunkedModel, ChunkOptimizer]:
+    """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.
+
+    group: the process group to shard model data over (ZeRO data parallel). None: the default group
+    when one is initialised (or torchrun's environment says there is one), else no sharding.
+    `chunkmem.LOCAL`: no sharding (each pipeline stage, for instance, holds its own model data).
+    """
     if isinstance(model, ChunkedModel):
         raise ValueError("this model was already prepared by chunkmem: pass the original module once")
     if not isinstance(model, nn.Module):
