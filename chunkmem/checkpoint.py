@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from chunkmem.optim import ChunkOptimizer
@@ -33,10 +34,14 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     """Write model values, optimizer states, step counts and hyperparameters to directory `path`."""
     _check_pair(model, optimizer)
     path = Path(path)
+    tensors, meta = _collect(model, optimizer)  # under ZeRO a collective: every rank calls save_checkpoint
+    shards = model.runtime.shards
+    if shards is not None and shards.rank != 0:
+        dist.barrier(group=shards.group)  # rank 0 writes; the others return once it has
+        return path
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors, meta = _collect(model, optimizer)
     save_file(tensors, tmp / TENSORS)
     (tmp / META).write_text(json.dumps(meta, indent=1))
     for file in (tmp / TENSORS, tmp / META):
@@ -47,6 +52,8 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+    if shards is not None:
+        dist.barrier(group=shards.group)
     return path
 
 
@@ -70,13 +77,11 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
 def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, torch.Tensor], dict]:
     runtime = model.runtime
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.state_dict()).items()}
-    steps = {}
-    for record, step in optimizer.steps.items():
-        steps[record.name] = step.item()
-        if step.item() > 0:
-            for kind in optimizer.rule.states:
-                view = record.view(runtime.read(record.group.chunks[kind]))
-                tensors[f"optim/{kind}/{record.name}"] = view.detach().to("cpu", copy=True).contiguous()
+    steps = _steps(optimizer)
+    for kind in optimizer.rule.states:
+        for record, value in runtime.values(kind).items():
+            if steps.get(record.name, 0) > 0:
+                tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name
                                                                           for p in g["params"]]}
               for g in optimizer.param_groups]
@@ -95,7 +100,7 @@ def _restore_optimizer(optimizer: ChunkOptimizer, tensors: dict[str, torch.Tenso
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
     for record, step in optimizer.steps.items():
         step.fill_(meta["steps"].get(record.name, 0.0))
-        for kind in optimizer.rule.states:
+        for kind in optimizer.rule.states if record.group.owned else ():
             chunk = record.group.chunks[kind]
             value = tensors.get(f"optim/{kind}/{record.name}")
             if value is not None or chunk.state is not TensorState.FREE:
@@ -104,6 +109,16 @@ def _restore_optimizer(optimizer: ChunkOptimizer, tensors: dict[str, torch.Tenso
     if meta["loss_scaler"] and runtime.scaler:
         runtime.scaler.__dict__.update(meta["loss_scaler"])
     runtime.zero_grad()
+
+
+def _steps(optimizer: ChunkOptimizer) -> dict[str, float]:
+    """Step counts by parameter name; under ZeRO only a parameter's owner counts its steps."""
+    records = list(optimizer.steps)
+    steps = torch.stack([optimizer.steps[r] if r.group.owned else torch.zeros(()) for r in records]).double()
+    shards = optimizer.runtime.shards
+    if shards is not None:
+        shards.all_reduce(steps)
+    return {r.name: s for r, s in zip(records, steps.tolist())}
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -106,6 +106,8 @@ class ChunkOptimizer(Optimizer):
             scale = runtime.scaler.scale  # the factor backward put into the gradients
             found_inf = not all(torch.isfinite(runtime.read(g.chunks["grad"])).all().item()
                                 for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
+            if runtime.shards is not None:  # every rank must skip the same steps
+                found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
             runtime.scaler.update(found_inf)
             if found_inf:
                 runtime.step_done()

@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from chunkmem.activations import ActivationMeter, Saved
@@ -31,26 +33,28 @@ from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
+from chunkmem.zero import Key, Shards
 
 log = logging.getLogger("chunkmem")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRef:
-    """A saved tensor that is a view into a chunk, kept by address rather than by buffer."""
+    """A saved tensor that is a view into a chunk (or a gathered group), kept by address, not buffer."""
 
-    chunk: Chunk
+    source: Chunk | Key
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
 
 
 class Runtime:
-    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str]) -> None:
+    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None) -> None:
         self.config = config
         self.device = make_device(config.device)
         self.limit = config.device_memory or self.device.free_bytes()
-        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module))
+        world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module), world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)
         self._check_host_budget()
@@ -61,8 +65,10 @@ class Runtime:
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self.store.point_views,
                                    self.observers)
         self.store.load_initial_values()
-        for group in self.store.groups:
-            self.store.point_views(group.param)
+        for chunk_group in self.store.owned_groups():
+            self.store.point_views(chunk_group.param)
+        self.shards = Shards(group, self.store, self._bring_param, self.device.alloc) if world > 1 else None
+        self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
         working_set = self._check_working_set()
@@ -93,7 +99,7 @@ class Runtime:
         """The most chunk bytes one module needs at once; an error if the budget cannot hold them."""
         most = 0
         for module, records in self.module_records.items():
-            need = sum(c.nbytes for c in {r.group.param for r in records})
+            need = sum(c.nbytes for c in {r.group.param for r in records if r.group.owned})
             if need > self.limit:
                 raise MemoryBudgetError(
                     f"module {type(module).__name__} needs its parameter chunks on the device at once: "
@@ -116,17 +122,30 @@ class Runtime:
         records = list(records)
         for record in records:
             record.move("acquire")
-            if record.uses == 0:
+            if record.uses == 0 and record.group.owned:
                 record.group.param.pins += 1
             record.uses += 1
-        self.placer.access(list({r.group.param: None for r in records}))
+        if self.shards is not None:
+            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+                self.shards.pin(key)
+        else:
+            self.placer.access(list({r.group.param: None for r in records}))
 
     def release(self, records: Iterable[ParamRecord]) -> None:
+        records = list(records)
         for record in records:
             record.uses -= 1
             if record.uses == 0:
                 record.move("release")
-                record.group.param.pins -= 1
+                if record.group.owned:
+                    record.group.param.pins -= 1
+        if self.shards is not None:
+            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+                self.shards.unpin(key)
+
+    def _bring_param(self, chunk_group: ChunkGroup) -> torch.Tensor:
+        self.placer.access([chunk_group.param])
+        return chunk_group.param.device  # type: ignore[return-value]
 
     def unannounced(self, params: Iterable[nn.Parameter]) -> list[ParamRecord]:
         """The managed parameters among `params` that no running module has acquired."""
@@ -142,19 +161,27 @@ class Runtime:
 
     def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef:
         try:
-            chunk = self.residency.by_storage.get(tensor.untyped_storage().data_ptr())
+            ptr = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            chunk = None
-        if chunk is None or tensor.dtype != chunk.dtype:
             return self.activations.wrap(tensor)
-        return ChunkRef(chunk, tensor.storage_offset(), tensor.size(), tensor.stride())
+        source: Chunk | Key | None = self.residency.by_storage.get(ptr)
+        if source is None and self.shards is not None:
+            source = self.shards.by_storage.get(ptr)
+        if source is None or tensor.dtype != self.config.torch_dtype:
+            return self.activations.wrap(tensor)
+        return ChunkRef(source, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
-        if isinstance(saved, ChunkRef):
-            self.emit("backward", "bwd", saved.chunk.name)
-            self.placer.access([saved.chunk])
-            return saved.chunk.device.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
-        return saved.get(self.activations)
+        if not isinstance(saved, ChunkRef):
+            return saved.get(self.activations)
+        if isinstance(saved.source, Chunk):
+            self.emit("backward", "bwd", saved.source.name)
+            self.placer.access([saved.source])
+            flat = saved.source.device
+        else:
+            self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
+            flat = self.shards.gather(saved.source)  # type: ignore[union-attr]
+        return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
@@ -166,6 +193,8 @@ class Runtime:
         self.moment_index += 1
 
     def step_done(self) -> None:
+        if self.shards is not None:
+            self.shards.drop_all()  # the owners just changed their shares: gathered copies are stale
         self.placer.step_done()
         self.warmup = self.placer.phase is not Phase.FOLLOW
         self.step_count += 1
@@ -178,25 +207,49 @@ class Runtime:
         record.param.grad = None
         if grad is None:
             return
-        chunk = record.group.chunks["grad"]
-        self.emit("grad", "bwd", chunk.name)
-        self.placer.access([chunk], "grad", record.group.index)
-        if self.placer.homed(record.group.index):
-            flat = self.residency.to_device(chunk)
-            chunk.write_device()
-        else:
-            flat = self.residency.host_for_write(chunk)
-            # The gradient leaves the device as soon as it is written: counted as an eviction.
-            nbytes = grad.numel() * grad.element_size()
-            self.residency.stats.d2h_bytes += nbytes
-            self.residency.stats.grad_stream_bytes += nbytes
-            self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
-        view = record.view(flat)
+        if self.shards is not None:
+            record.move_grad("write")
+            if self.shards.add_grad(record, grad):
+                self._take_share(self.shards.key(record.group))
+            elif not self._flush_queued:
+                self._flush_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            return
+        view = record.view(self._grad_target(record.group, grad.nbytes))
         if record.grad_state is TensorState.FREE:
             view.copy_(grad)
         else:
             view.add_(grad.to(view.device))
         record.move_grad("write")
+
+    def _grad_target(self, group: ChunkGroup, nbytes: int) -> torch.Tensor:
+        """The gradient chunk's payload to write into: on the device for groups homed there, else on the
+        host, where the gradient goes as soon as it is written."""
+        chunk = group.chunks["grad"]
+        self.emit("grad", "bwd", chunk.name)
+        self.placer.access([chunk], "grad", group.index)
+        if self.placer.homed(group.index):
+            flat = self.residency.to_device(chunk)
+            chunk.write_device()
+            return flat
+        self.residency.stats.d2h_bytes += nbytes
+        self.residency.stats.grad_stream_bytes += nbytes
+        self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
+        return self.residency.host_for_write(chunk)
+
+    def _take_share(self, key: Key) -> None:
+        """Reduce-scatter a complete group and add this rank's share to its gradient chunk."""
+        share = self.shards.reduce(key)  # type: ignore[union-attr]
+        owned = self.shards.owned(key)  # type: ignore[union-attr]
+        if owned.trainable:
+            flat = self._grad_target(owned, share.nbytes)
+            flat.add_(share.to(flat.device))
+
+    def _flush(self) -> None:
+        """End of backward: groups some of whose parameters got no gradient are reduced now."""
+        self._flush_queued = False
+        for key in self.shards.pending():  # type: ignore[union-attr]
+            self._take_share(key)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.store.trainable_groups():
@@ -220,9 +273,30 @@ class Runtime:
         return self.residency.host_for_write(chunk)
 
     def grad_views(self) -> list[torch.Tensor]:
-        """Gradient views of parameters that have one, in model order (for norms and clipping)."""
+        """Gradient views of this rank's parameters that have one, in model order (norms, clipping)."""
         return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
-                for r in self.store.records.values() if r.grad_state is TensorState.HOLD]
+                for r in self.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned]
+
+    def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
+        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""
+        out = {}
+        for group in self.store.groups:
+            if group.owned and (kind == "master" or group.trainable):
+                chunk = group.master if kind == "master" else group.chunks[kind]
+                flat = self.read(chunk).detach().to("cpu", torch.float32)
+                out.update({r: r.view(flat).clone() for r in group.members})
+        if self.shards is None:
+            return out
+        for key, groups in sorted(self.shards.members.items()):
+            owned = self.shards.owned(key)
+            if kind != "master" and not owned.trainable:
+                continue
+            chunk = owned.master if kind == "master" else owned.chunks[kind]
+            full = self.shards.all_gather_flat(self.read(chunk).detach().to("cpu", torch.float32))
+            size = self.store.chunk_size
+            for position, group in enumerate(groups):
+                out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
+        return out
 
     def fp32_value(self, record: ParamRecord) -> torch.Tensor:
         return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
@@ -231,7 +305,7 @@ class Runtime:
         if value.shape != record.shape:
             raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
                              f"expected {tuple(record.shape)}")
-        for kind in ("master", "param"):
+        for kind in ("master", "param"):  # another rank's parameter has no chunk here: nothing to do
             chunk = record.group.chunks.get(kind)
             if chunk is not None:
                 record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
@@ -239,6 +313,8 @@ class Runtime:
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)
         stats["activation_offload_bytes"] = self.activations.offload_bytes
+        if self.shards is not None:
+            stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes)
         stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats

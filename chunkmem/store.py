@@ -58,6 +58,10 @@ class ChunkGroup:
         return self.chunks["param"]
 
     @property
+    def owned(self) -> bool:
+        return bool(self.chunks)
+
+    @property
     def master(self) -> Chunk:
         """The fp32 copy the optimizer updates (the parameter chunk itself in fp32)."""
         return self.chunks.get("master", self.chunks["param"])
@@ -67,26 +71,28 @@ class ParamStore:
     """All chunk groups of one model and the parameters in them."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device, chunk_size: int,
-                 multiple_of: int = 1) -> None:
+                 world: int = 1, rank: int = 0) -> None:
         self.dtype = dtype
         self.device = device
         self.chunk_size = chunk_size
+        self.world, self.rank = world, rank
         self.groups: list[ChunkGroup] = []
         self.records: dict[nn.Parameter, ParamRecord] = {}
         aliases = _aliases(module)
         params = dict(module.named_parameters())
-        for layout, is_trainable in zip(layouts(module, chunk_size, multiple_of), (True, False)):
+        for layout, is_trainable in zip(layouts(module, chunk_size, world), (True, False)):
             self._add_groups(layout, params, is_trainable, aliases)
-        self._group_of_param_chunk = {g.param.name: g for g in self.groups}
+        self._group_of_param_chunk = {g.param.name: g for g in self.owned_groups()}
 
     def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
                     aliases: dict[nn.Parameter, tuple[str, ...]]) -> None:
         prefix = "" if trainable else "frozen_"
         for index in range(layout.num_chunks):
             families = ["param", "grad"] + (["master"] if self.dtype != torch.float32 else [])
+            owned = index % self.world == self.rank  # other ranks' chunks have records but no storage here
             group = ChunkGroup(index, trainable, {
                 kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype)
-                for kind in (families if trainable else ["param"])})
+                for kind in (families if trainable else ["param"]) if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
                 record = ParamRecord(slot.name, aliases[param], param, param.shape, slot, group)
@@ -102,15 +108,19 @@ class ParamStore:
         for group in self.trainable_groups():
             group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32)
 
+    def owned_groups(self) -> Iterator[ChunkGroup]:
+        """Groups whose chunks this rank stores (all of them without sharding)."""
+        return (g for g in self.groups if g.chunks)
+
     def trainable_groups(self) -> Iterator[ChunkGroup]:
-        return (g for g in self.groups if g.trainable)
+        return (g for g in self.owned_groups() if g.trainable)
 
     def chunks(self) -> Iterator[Chunk]:
         return (c for g in self.groups for c in g.chunks.values())
 
     def load_initial_values(self) -> None:
         """Copy each parameter's current value into its chunks (skipped for meta tensors)."""
-        for group in self.groups:
+        for group in self.owned_groups():
             for kind in ("param", "master"):
                 if kind in group.chunks:
                     group.chunks[kind].materialize_host()

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
@@ -17,6 +18,7 @@ from chunkmem.hooks import Hooks
 from chunkmem.optim import ChunkOptimizer, rule_for
 from chunkmem.runtime import Runtime
 from chunkmem.scaler import LossScaler
+from chunkmem.zero import default_group
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -88,7 +90,10 @@ class ChunkedModel(nn.Module):
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
             runtime.grads_scaled = False
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach) if grads \
+            else torch.zeros((), device=runtime.device.torch_device)
+        if runtime.shards is not None:  # each rank holds a share of the gradients: combine the norms
+            total = _global_norm(runtime, total, norm_type)
         # torch.nn.utils.clip_grads_with_norm_ reads `p.grad`; these are views, so apply its rule here.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
@@ -99,7 +104,8 @@ class ChunkedModel(nn.Module):
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
         records = self.runtime.store.records
-        values = {p: self.runtime.fp32_value(r) for p, r in records.items()}
+        by_record = self.runtime.values()  # under ZeRO a collective: every rank calls state_dict
+        values = {p: by_record[r] for p, r in records.items()}
         out = OrderedDict() if destination is None else destination
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             out[prefix + name] = values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)
@@ -129,10 +135,19 @@ class ChunkedModel(nn.Module):
                     self.runtime.set_value(records[target], state_dict[key])
                 else:
                     target.copy_(state_dict[key])
+        if self.runtime.shards is not None:
+            self.runtime.shards.drop_all()
         return _IncompatibleKeys(missing, unexpected)
 
 
 LOCAL = "local"  # `prepare(..., group=LOCAL)`: no sharding, even under an initialised process group
+
+
+def _global_norm(runtime: Runtime, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if norm_type == float("inf"):
+        return runtime.shards.all_reduce(local.clone(), dist.ReduceOp.MAX)  # type: ignore[union-attr]
+    summed = runtime.shards.all_reduce(local.double() ** norm_type)  # type: ignore[union-attr]
+    return (summed ** (1.0 / norm_type)).to(local.dtype)
 
 
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
@@ -153,6 +168,9 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     if optimizer.state:
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
-    runtime = Runtime(model, config or Config(), rule.states)
+    group = None if group == LOCAL else default_group(group)
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    runtime = Runtime(model, config or Config(), rule.states, group)
     wrapped = ChunkedModel(model, runtime)
     return wrapped, ChunkOptimizer(runtime, optimizer, rule)
