@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,12 @@ def gpt2(layers: int, width: int, vocab: int, positions: int) -> torch.nn.Module
                         n_head=max(1, width // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def timed(fn: Callable[[], None]) -> float:
