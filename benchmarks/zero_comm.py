@@ -47,6 +47,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, port: int, out: dic
                    reduced=after["reduce_scatter_bytes"] - before["reduce_scatter_bytes"],
                    gather_theory=2 * param_bytes, reduce_theory=grad_bytes,
                    model_data_bytes=after["model_data_bytes"])
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

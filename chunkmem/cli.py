@@ -10,11 +10,12 @@ import argparse
 import importlib
 import logging
 import sys
+from types import ModuleType
 
 COMMANDS = ["finetune", "trace", "report", "plan", "env"]
 
 
-def _available() -> dict[str, object]:
+def _available() -> dict[str, ModuleType]:
     found = {}
     for name in COMMANDS:
         try:
@@ -30,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log chunkmem's decisions")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in _available().items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))  # type: ignore[attr-defined]
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return _available()[args.command].run(args)  # type: ignore[attr-defined]
+    return _available()[args.command].run(args)
 
 
 if __name__ == "__main__":

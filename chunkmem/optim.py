@@ -62,7 +62,8 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
          states: dict[str, list], steps: list[torch.Tensor]) -> None:
     # torch.optim.SGD starts a momentum buffer as a copy of the first gradient: pass None until then.
     buffers = states.get("momentum_buffer")
-    given = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] if buffers else [None] * len(params)
+    given: list[torch.Tensor | None] = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] \
+        if buffers else [None] * len(params)
     sgd_update(params, grads, given, foreach=group.get("foreach"), fused=group.get("fused"),
                weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
                dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])

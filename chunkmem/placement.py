@@ -206,13 +206,18 @@ class Placer:
         residency.policy = self
         residency.limit = self.conservative
 
+    @property
+    def _following(self) -> Follower:
+        assert self.follower is not None, "the placer follows a plan only after warm-up"
+        return self.follower
+
     # -- EvictionPolicy -----------------------------------------------------------------------------
     def accessed(self, chunk: Chunk) -> None:
         self.lru.accessed(chunk)
 
     def victim(self, candidates: list[Chunk]) -> Chunk:
-        if self.phase is Phase.FOLLOW and self.follower is not None:
-            return max(candidates, key=lambda c: (self.follower.next_use(c.name), c.name))  # type: ignore[union-attr]
+        if self.phase is Phase.FOLLOW:
+            return max(candidates, key=lambda c: (self._following.next_use(c.name), c.name))
         return self.lru.victim(candidates)
 
     # -- accesses ---------------------------------------------------------------------------------
@@ -238,22 +243,22 @@ class Placer:
             for chunk in chunks:
                 chunk.pins -= 1
         if self.phase is Phase.FOLLOW:
-            self.follower.cursor += 1  # type: ignore[union-attr]
-            self._prefetch(self.follower.cursor)  # type: ignore[union-attr]
+            self._following.cursor += 1
+            self._prefetch(self._following.cursor)
 
     def _before(self, index: int) -> None:
-        self.residency.limit = self.follower.plan.budgets[index]  # type: ignore[union-attr]
-        for action in self.follower.by_index.get(index, []):  # type: ignore[union-attr]
+        self.residency.limit = self._following.plan.budgets[index]
+        for action in self._following.by_index.get(index, []):
             chunk = self.chunks[action.chunk]
             if action.verb == "evict" and chunk.state.on_device and not chunk.pins:
                 self.residency.evict(chunk)
 
     def _prefetch(self, index: int) -> None:
-        follower = self.follower
-        if index >= len(follower.accesses):  # type: ignore[union-attr]
+        follower = self._following
+        if index >= len(follower.accesses):
             return
-        room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index])  # type: ignore[union-attr]
-        for action in follower.by_index.get(index, []):  # type: ignore[union-attr]
+        room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index])
+        for action in follower.by_index.get(index, []):
             chunk = self.chunks[action.chunk]
             if action.verb == "prefetch" and not chunk.state.on_device and \
                     self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
@@ -261,19 +266,19 @@ class Placer:
 
     def _check_path(self, names: tuple[str, ...]) -> None:
         """Follow the plan if this access is the recorded one and non-model data is as recorded."""
-        follower = self.follower
-        if not follower.matches(names):  # type: ignore[union-attr]
+        follower = self._following
+        if not follower.matches(names):
             expected = follower.accesses[follower.cursor].chunks \
-                if follower.cursor < len(follower.accesses) else "the end of the step"  # type: ignore[union-attr]
-            self._diverge(f"chunk access {follower.cursor} of this step was {names}, the warm-up "  # type: ignore[union-attr]
+                if follower.cursor < len(follower.accesses) else "the end of the step"
+            self._diverge(f"chunk access {follower.cursor} of this step was {names}, the warm-up "
                           f"recorded {expected} (another branch?)")
             return
-        now, then = self.nonmodel(), follower.nonmodel[follower.cursor]  # type: ignore[union-attr]
+        now, then = self.nonmodel(), follower.nonmodel[follower.cursor]
         if now > then + int(self.limit * SAFETY_FRACTION):
-            self._diverge(f"non-model data at chunk access {follower.cursor} is {now} bytes, the warm-up "  # type: ignore[union-attr]
+            self._diverge(f"non-model data at chunk access {follower.cursor} is {now} bytes, the warm-up "
                           f"recorded {then} (a larger input?)")
             return
-        self._before(follower.cursor)  # type: ignore[union-attr]
+        self._before(follower.cursor)
 
     def _diverge(self, why: str) -> None:
         log.warning("%s: placing by least-recently-used under the conservative budget for the rest of "
@@ -284,9 +289,9 @@ class Placer:
     # -- steps ------------------------------------------------------------------------------------
     def step_done(self) -> None:
         """At the end of an optimizer step: plan after warm-up, re-plan or re-record after that."""
-        if self.phase is Phase.FOLLOW and not self.follower.finished():  # type: ignore[union-attr]
-            self._diverge(f"the step ended after {self.follower.cursor} chunk accesses, the warm-up "  # type: ignore[union-attr]
-                          f"recorded {len(self.follower.accesses)}")  # type: ignore[union-attr]
+        if self.phase is Phase.FOLLOW and not self._following.finished():
+            self._diverge(f"the step ended after {self._following.cursor} chunk accesses, the warm-up "
+                          f"recorded {len(self._following.accesses)}")
         if self.phase is Phase.DIVERGED:
             self.phase, self.events = Phase.RECORD, []
             return
@@ -297,12 +302,12 @@ class Placer:
         # The plan starts from what is resident now, less the gradients zero_grad will free; the steady
         # state repeats, so re-plan only when that changes.
         resident = set(self.residency.resident) - {g.grad for g in self.groups}
-        follower = self.follower
+        follower = self._following
         if resident != self.start:
             self.start = resident
-            plan = build_plan(follower.accesses, self.sizes, follower.plan.budgets, resident)  # type: ignore[union-attr]
-            follower = self.follower = Follower(plan, follower.accesses, follower.nonmodel)  # type: ignore[union-attr]
-        follower.cursor = 0  # type: ignore[union-attr]
+            plan = build_plan(follower.accesses, self.sizes, follower.plan.budgets, resident)
+            follower = self.follower = Follower(plan, follower.accesses, follower.nonmodel)
+        follower.cursor = 0
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""

@@ -52,7 +52,7 @@ class Runtime:
     def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None) -> None:
         self.config = config
         self.device = make_device(config.device)
-        self.limit = config.device_memory or self.device.free_bytes()
+        self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module), world, rank)
         for kind in state_kinds:
@@ -91,7 +91,7 @@ class Runtime:
 
     def _check_host_budget(self) -> None:
         need, allowed = self.store.model_data_bytes(), self.config.host_memory
-        if allowed is not None and need > allowed:
+        if allowed is not None and need > int(allowed):
             raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
                                     f"{allowed}: raise host_memory, or use a lower-precision dtype")
 
@@ -169,7 +169,7 @@ class Runtime:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
             return self.activations.wrap(tensor)
-        return ChunkRef(source, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
 
     def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
         if not isinstance(saved, ChunkRef):

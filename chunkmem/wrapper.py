@@ -100,15 +100,16 @@ class ChunkedModel(nn.Module):
             grad.mul_(coef.to(grad.device))
         return total
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
         records = self.runtime.store.records
         by_record = self.runtime.values()  # under ZeRO a collective: every rank calls state_dict
-        values = {p: by_record[r] for p, r in records.items()}
+        values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
         out = OrderedDict() if destination is None else destination
         for name, tensor in self.module.state_dict(keep_vars=True).items():
-            out[prefix + name] = values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)
+            out[prefix + name] = values[tensor] if tensor in records else \
+                tensor.detach().to("cpu", copy=True)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

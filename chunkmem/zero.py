@@ -14,10 +14,13 @@ no decision that triggers a collective depends on a rank's own memory readings.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import datetime
+import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -68,6 +71,19 @@ class Shards:
         self.reduced_bytes = 0
         for key in self.members:
             self._point_home(key)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def close(self) -> None:
+        """Let go of buffers and of the group before the interpreter shuts down.
+
+        Left to interpreter teardown, the cycles between hooks, runtime and model are collected after
+        parts of torch.distributed are gone, and gloo aborts the process ("terminate called without
+        an active exception") once in a few runs.
+        """
+        self.gathered.clear()
+        self.grads.clear()
+        self.by_storage.clear()
+        gc.collect()
 
     def key(self, chunk_group: ChunkGroup) -> Key:
         return chunk_group.trainable, chunk_group.index // self.world
@@ -159,9 +175,15 @@ class Shards:
         dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
         return out
 
-    def all_reduce(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(value, op=op, group=self.group)
+    def all_reduce(self, value: torch.Tensor, op: object = dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(value, op=op, group=self.group)  # type: ignore[arg-type]
         return value
+
+
+def _close_at_exit(shards: weakref.ref[Shards]) -> None:
+    alive = shards()
+    if alive is not None:
+        alive.close()
 
 
 _PLACEHOLDERS: dict[torch.dtype, torch.Tensor] = {}

@@ -52,6 +52,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {mean.item() / world:.6f}")
     print(f"rank {rank}/{world}: model data {model.memory_stats()['model_data_bytes']} bytes")
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
     dist.destroy_process_group()
 
 

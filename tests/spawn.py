@@ -36,6 +36,7 @@ def _entry(fn: Callable, rank: int, world: int, port: int, results: Any, timeout
                                 timeout=datetime.timedelta(seconds=timeout))
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)  # bytes outlive the child; shared tensors would not
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
         results.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
