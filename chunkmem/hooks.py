@@ -78,10 +78,13 @@ class Hooks:
     def forward(self) -> Iterator[None]:
         """The context of one forward pass of the whole model."""
         runtime = self.runtime
+        # A forward without gradients (evaluation) is not part of the training step the plan follows.
+        runtime.placer.off_path = not torch.is_grad_enabled()
         try:
             with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime):
                 yield
         finally:
+            runtime.placer.off_path = False
             runtime.release_all()
 
     def remove(self) -> None:

@@ -203,6 +203,7 @@ class Placer:
         self.events: list[Event] = []
         self.follower: Follower | None = None
         self.start: set[str] = set()
+        self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
         residency.policy = self
         residency.limit = self.conservative
 
@@ -228,12 +229,21 @@ class Placer:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""
         names = tuple(c.name for c in chunks)
+        if self.off_path:
+            self._fetch(chunks)
+            return
         if self.phase is Phase.RECORD:
             self.events.append(Event(kind, names, group, self.nonmodel()))
         if kind != "use" and group not in self.homes:
             return
         if self.phase is Phase.FOLLOW:
             self._check_path(names)
+        self._fetch(chunks)
+        if self.phase is Phase.FOLLOW:
+            self._following.cursor += 1
+            self._prefetch(self._following.cursor)
+
+    def _fetch(self, chunks: Sequence[Chunk]) -> None:
         for chunk in chunks:
             chunk.pins += 1
         try:
@@ -242,9 +252,6 @@ class Placer:
         finally:
             for chunk in chunks:
                 chunk.pins -= 1
-        if self.phase is Phase.FOLLOW:
-            self._following.cursor += 1
-            self._prefetch(self._following.cursor)
 
     def _before(self, index: int) -> None:
         self.residency.limit = self._following.plan.budgets[index]

@@ -137,7 +137,12 @@ class ParamStore:
             return
         flat = chunk.device if chunk.device is not None else chunk.host
         for record in group.members:
-            record.param.data = record.view(flat)
+            if record.param.device.type == "meta":
+                # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
+                # object (the optimizer's and the records' key) and gives it the chunk view once.
+                torch.utils.swap_tensors(record.param, nn.Parameter(record.view(flat), record.param.requires_grad))
+            else:
+                record.param.data = record.view(flat)
 
     def model_data_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks())

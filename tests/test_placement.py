@@ -144,3 +144,16 @@ def test_offloading_activations_keeps_results_and_lowers_the_device_peak():
     assert all(torch.equal(results[True][1][k], v) for k, v in results[False][1].items())
     assert results[True][2] < results[False][2] / 2
     assert results[True][3]["activation_offload_bytes"] > 0 == results[False][3]["activation_offload_bytes"]
+
+
+def test_evaluation_between_steps_leaves_the_plan_alone(caplog):
+    model, batches = tiny_gpt2(), gpt2_batches(4)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) * 2)
+    train(cm, opt, batches[:2], gpt2_loss)
+    with caplog.at_level(logging.WARNING, logger="chunkmem"), torch.no_grad():
+        cm.eval()
+        cm(batches[0])
+        cm.train()
+    train(cm, opt, batches[2:], gpt2_loss)
+    assert cm.runtime.placer.phase is Phase.FOLLOW
+    assert not [r for r in caplog.records if "warm-up recorded" in r.getMessage()]

@@ -1,0 +1,70 @@
+"""`chunkmem finetune`: the command-line face of chunkmem/finetune.py.
+
+With no arguments it trains the bundled tiny GPT-2 on the bundled text on whatever device there
+is, so the first command a new user runs shows the whole path: data, chunks, progress, a
+Hugging Face directory at the end. Mistakes in the arguments exit with status 2 and one line
+naming the value and what to do, before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "fine-tune a causal LM from a local Hugging Face directory or config on a local text file"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_argument_group("model and data")
+    what.add_argument("--model", help="local Hugging Face directory (config.json + safetensors) or a "
+                      "config.json file; default: a bundled tiny GPT-2 config (random initialisation)")
+    what.add_argument("--data", help=".txt or .jsonl file; default: a bundled public-domain text")
+    what.add_argument("--text-field", default="text", help="field of each JSONL object that holds the text")
+    what.add_argument("--output", default="chunkmem-finetune", help="output directory (default: %(default)s)")
+    what.add_argument("--held-out", type=float, default=0.1, help="fraction of blocks held out for evaluation")
+    how = parser.add_argument_group("training")
+    how.add_argument("--steps", type=int, default=400, help="optimizer steps (default: %(default)s)")
+    how.add_argument("--epochs", type=float, help="passes over the training blocks; overrides --steps")
+    how.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    how.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    how.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    how.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    how.add_argument("--schedule", default="cosine", choices=["constant", "linear", "cosine"])
+    how.add_argument("--warmup-steps", type=int, default=10)
+    how.add_argument("--weight-decay", type=float, default=0.01)
+    how.add_argument("--max-grad-norm", type=float, default=1.0, help="global-norm clipping; 0 turns it off")
+    how.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing (recompute in backward)")
+    how.add_argument("--lora-rank", type=int, default=0, help="train rank-r adapters on frozen weights; 0: all weights")
+    how.add_argument("--lora-alpha", type=float, default=16.0)
+    how.add_argument("--seed", type=int, default=0)
+    mem = parser.add_argument_group("memory")
+    mem.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    mem.add_argument("--device", help="'cuda', 'cuda:N' or 'cpu' (simulation); default: cuda if available")
+    mem.add_argument("--device-memory", help="most device memory for chunks, e.g. 20GiB; default: what is free")
+    mem.add_argument("--host-memory", help="most host memory for chunks; default: what is free")
+    mem.add_argument("--chunk-size", type=int, help="elements per chunk; default: searched")
+    save = parser.add_argument_group("evaluation and checkpoints")
+    save.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps; 0: only at the end")
+    save.add_argument("--eval-batches", type=int, default=8, help="batches per evaluation")
+    save.add_argument("--save-every", type=int, default=0, help="resumable checkpoint every N steps; 0: only at the end")
+    save.add_argument("--keep", type=int, default=2, help="checkpoints to keep")
+    save.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    save.add_argument("--stop-after", type=int, help="leave after N steps of this invocation (resume later)")
+    save.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard of the output")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that `chunkmem --help` does not pay for torch and transformers.
+    from chunkmem import finetune
+    from chunkmem.errors import MemoryBudgetError
+    from chunkmem.hf import InputError
+
+    names = {f.name for f in finetune.dataclasses.fields(finetune.FinetuneConfig)}
+    try:
+        cfg = finetune.FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names})
+        result = finetune.run(cfg)
+    except (InputError, MemoryBudgetError) as error:
+        print(f"chunkmem finetune: error: {error}", file=sys.stderr)
+        return 2
+    print(finetune.summary(cfg, result))
+    return 0

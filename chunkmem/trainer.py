@@ -1,0 +1,98 @@
+"""Hugging Face Trainer on chunkmem: an existing Trainer script changes one line.
+
+    trainer = Trainer(model=model, args=args, ...)                       # before
+    trainer = ChunkmemTrainer(model=model, args=args, ..., chunkmem_config=chunkmem.Config(
+        device_memory="20GiB", dtype="bf16"))                            # after
+
+The Trainer builds its optimizer as usual; `create_optimizer` then hands model and optimizer to
+`chunkmem.prepare`, and the Trainer trains the prepared model. What changes underneath:
+
+- chunkmem moves the model itself, so neither the Trainer nor Accelerate may `.to(device)` it
+  (that would pull every parameter onto the device at once): device placement is turned off, and
+  the prepared model moves each batch to its device.
+- Gradients live in chunks (`p.grad` is None), so clipping calls `model.clip_grad_norm_`.
+- Saving writes a Hugging Face directory parameter by parameter (chunkmem.hf), and the optimizer
+  state goes into a chunkmem checkpoint inside the Trainer's checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+import chunkmem
+from chunkmem import hf
+from chunkmem.optim import ChunkOptimizer
+from chunkmem.wrapper import ChunkedModel
+
+OPTIMIZER_DIR = "chunkmem_optimizer"
+SCHEDULER_FILE = "chunkmem_scheduler.json"
+
+
+class ChunkmemTrainer(Trainer):
+    """`transformers.Trainer` whose model data lives in chunkmem chunks. See the module docstring."""
+
+    def __init__(self, *args: Any, chunkmem_config: chunkmem.Config | None = None, **kwargs: Any) -> None:
+        self.chunkmem_config = chunkmem_config or chunkmem.Config()
+        super().__init__(*args, **kwargs)
+        self.accelerator.device_placement = False
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
+        """chunkmem places the parameters; moving the whole model would defeat it."""
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        if isinstance(self.model, ChunkedModel):
+            return self.optimizer
+        plain = super().create_optimizer(model)
+        self.model, self.optimizer = chunkmem.prepare(self.model, plain, self.chunkmem_config)
+        self.model_wrapped = self.model
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        return self.model.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _chunk_optimizer(self) -> ChunkOptimizer:
+        optimizer = self.optimizer
+        while not isinstance(optimizer, ChunkOptimizer):  # Accelerate wraps it
+            optimizer = optimizer.optimizer
+        return optimizer
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if not isinstance(self.model, ChunkedModel):  # not prepared yet: nothing of chunkmem's to save
+            super()._save(output_dir, state_dict)
+            return
+        output_dir = output_dir or self.args.output_dir
+        if not self.args.should_save:
+            return
+        hf.save_pretrained(self.model, output_dir, self.model.runtime.config.dtype)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        chunkmem.save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, self.model, self._chunk_optimizer())
+        if self.lr_scheduler is not None:
+            state = {k: v for k, v in self.lr_scheduler.state_dict().items() if _jsonable(v)}
+            (Path(output_dir) / SCHEDULER_FILE).write_text(json.dumps(state))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not (Path(checkpoint) / OPTIMIZER_DIR).exists():
+            return
+        chunkmem.load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self.model, self._chunk_optimizer())
+        scheduler_file = Path(checkpoint) / SCHEDULER_FILE
+        if self.lr_scheduler is not None and scheduler_file.exists():
+            self.lr_scheduler.load_state_dict(json.loads(scheduler_file.read_text()))
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+__all__ = ["ChunkmemTrainer"]
