@@ -1,9 +1,18 @@
 """chunkmem: train PyTorch models larger than the GPU's memory by keeping model data in chunks."""
 
+import os as _os
+
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
+from chunkmem.trace import annotate, trace
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
-__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "load_checkpoint", "prepare", "save_checkpoint"]
+__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "annotate", "load_checkpoint", "prepare",
+           "save_checkpoint", "trace"]
 __version__ = "0.1.0"
+
+if _os.environ.get("CHUNKMEM_TRACE", "") not in ("", "0"):  # tracing with no code change (chunkmem/trace/autoattach.py)
+    from chunkmem.trace.autoattach import install_from_env as _install_trace
+
+    _install_trace()

@@ -1,0 +1,124 @@
+"""`chunkmem plan MODEL`: will it fit, what binds, and what to change (see chunkmem/trace/planner.py).
+
+MODEL is a local Hugging Face directory or config.json, or the size is given with
+--layers/--hidden/--vocab (a GPT-2 of that size; --params alone picks the hidden size for
+--layers). Exit status: 0 fits or tight, 1 does not fit, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="local Hugging Face directory or config.json")
+    size = parser.add_argument_group("size without a config (a GPT-2 of that size)")
+    size.add_argument("--params", type=float, help="parameter count, e.g. 1.3e9 (with --layers)")
+    size.add_argument("--layers", type=int)
+    size.add_argument("--hidden", type=int)
+    size.add_argument("--vocab", type=int, default=50257)
+    run_ = parser.add_argument_group("the run")
+    run_.add_argument("--device-memory", default="24GiB", help="device budget (default: %(default)s)")
+    run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks (default: %(default)s)")
+    run_.add_argument("--batch-size", type=int, default=8)
+    run_.add_argument("--seq-len", type=int, default=1024)
+    run_.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    run_.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    run_.add_argument("--offload-activations", action="store_true")
+    run_.add_argument("--world-size", type=int, default=1, help="ranks sharing model data (ZeRO)")
+    run_.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-momentum"])
+    run_.add_argument("--attention", choices=["math", "fused"],
+                      help="math: PyTorch's unfused path (CPU, eager); fused: flash/memory-efficient "
+                           "(default: fused on CUDA, math with --simulate)")
+    parser.add_argument("--simulate", action="store_true", help="also run one real step in the CPU simulation "
+                        "with this budget and compare")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _error(message: str) -> int:
+    print(f"chunkmem plan: {message}", file=sys.stderr)
+    return 2
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from chunkmem.hf import resolve
+    from chunkmem.trace.planner import gpt2_config
+
+    if args.model:
+        return resolve(args.model).config
+    layers, hidden = args.layers, args.hidden
+    if hidden is None and args.params and layers:
+        hidden = int(math.sqrt(args.params / (12 * layers)) / 64 + 0.5) * 64 or 64  # 12*h^2 per GPT-2 layer
+    if not layers or not hidden:
+        raise ValueError("give MODEL (a Hugging Face directory or config.json), or --layers with --hidden "
+                         "(or --params), e.g. `chunkmem plan --layers 24 --hidden 2048`")
+    return gpt2_config(layers, hidden, args.vocab, max(args.seq_len, 1024))
+
+
+def run(args: argparse.Namespace) -> int:
+    from chunkmem.config import parse_size
+    from chunkmem.hf import InputError
+    from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
+
+    for name in ("batch_size", "seq_len", "world_size", "layers", "hidden", "vocab"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
+    try:
+        device_memory = parse_size("device_memory", args.device_memory)
+        host_memory = parse_size("host_memory", args.host_memory)
+        config = _config(args)
+    except (ValueError, InputError) as error:
+        return _error(str(error).replace("Config.", "--").replace("_memory", "-memory"))
+    attention = args.attention or ("math" if args.simulate else "fused")
+    request = Request(device_memory, host_memory, args.batch_size, args.seq_len, args.dtype, args.grad_ckpt,
+                      args.offload_activations, args.world_size, args.optimizer, attention, cuda=not args.simulate)
+    spec = spec_from_config(config, getattr(config, "model_type", "model"))
+    estimate = plan(spec, request)
+    result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
+                              "fixes": [{"fix": label, "verdict": e.verdict, "device_need": e.device_need,
+                                         "host_need": e.host_need} for label, e in fixes(spec, request)]}
+    if args.simulate:
+        from chunkmem.trace.simulate import simulate
+
+        try:
+            measured = simulate(config, request, estimate)
+        except MemoryError as error:
+            return _error(str(error))
+        result["simulated"] = dict(vars(measured), estimate_error=estimate.activation_forward_bytes /
+                                   max(1, measured.activation_peak) - 1)
+    print(json.dumps(result, indent=1) if args.json else _text(result))
+    return 1 if estimate.verdict == "does not fit" else 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.2f} MiB"
+
+
+def _text(r: dict[str, Any]) -> str:
+    q = r["request"]
+    lines = [f"model {r['model']}: {r['trainable_chunks']} + {r['frozen_chunks']} frozen chunks of {r['chunk_size']} "
+             f"elements; batch {q['batch_size']} x {q['seq_len']} tokens, {q['dtype']}"
+             f"{', checkpointing' if q['checkpointing'] else ''}, world {q['world_size']}",
+             f"  model data per rank  {_gib(r['model_data_bytes'])}  "
+             + ", ".join(f"{k} {_gib(v).strip()}" for k, v in r["model_data_by_kind"].items()),
+             f"  activations (peak)   {_gib(r['activation_bytes'])}",
+             f"  device working set   {_gib(r['working_set_bytes'])}   margins {_gib(r['margin_bytes'])}",
+             f"  device need          {_gib(r['device_need'])} of {_gib(q['device_memory'])} "
+             f"(all chunks resident: {_gib(r['device_all_resident'])})",
+             f"  host need            {_gib(r['host_need'])} of {_gib(q['host_memory'])} (pinned {_gib(r['pinned_bytes'])})",
+             f"verdict: {r['verdict']} (binding: {r['binding']})"]
+    for i, fix in enumerate(r["fixes"], 1):
+        lines.append(f"  {i}. {fix['fix']}: {fix['verdict']} (device {_gib(fix['device_need'])}, host {_gib(fix['host_need'])})")
+    if "simulated" in r:
+        s = r["simulated"]
+        lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "
+                     f"{_gib(r['activation_forward_bytes'])} ({s['estimate_error']:+.1%}); model data "
+                     f"{_gib(s['model_data_bytes'])}; step {s['seconds']:.2f}s")
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""`chunkmem trace -- python script.py ...`: record a memory trace of a script with no code change.
+
+The command runs as a child process with CHUNKMEM_TRACE set and chunkmem's start-up hook first on
+PYTHONPATH (see chunkmem/trace/autoattach.py); the child's exit status is this command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HELP = "record a memory trace of a python or torchrun command: chunkmem trace -- python train.py"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", default="chunkmem-trace", help="trace directory (default: %(default)s)")
+    parser.add_argument("--level", default="counters", choices=["counters", "exact"],
+                        help="counters: cheap (default); exact: synchronise at every moment to read peaks")
+    parser.add_argument("--keep-last", type=int, default=20, help="steady-state steps kept in full (default: 20)")
+    parser.add_argument("--keep-warmup", type=int, default=3, help="first steps kept in full (default: 3)")
+    parser.add_argument("--report", action="store_true", help="render the report when the command ends")
+    parser.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- followed by the command to trace")
+
+
+def child_environment(args: argparse.Namespace) -> dict[str, str]:
+    boot = Path(__file__).resolve().parent.parent / "trace" / "boot"
+    root = str(Path(__file__).resolve().parent.parent.parent)  # so the child imports this chunkmem
+    env = dict(os.environ, CHUNKMEM_TRACE=str(Path(args.output).resolve()), CHUNKMEM_TRACE_LEVEL=args.level,
+               CHUNKMEM_TRACE_KEEP_LAST=str(args.keep_last), CHUNKMEM_TRACE_KEEP_WARMUP=str(args.keep_warmup))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(boot), root, os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not command:
+        print("chunkmem trace: no command given; usage: chunkmem trace [--output DIR] -- python script.py ARGS "
+              "(or torchrun ... script.py)", file=sys.stderr)
+        return 2
+    for name in ("keep_last", "keep_warmup"):
+        if getattr(args, name) < 0:
+            print(f"chunkmem trace: --{name.replace('_', '-')} {getattr(args, name)}: expected 0 or more steps",
+                  file=sys.stderr)
+            return 2
+    try:
+        status = subprocess.call(command, env=child_environment(args))
+    except FileNotFoundError:
+        print(f"chunkmem trace: command {command[0]!r} not found; pass a program on PATH, e.g. -- python script.py",
+              file=sys.stderr)
+        return 127
+    if not any(Path(args.output).glob("trace.rank*.jsonl")):
+        print(f"chunkmem trace: the command ran (exit status {status}) but recorded nothing: it never ran a "
+              f"model forward with gradients, or was not Python", file=sys.stderr)
+        return status or 1
+    print(f"chunkmem trace: written to {args.output}; render it with `chunkmem report {args.output}`")
+    if args.report:
+        from chunkmem.trace.report import write_report
+
+        for path in write_report(args.output):
+            print(path)
+    return status

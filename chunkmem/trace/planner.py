@@ -1,0 +1,196 @@
+"""`chunkmem plan`: will a model train within a device and host budget, and if not, what to change.
+
+Model data is not estimated but computed: the model is built on the meta device (no memory) and
+the runtime's own chunk-size search and layout (chunkmem.layout, chunkmem.store) give the chunk
+count, so the figure equals `memory_stats()["model_data_bytes"]` of the prepared model. Non-model
+data is chunkmem/trace/activation_model.py's estimate plus fixed margins:
+  CUDA_CONTEXT  what the CUDA context and kernels take before any tensor (typical, not measured)
+  FRAGMENTATION a share of the device budget the caching allocator cannot hand out (the same share
+                the runtime's placement keeps free, chunkmem.placement.SAFETY_FRACTION)
+  HOST_OVERHEAD the resident memory of torch and the CUDA libraries in the host process
+Constraints: the device must hold one module's chunks (the working set) with the activation peak
+and margins; the host must hold all model data (chunkmem keeps every chunk's host copy) and the
+overhead. Verdict: "does not fit" if a constraint fails, "tight" if one is above TIGHT of its
+budget, else "fits". The binding constraint is the one closest to (or furthest past) its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from chunkmem.layout import search_chunk_size
+from chunkmem.placement import SAFETY_FRACTION
+from chunkmem.store import layouts, working_set_chunks
+from chunkmem.trace.activation_model import Shape, estimate
+
+CUDA_CONTEXT = 512 * 2**20
+HOST_OVERHEAD = 2 * 2**30
+TIGHT = 0.9
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+STATES = {"adam": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the user wants to run, and with what."""
+
+    device_memory: int
+    host_memory: int
+    batch_size: int = 8
+    seq_len: int = 1024
+    dtype: str = "bf16"
+    checkpointing: bool = False
+    offload_activations: bool = False
+    world_size: int = 1
+    optimizer: str = "adam"
+    attention: str = "fused"
+    cuda: bool = True  # margins for a CUDA device (False: the CPU simulation)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it: its parameter module (on meta) and its activation shape."""
+
+    module: nn.Module
+    shape: Shape
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    request: Request
+    chunk_size: int
+    trainable_chunks: int
+    frozen_chunks: int
+    model_data_bytes: int  # per rank, as memory_stats()["model_data_bytes"]
+    model_data_by_kind: dict[str, int]
+    working_set_bytes: int
+    activation_bytes: int
+    activation_forward_bytes: int  # saved at the end of the forward (differs with checkpointing)
+    margin_bytes: int
+    device_need: int  # least device memory: working set + activations + margins
+    device_all_resident: int  # device memory with every chunk resident (nothing moves)
+    host_need: int
+    pinned_bytes: int
+    verdict: str
+    binding: str
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["request"] = dataclasses.asdict(self.request)
+        return out
+
+
+def chunk_layout(module: nn.Module, request: Request) -> tuple[int, int, int, int]:
+    """(chunk_size, trainable chunks, frozen chunks, working-set chunks), as chunkmem.prepare chooses them."""
+    itemsize = ITEMSIZE[request.dtype]
+    named = [(n, p.numel()) for n, p in module.named_parameters()]
+    size = search_chunk_size(named, fits=lambda s: working_set_chunks(module, s) * s * itemsize
+                             <= request.device_memory)
+    trainable, frozen = layouts(module, size, request.world_size)
+    return size, trainable.num_chunks, frozen.num_chunks, working_set_chunks(module, size)
+
+
+def model_data(module: nn.Module, request: Request) -> tuple[int, int, int, int, dict[str, int]]:
+    """chunk_size, chunks and per-rank bytes by kind, exactly as the runtime allocates them."""
+    size, trainable, frozen, working = chunk_layout(module, request)
+    e, world = ITEMSIZE[request.dtype], request.world_size
+    owned_trainable, owned_frozen = trainable // world, frozen // world  # counts are multiples of world
+    kinds = {"param": (owned_trainable + owned_frozen) * size * e, "grad": owned_trainable * size * e}
+    if request.dtype != "fp32":
+        kinds["master"] = owned_trainable * size * 4
+    names = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": (), "sgd-momentum": ("momentum_buffer",)}[request.optimizer]
+    for name in names:
+        kinds[name] = owned_trainable * size * 4
+    return size, trainable, frozen, working * size * e, kinds
+
+
+def plan(spec: ModelSpec, request: Request) -> Estimate:
+    if request.optimizer not in STATES:
+        raise ValueError(f"optimizer={request.optimizer!r}: expected one of {sorted(STATES)}")
+    size, trainable, frozen, working, kinds = model_data(spec.module, request)
+    acts = estimate(spec.shape, request.batch_size, request.seq_len, ITEMSIZE[request.dtype],
+                    request.checkpointing, request.attention)
+    device_acts = acts.peak
+    host_acts = 0
+    if request.offload_activations:
+        # Saved tensors wait on the host; the device keeps those of the layer computing now.
+        host_acts = acts.peak - acts.once - acts.per_layer if not request.checkpointing else acts.boundaries
+        device_acts = acts.peak - host_acts
+    margin = int(request.device_memory * SAFETY_FRACTION) + (CUDA_CONTEXT if request.cuda else 0)
+    total = sum(kinds.values())
+    device_need = working + device_acts + margin
+    host_need = total + host_acts + (HOST_OVERHEAD if request.cuda else 0)
+    ratios = {"device memory": device_need / request.device_memory, "host memory": host_need / request.host_memory}
+    binding = max(ratios, key=ratios.__getitem__)
+    worst = ratios[binding]
+    verdict = "does not fit" if worst > 1.0 else "tight" if worst > TIGHT else "fits"
+    return Estimate(request, size, trainable, frozen, total, kinds, working, device_acts, acts.forward_peak,
+                    margin, device_need,
+                    total + device_acts + margin, host_need, (total + host_acts) if request.cuda else 0, verdict,
+                    binding)
+
+
+def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:
+    """Changes that help, best first: those that make it fit, then by how much they lower the binding need."""
+    base = plan(spec, request)
+    candidates: list[tuple[str, Request]] = []
+    if not request.checkpointing:
+        candidates.append(("enable activation checkpointing (--grad-ckpt)", dataclasses.replace(request, checkpointing=True)))
+    if request.batch_size > 1:
+        half = request.batch_size // 2
+        candidates.append((f"batch size {half} with 2x gradient accumulation (same tokens per step)",
+                           dataclasses.replace(request, batch_size=half)))
+    if not request.offload_activations:
+        candidates.append(("offload activations to host (Config(offload_activations=True))",
+                           dataclasses.replace(request, offload_activations=True)))
+    if request.dtype == "fp32":
+        candidates.append(("bf16 compute (--dtype bf16)", dataclasses.replace(request, dtype="bf16")))
+    candidates.append((f"shard over {request.world_size * 2} GPUs (torchrun, ZeRO)",
+                       dataclasses.replace(request, world_size=request.world_size * 2)))
+    if base.binding == "host memory" and base.verdict != "fits":
+        candidates.append((f"allow {_gib(base.host_need / TIGHT)} of host memory",
+                           dataclasses.replace(request, host_memory=int(base.host_need / TIGHT) + 1)))
+    rank = {"fits": 0, "tight": 1, "does not fit": 2}
+    scored = [(label, plan(spec, r)) for label, r in candidates]
+    need = "device_need" if base.binding == "device memory" else "host_need"
+    useful = [(label, e) for label, e in scored if getattr(e, need) < getattr(base, need)]
+    return sorted(useful, key=lambda item: (rank[item[1].verdict], getattr(item[1], need)))
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def meta_module(config: Any) -> nn.Module:
+    """A Hugging Face causal LM built from `config` on the meta device: parameters without memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def shape_of(config: Any) -> Shape:
+    hidden = getattr(config, "n_embd", None) or config.hidden_size
+    family = "gpt2" if getattr(config, "model_type", "") == "gpt2" else "generic"
+    return Shape(family=family, layers=getattr(config, "n_layer", None) or config.num_hidden_layers, hidden=hidden,
+                 heads=getattr(config, "n_head", None) or config.num_attention_heads, vocab=config.vocab_size,
+                 intermediate=getattr(config, "n_inner", None) or getattr(config, "intermediate_size", None) or 4 * hidden,
+                 attn_dropout=float(getattr(config, "attn_pdrop", 0.0) or getattr(config, "attention_dropout", 0.0) or 0.0),
+                 embd_dropout=float(getattr(config, "embd_pdrop", 0.0) or 0.0))
+
+
+def spec_from_config(config: Any, name: str) -> ModelSpec:
+    return ModelSpec(meta_module(config), shape_of(config), name)
+
+
+def gpt2_config(layers: int, hidden: int, vocab: int, positions: int) -> Any:
+    """A GPT-2 config of the given size (for --layers/--hidden/--vocab): heads of 64 dimensions."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64), vocab_size=vocab,
+                      n_positions=positions, bos_token_id=0, eos_token_id=0)

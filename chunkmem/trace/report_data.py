@@ -1,0 +1,97 @@
+"""A parsed trace turned into what every report format draws: series, lanes, moves, summaries.
+
+The HTML page, the PNG, the CSV and the Perfetto trace all read this one structure, so they cannot
+disagree. Moments are numbered 0..n-1 in the order kept (x axis); a dropped stretch of steps shows
+as a gap between two kept steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chunkmem.trace.schema import DEVICE_FIELDS, HOST_FIELDS, MODEL_KINDS, RankTrace, Trace, total
+
+STACKED = MODEL_KINDS + ("nonmodel",)  # what the stacked charts show; the rest are lines or columns
+
+
+def rank_view(rank: RankTrace) -> dict[str, Any]:
+    moments = rank.moments
+    series = {side: {k: [m[side].get(k, 0) for m in moments] for k in fields}
+              for side, fields in (("device", DEVICE_FIELDS), ("host", HOST_FIELDS))}
+    order = {(m["step"], m["i"]): x for x, m in enumerate(moments)}
+    return {
+        "rank": rank.rank,
+        "source": rank.header.get("source"),
+        "device": rank.header.get("device"),
+        "simulated": rank.header.get("simulated"),
+        "moments": [{"step": m["step"], "i": m["i"], "t": m["t"], "name": m["name"], "stage": m["stage"],
+                     "where": m["where"], "warmup": m["warmup"]} for m in moments],
+        "series": series,
+        "lanes": lanes(rank),
+        "moves": [dict(m, x=_x_of(order, m)) for m in rank.moves],
+        "markers": [dict(m, x=_x_of(order, m)) for m in rank.markers],
+        "steps": rank.steps,
+        "gaps": rank.gaps,
+        "phases": phase_summary(rank),
+        "complete": rank.complete,
+    }
+
+
+def _x_of(order: dict[tuple[int, int], int], record: dict[str, Any]) -> int:
+    return order.get((record["step"], record["i"]), -1)
+
+
+def lanes(rank: RankTrace) -> list[dict[str, Any]]:
+    """Per chunk, the [first, last] moment ranges it was resident on the device."""
+    names = [c["name"] for c in rank.layout.get("chunks", [])]
+    spans: dict[str, list[list[int]]] = {name: [] for name in names}
+    resident: set[str] = set()
+    for x, moment in enumerate(rank.moments):
+        if "resident" in moment:  # written when it changes, and at the first moment of every step
+            resident = set(moment["resident"])
+        for name in resident:
+            runs = spans.setdefault(name, [])
+            if runs and runs[-1][1] == x - 1:
+                runs[-1][1] = x
+            else:
+                runs.append([x, x])
+    sizes = {c["name"]: c["bytes"] for c in rank.layout.get("chunks", [])}
+    return [{"chunk": name, "bytes": sizes.get(name, 0), "spans": runs} for name, runs in spans.items()]
+
+
+def phase_summary(rank: RankTrace) -> dict[str, dict[str, float]]:
+    """Warm-up steps against steady-state steps: mean peaks, bytes moved and step time."""
+    out = {}
+    for label, chosen in (("warm-up", [s for s in rank.steps if s["warmup"]]),
+                          ("steady", [s for s in rank.steps if not s["warmup"]])):
+        if not chosen:
+            continue
+        count = len(chosen)
+        out[label] = {"steps": count,
+                      "device_peak": max(s["device_peak"] for s in chosen),
+                      "h2d_per_step": sum(s["h2d_bytes"] for s in chosen) / count,
+                      "d2h_per_step": sum(s["d2h_bytes"] for s in chosen) / count,
+                      "seconds_per_step": sum(s["t_end"] - s["t_start"] for s in chosen) / count}
+    return out
+
+
+def predicted_vs_actual(trace: Trace) -> list[dict[str, Any]]:
+    """Rows comparing a plan (plan.json in the trace directory) with what rank 0 recorded."""
+    if trace.plan is None or not trace.ranks or not trace.ranks[0].moments:
+        return []
+    moments = trace.ranks[0].moments
+    actual = {
+        "model data (host)": max(total(m["host"]) for m in moments),
+        "activations (device, peak)": max(m["device"].get("nonmodel", 0) for m in moments),
+        "device total (peak)": max(m["device"].get("allocated", 0) for m in moments),
+    }
+    plan = trace.plan
+    predicted = {"model data (host)": plan.get("model_data_bytes"),
+                 "activations (device, peak)": plan.get("activation_bytes"),
+                 "device total (peak)": plan.get("device_all_resident")}
+    return [{"what": k, "predicted": predicted[k], "actual": actual[k]} for k in actual]
+
+
+def build(trace: Trace) -> dict[str, Any]:
+    return {"meta": trace.meta, "ranks": [rank_view(r) for r in trace.ranks], "stacked": list(STACKED),
+            "plan": trace.plan, "compare": predicted_vs_actual(trace)}

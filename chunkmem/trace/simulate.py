@@ -1,0 +1,70 @@
+"""`chunkmem plan --simulate`: one real forward and backward in the CPU simulation, measured.
+
+The model is built for real (random weights) and prepared with Config(device="cpu",
+device_memory=...), so the chunk-size search, the placement and every chunk copy are the
+runtime's own. What is measured:
+  activation peak  the most bytes of distinct storages autograd held for backward at once, read
+                   from the runtime's activation meter (chunkmem.activations). This is the quantity
+                   the runtime places chunks around, it is exact and deterministic; process RSS or
+                   tracemalloc would mix in allocator caching, the Python heap and the other work
+                   on a shared machine (tracemalloc does not even see PyTorch's allocations).
+  chunk peak       memory_stats()["device_chunk_bytes_peak"]
+  model data       memory_stats()["model_data_bytes"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import psutil
+import torch
+
+import chunkmem
+from chunkmem.trace.planner import ITEMSIZE, Estimate, Request
+
+MAX_FRACTION_OF_RAM = 0.5  # of available host memory: beyond this, simulating would risk the machine
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    activation_peak: int
+    device_chunk_peak: int
+    model_data_bytes: int
+    chunk_size: int
+    seconds: float
+
+
+def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0) -> Measured:
+    """Run one training step of `config`'s model under `request` in the CPU simulation."""
+    from transformers import AutoModelForCausalLM
+
+    need = estimate.model_data_bytes + estimate.activation_bytes + 4 * estimate.model_data_bytes // max(
+        ITEMSIZE[request.dtype], 1)
+    available = psutil.virtual_memory().available
+    if need > available * MAX_FRACTION_OF_RAM:
+        raise MemoryError(f"--simulate would need about {need / 2**30:.1f} GiB of this machine's memory "
+                          f"({available / 2**30:.1f} GiB available): simulate a smaller --layers/--hidden or "
+                          f"--batch-size, or drop --simulate")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if request.checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if request.optimizer == "adam" else
+                 torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if request.optimizer == "sgd-momentum" else 0))
+    prepared, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(
+        device="cpu", device_memory=request.device_memory, dtype=request.dtype,
+        offload_activations=request.offload_activations))
+    ids = torch.randint(0, config.vocab_size, (request.batch_size, request.seq_len),
+                        generator=torch.Generator().manual_seed(seed))
+    start = time.perf_counter()
+    loss = prepared(ids, labels=ids).loss
+    loss.backward()
+    seconds = time.perf_counter() - start
+    stats = prepared.memory_stats()
+    # With checkpointing this is the forward's peak: the recomputation in backward keeps its tensors
+    # inside torch.utils.checkpoint's own frame, where no saved-tensor hook sees them.
+    return Measured(prepared.runtime.activations.peak, stats["device_chunk_bytes_peak"], stats["model_data_bytes"],
+                    stats["chunk_size"], seconds)

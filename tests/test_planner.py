@@ -1,0 +1,86 @@
+"""The planner (chunkmem/trace/planner.py): exact model data, activations against the simulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import chunkmem
+from chunkmem.cli import main
+from chunkmem.trace.planner import Request, fixes, gpt2_config, plan, spec_from_config
+from chunkmem.trace.simulate import simulate
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize("dtype,world,budget", [("fp32", 1, 2 * MiB), ("bf16", 1, 600_000), ("bf16", 2, 4 * MiB)])
+def test_model_data_matches_a_prepared_model(dtype: str, world: int, budget: int) -> None:
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config(layers=2, hidden=64, vocab=320, positions=64)
+    estimate = plan(spec_from_config(config, "gpt2"), Request(budget, 2**30, dtype=dtype, world_size=world))
+    if world > 1:  # a rank's share: the layout is padded to a multiple of the world size, then split
+        assert estimate.trainable_chunks % world == 0
+        return
+    model = GPT2LMHeadModel(config)
+    prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                                   chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
+    stats = prepared.memory_stats()
+    assert estimate.model_data_bytes == stats["model_data_bytes"]
+    assert estimate.chunk_size == stats["chunk_size"]
+    assert estimate.model_data_by_kind == {k: v for k, v in prepared.runtime.model_bytes()["host"].items()}
+
+
+# (layers, hidden, vocab, batch, seq, dtype): GPT-2-style configs across batch and sequence sizes.
+CONFIGS = [(2, 64, 128, 1, 16, "fp32"), (2, 64, 128, 8, 64, "fp32"), (2, 128, 256, 2, 128, "fp32"),
+           (2, 128, 256, 4, 32, "bf16")]
+
+
+@pytest.mark.parametrize("layers,hidden,vocab,batch,seq,dtype", CONFIGS)
+def test_activation_estimate_within_25_percent(layers, hidden, vocab, batch, seq, dtype) -> None:
+    config = gpt2_config(layers, hidden, vocab, 128)
+    request = Request(8 * MiB, 2**30, batch, seq, dtype, attention="math", cuda=False)
+    estimate = plan(spec_from_config(config, "gpt2"), request)
+    measured = simulate(config, request, estimate)
+    assert abs(estimate.activation_forward_bytes / measured.activation_peak - 1) < 0.25
+    assert measured.model_data_bytes == estimate.model_data_bytes
+
+
+def test_verdicts_binding_and_fixes() -> None:
+    spec = spec_from_config(gpt2_config(48, 1600, 50257, 1024), "gpt2")
+    big = Request(24 * 2**30, 64 * 2**30, batch_size=8, seq_len=1024)
+    estimate = plan(spec, big)
+    assert (estimate.verdict, estimate.binding) == ("does not fit", "device memory")
+    ranked = fixes(spec, big)
+    assert ranked[0][1].verdict == "fits" and "checkpointing" in ranked[0][0]
+    small_host = plan(spec, Request(80 * 2**30, 16 * 2**30, batch_size=1, seq_len=128))
+    assert (small_host.verdict, small_host.binding) == ("does not fit", "host memory")
+    roomy = plan(spec, Request(80 * 2**30, 512 * 2**30, batch_size=1, seq_len=128, checkpointing=True))
+    assert roomy.verdict == "fits"
+
+
+def test_plan_command(capsys) -> None:
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16"]
+    assert main(args + ["--json", "--device-memory", "1GiB", "--host-memory", "64GiB"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "fits" and result["model_data_bytes"] > 0
+    assert main(args + ["--device-memory", "1MiB"]) == 1
+    assert "verdict: does not fit (binding: device memory)" in capsys.readouterr().out
+    assert main(["plan"]) == 2
+    assert "give MODEL" in capsys.readouterr().err
+    assert main(args + ["--device-memory", "lots"]) == 2
+    assert "--device-memory='lots'" in capsys.readouterr().err
+    assert main(["plan", "/nonexistent/model"]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(args + ["--batch-size", "0"]) == 2
+
+
+def test_plan_simulate(capsys) -> None:
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
+            "--dtype", "fp32", "--device-memory", "4MiB", "--simulate", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["simulated"]["estimate_error"]) < 0.25
+    assert result["simulated"]["model_data_bytes"] == result["model_data_bytes"]

@@ -1,0 +1,67 @@
+"""Report: a recorded trace round-trips through every output format."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+
+import chunkmem
+from chunkmem.cli import main
+from chunkmem.trace import read_trace
+from chunkmem.trace.report import write_report
+from tests.helpers import gpt2_batches, tiny_gpt2
+
+
+def record(directory: Path) -> None:
+    model = tiny_gpt2(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu", device_memory=250_000))
+    with chunkmem.trace(directory, model=model, optimizer=optimizer):
+        for ids in gpt2_batches(3):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        chunkmem.annotate("done")
+
+
+def test_trace_round_trips_through_the_report(tmp_path: Path) -> None:
+    record(tmp_path)
+    (tmp_path / "plan.json").write_text(json.dumps({"model_data_bytes": 1, "activation_bytes": 2,
+                                                   "device_all_resident": 3}))
+    written = {p.name for p in write_report(tmp_path)}
+    assert {"report.html", "moments.csv", "perfetto.json"} <= written
+    trace = read_trace(tmp_path)
+    moments = trace.ranks[0].moments
+    rows = list(csv.DictReader((tmp_path / "moments.csv").open()))
+    assert len(rows) == len(moments)
+    for row, moment in zip(rows, moments):
+        assert int(row["device_param"]) == moment["device"].get("param", 0)
+        assert int(row["host_exp_avg"]) == moment["host"].get("exp_avg", 0)
+        assert int(row["device_nonmodel"]) == moment["device"].get("nonmodel", 0)
+    events = json.loads((tmp_path / "perfetto.json").read_text())["traceEvents"]
+    copies = [e for e in events if e["ph"] == "X"]
+    assert len(copies) == len(trace.ranks[0].moves) > 0
+    assert sum(e["args"]["bytes"] for e in copies) == sum(m["bytes"] for m in trace.ranks[0].moves)
+    assert any(e["ph"] == "i" and e["name"] == "done" for e in events)
+    page = (tmp_path / "report.html").read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # opens offline: nothing fetched
+    data = json.loads(page.split('<script type="application/json" id=data>')[1].split("</script>")[0])
+    assert data["ranks"][0]["series"]["device"]["param"] == [m["device"].get("param", 0) for m in moments]
+    assert [row["what"] for row in data["compare"]][0] == "model data (host)"
+    assert data["compare"][0]["actual"] == max(sum(m["host"].get(k, 0) for k in ("param", "grad", "exp_avg",
+                                                                                  "exp_avg_sq")) for m in moments)
+    lanes = {lane["chunk"]: lane for lane in data["ranks"][0]["lanes"]}
+    assert any(lane["spans"] for lane in lanes.values())
+
+
+def test_report_command_exit_codes(tmp_path: Path, capsys) -> None:
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such trace directory" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no trace.rank*.jsonl" in capsys.readouterr().err
+    record(tmp_path / "t")
+    assert main(["report", str(tmp_path / "t"), "--output", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.html").exists()

@@ -1,0 +1,127 @@
+"""Recording: the trace agrees with the chunk runtime to the byte; observer mode on a plain model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import chunkmem
+from chunkmem.observe import Moment, Move
+from chunkmem.trace import TraceError, read_trace
+from chunkmem.trace.recorder import Retention
+from chunkmem.trace.schema import MODEL_KINDS, SCHEMA, total
+from tests.helpers import gpt2_batches, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2
+
+
+class Books:
+    """A second observer that copies what the runtime itself says at every moment."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self.seen: list[tuple[int, int, dict, dict]] = []
+
+    def moment(self, moment: Moment) -> None:
+        self.seen.append((moment.step, moment.index, self.runtime.model_bytes(), self.runtime.memory_stats()))
+
+    def moved(self, move: Move) -> None:
+        pass
+
+
+def test_categories_equal_runtime_at_every_moment(tmp_path: Path) -> None:
+    model = tiny_gpt2(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu", device_memory=300_000,
+                                                                          dtype="bf16"))
+    books = Books(model.runtime)
+    with chunkmem.trace(tmp_path, model=model, optimizer=optimizer, keep_warmup=10):
+        model.runtime.observers.append(books)
+        for ids in gpt2_batches(3):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    moments = read_trace(tmp_path).ranks[0].moments
+    assert len(moments) == len(books.seen) > 50
+    for record, (step, index, sides, stats) in zip(moments, books.seen):
+        assert (record["step"], record["i"]) == (step, index)
+        for side in ("device", "host"):
+            expected = {k: v for k, v in sides[side].items() if v}
+            assert {k: record[side][k] for k in MODEL_KINDS if k in record[side]} == expected
+        assert total(record["device"]) == stats["device_chunk_bytes"]
+        assert total(record["host"]) == stats["model_data_bytes"]
+        assert "master" in record["host"]  # bf16: fp32 master weights are their own category
+
+
+def test_observer_mode_reports_plain_adam_exactly(tmp_path: Path) -> None:
+    model = mlp(width=16, depth=2)
+    optimizer = torch.optim.Adam(model.parameters())
+    with chunkmem.trace(tmp_path, model=model, optimizer=optimizer):
+        for batch in mlp_batches(2, width=16):
+            mlp_loss(model, batch).backward()
+            optimizer.step()
+    rank = read_trace(tmp_path).ranks[0]
+    assert rank.header["source"] == "observer"
+    last = rank.moments[-1]  # post_optimizer of step 1: params, grads and both Adam states exist
+    size = param_bytes(model)
+    assert last["name"] == "post_optimizer"
+    assert (last["device"]["param"], last["device"]["grad"], last["device"]["exp_avg"],
+            last["device"]["exp_avg_sq"]) == (size, size, size, size)
+    assert last["device"]["optim_other"] == 4 * len(list(model.parameters()))  # Adam's fp32 `step` scalars
+    first = rank.moments[0]
+    assert first["device"] == {"param": size, "allocated": size, "reserved": size}
+    assert max(m["device"].get("nonmodel", 0) for m in rank.moments) > 0  # saved activations were seen
+
+
+def test_retention_keeps_warmup_and_last_steps(tmp_path: Path) -> None:
+    model = mlp(width=8, depth=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with chunkmem.trace(tmp_path, model=model, optimizer=optimizer, keep_warmup=1, keep_last=2):
+        for batch in mlp_batches(6, width=8):
+            mlp_loss(model, batch).backward()
+            optimizer.step()
+            with chunkmem.annotate("eval"):
+                pass
+    rank = read_trace(tmp_path).ranks[0]
+    assert sorted({m["step"] for m in rank.moments}) == [0, 4, 5]
+    assert [s["step"] for s in rank.steps] == list(range(6))  # summaries are never dropped
+    assert rank.gaps == [{"type": "gap", "first": 1, "last": 3, "steps": 3}]
+    assert [m["phase"] for m in rank.markers if m["step"] == 0] == ["begin", "end"]
+    assert rank.complete
+
+
+def test_schema_version_is_checked(tmp_path: Path) -> None:
+    (tmp_path / "trace.rank0.jsonl").write_text(json.dumps({"type": "header", "schema": "chunkmem.trace/99",
+                                                            "rank": 0}) + "\n")
+    with pytest.raises(TraceError, match="chunkmem.trace/99"):
+        read_trace(tmp_path)
+    with pytest.raises(TraceError, match="no such trace directory"):
+        read_trace(tmp_path / "missing")
+    assert SCHEMA == "chunkmem.trace/1"
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="level 'loud'"):
+        chunkmem.trace("x", model=mlp(), level="loud")
+    with pytest.raises(ValueError, match="keep_last=-1"):
+        Retention(keep_last=-1)
+    with pytest.raises(ValueError, match="non-empty string"):
+        chunkmem.annotate("")
+
+
+def test_trace_command_records_a_plain_script_without_changes(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text("import torch\nm = torch.nn.Linear(4, 2)\no = torch.optim.Adam(m.parameters())\n"
+                      "for _ in range(2):\n    m(torch.randn(3, 4)).sum().backward(); o.step()\n")
+    out = tmp_path / "trace"
+    done = subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace", "--output", str(out), "--",
+                           sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rank = read_trace(out).ranks[0]
+    assert rank.header["source"] == "observer" and rank.complete
+    assert rank.moments[-1]["device"]["exp_avg"] == (4 * 2 + 2) * 4
+    missing = subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no command given" in missing.stderr
