@@ -119,7 +119,8 @@ class ChunkedModel(nn.Module):
 
         def given(name: str, target: torch.Tensor) -> str | None:
             """The key that supplies `name`: itself, or any name of the same (tied) parameter."""
-            names = records[target].aliases if target in records else ()
+            record = records.get(target)  # type: ignore[call-overload]  # buffers are not records
+            names = record.aliases if record is not None else ()
             return next((k for k in (name, *names) if k in state_dict), None)
 
         missing = [k for k, t in expected.items() if given(k, t) is None]
