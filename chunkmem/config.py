@@ -44,6 +44,10 @@ class Config:
     chunk_size: elements per chunk; None searches the size that wastes least.
     offload_activations: keep tensors autograd saves for backward in host memory until backward
         needs them (with activation checkpointing these are the segment boundaries).
+    native_optimizer: update host-resident chunks with the native kernel (csrc/cpu_optim.cpp: one
+        pass, casts folded in) instead of torch.optim's functions. Faster in mixed precision, within
+        1e-6 of torch.optim rather than bit-identical to it; falls back to torch.optim, with one
+        warning, when the kernel cannot be built.
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -52,6 +56,7 @@ class Config:
     dtype: str = "fp32"
     chunk_size: int | None = None
     offload_activations: bool = False
+    native_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -66,8 +71,9 @@ class Config:
         if self.chunk_size is not None and (
                 isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"Config.chunk_size={self.chunk_size!r}: expected a positive int of elements or None")
-        if not isinstance(self.offload_activations, bool):
-            raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
+        for flag in ("offload_activations", "native_optimizer"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Config.{flag}={getattr(self, flag)!r}: expected True or False")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -17,6 +17,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
+from chunkmem import native
 from chunkmem.runtime import Runtime
 from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord
@@ -90,6 +91,8 @@ class ChunkOptimizer(Optimizer):
                                      "chunkmem.prepare: build the optimizer from model.parameters()")
         self.steps: dict[ParamRecord, torch.Tensor] = {
             records[p]: torch.tensor(0.0) for g in self.param_groups for p in g["params"]}
+        self.native = native.load() if runtime.config.native_optimizer else None
+        self.native_steps = 0  # chunk-group updates the native kernel made
 
     def group_of(self) -> dict[ParamRecord, dict]:
         records = self.runtime.store.records
@@ -130,6 +133,10 @@ class ChunkOptimizer(Optimizer):
         needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
                                 *(chunk_group.chunks[k] for k in self.rule.states)])
         runtime.placer.access(list(needed), "optim", chunk_group.index)
+        uniform = self._uniform(chunk_group, members, group_of)
+        if self.native is not None and not on_device and uniform is not None:
+            self._native_step(chunk_group, members, uniform, inv_scale)
+            return
         lowp = "master" in chunk_group.chunks
         grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
             chunk_group.chunks["grad"])
@@ -144,6 +151,39 @@ class ChunkOptimizer(Optimizer):
                              [self.steps[r] for r in subset])
         if lowp:
             runtime.writable(chunk_group.param, on_device).copy_(master)
+
+    def _uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
+                 group_of: dict[ParamRecord, dict]) -> dict | None:
+        """The one param group of a chunk whose parameters all step now, at one step count; else None."""
+        groups = {id(group_of[r]) for r in members}
+        steps = {self.steps[r].item() for r in members}
+        if len(members) != len(chunk_group.members) or len(groups) != 1 or len(steps) != 1:
+            return None
+        return group_of[members[0]]
+
+    def _native_step(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict,
+                     inv_scale: float) -> None:
+        """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy."""
+        runtime = self.runtime
+        grad = runtime.residency.to_host(chunk_group.chunks["grad"])
+        master = runtime.writable(chunk_group.master, False)
+        states = {k: runtime.writable(chunk_group.chunks[k], False) for k in self.rule.states}
+        param_out = runtime.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
+        step = int(self.steps[members[0]].item()) + 1
+        common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
+                      grad_scale_inv=inv_scale)
+        if self.rule.update is _adam:
+            beta1, beta2 = group["betas"]
+            native.adam_step(master, grad, states["exp_avg"], states["exp_avg_sq"], param_out, beta1=beta1,
+                             beta2=beta2, eps=group["eps"], decoupled=group.get("decoupled_weight_decay", False),
+                             step=step, **common)
+        else:
+            native.sgd_step(master, grad, states.get("momentum_buffer"), param_out, momentum=group["momentum"],
+                            dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
+                            **common)
+        for record in members:
+            self.steps[record] += 1
+        self.native_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.zero_grad(set_to_none)
