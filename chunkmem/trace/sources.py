@@ -85,7 +85,7 @@ class PlainSource:
         self.torch_device = first.device if first is not None else torch.device("cpu")
 
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
+        out: list[tuple[str, torch.Tensor]] = []
         for param in self.model.parameters():
             out.append(("param", param))
             if param.grad is not None:
