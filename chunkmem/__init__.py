@@ -5,11 +5,12 @@ import os as _os
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
+from chunkmem.pipeline import Pipeline, pipeline
 from chunkmem.trace import annotate, trace
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
-__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "annotate", "load_checkpoint", "prepare",
-           "save_checkpoint", "trace"]
+__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "Pipeline", "annotate", "load_checkpoint",
+           "pipeline", "prepare", "save_checkpoint", "trace"]
 __version__ = "0.1.0"
 
 if _os.environ.get("CHUNKMEM_TRACE", "") not in ("", "0"):  # tracing with no code change (chunkmem/trace/autoattach.py)

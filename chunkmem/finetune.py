@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import chunkmem
 from chunkmem import corpus, hf, lora
-from chunkmem.config import parse_size
+from chunkmem.config import default_device, parse_size
 from chunkmem.hf import InputError
 from chunkmem.optim import ChunkOptimizer
 from chunkmem.rundir import RunDir
@@ -139,9 +139,9 @@ def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, Ch
         {"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)
     try:
-        config = chunkmem.Config(**{k: v for k, v in dict(
-            device=cfg.device, device_memory=cfg.device_memory, host_memory=cfg.host_memory,
-            dtype=cfg.dtype, chunk_size=cfg.chunk_size).items() if v is not None})
+        device = cfg.device if cfg.device is not None else default_device()
+        config = chunkmem.Config(device=device, device_memory=cfg.device_memory, host_memory=cfg.host_memory,
+                                 dtype=cfg.dtype, chunk_size=cfg.chunk_size)
     except ValueError as error:
         raise InputError(str(error).replace("Config.", "--").replace("_", "-")) from None
     model, chunk_optimizer = chunkmem.prepare(module, optimizer, config)

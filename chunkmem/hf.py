@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from safetensors import safe_open
@@ -26,6 +27,9 @@ from torch import nn
 from tqdm import tqdm
 
 from chunkmem.wrapper import ChunkedModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger("chunkmem")
 
@@ -114,10 +118,11 @@ def params_on_meta() -> Iterator[None]:
     """
     original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    # Named `self` so the signature matches the method it replaces.
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.device.type != "meta":
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(module, name, param)
+        original(self, name, param)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
@@ -126,7 +131,7 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build(config: Any, on_meta: bool, seed: int = 0) -> nn.Module:
+def build(config: Any, on_meta: bool, seed: int = 0) -> PreTrainedModel:
     """A causal LM from `config`: empty (meta parameters) to load into, or seeded random weights."""
     from transformers import AutoModelForCausalLM
 
@@ -201,11 +206,15 @@ def entries(model: ChunkedModel) -> list[Entry]:
     for name, tensor in model.module.state_dict(keep_vars=True).items():
         record = runtime.store.records.get(tensor)  # type: ignore[call-overload]
         if record is None:
-            out.append(Entry(name, tensor.shape, lambda t=tensor: t.detach().to("cpu", copy=True)))
+            out.append(Entry(name, tensor.shape, functools.partial(_cpu_copy, tensor)))
         elif id(record) not in seen:
             seen.add(id(record))
-            out.append(Entry(name, record.shape, lambda r=record: runtime.fp32_value(r)))
+            out.append(Entry(name, record.shape, functools.partial(runtime.fp32_value, record)))
     return out
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def save_pretrained(model: ChunkedModel, out: str | os.PathLike, dtype: str = "fp32",
@@ -259,7 +268,7 @@ def _plan(todo: list[Entry], itemsize: int, max_shard_bytes: int) -> list[list[E
 
 def _write_config(model: ChunkedModel, folder: Path, dtype: str) -> None:
     module = model.module
-    config = module.config
+    config = cast("PretrainedConfig", module.config)  # nn.Module's __getattr__ types it as Tensor | Module
     config.architectures = [type(module).__name__]
     config.dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
     config.save_pretrained(str(folder))

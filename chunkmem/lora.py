@@ -34,7 +34,11 @@ class LoRALinear(nn.Module):
             raise ValueError(f"LoRA rank={rank}: expected a positive int")
         self.base = base
         self.transposed = _is_conv1d(base)  # Conv1D keeps its weight as [in, out]
-        rows, cols = base.weight.shape
+        weight = base.weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"LoRA base {type(base).__name__}: expected a `weight` tensor "
+                            f"(nn.Linear or Conv1D), got {type(weight).__name__}")
+        rows, cols = weight.shape
         self.in_features, self.out_features = (rows, cols) if self.transposed else (cols, rows)
         self.rank, self.scale = rank, alpha / rank
         # Adapters are created on the CPU in fp32 even when the base is on the meta device.

@@ -46,19 +46,36 @@ class ChunkmemTrainer(Trainer):
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if isinstance(self.model, ChunkedModel):
+            if self.optimizer is None:
+                raise RuntimeError("ChunkmemTrainer: the model is already prepared but the Trainer has no optimizer: "
+                                   "pass the ChunkOptimizer from chunkmem.prepare as optimizers=(optimizer, None), "
+                                   "or pass the plain model and let the Trainer prepare it")
             return self.optimizer
+        if self.model is None:
+            raise RuntimeError("ChunkmemTrainer: no model to prepare: pass model= (or model_init=) to the Trainer")
         plain = super().create_optimizer(model)
         self.model, self.optimizer = chunkmem.prepare(self.model, plain, self.chunkmem_config)
         self.model_wrapped = self.model
         return self.optimizer
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
-        return self.model.clip_grad_norm_(self.args.max_grad_norm)
+        return self._prepared().clip_grad_norm_(self.args.max_grad_norm)
+
+    def _prepared(self) -> ChunkedModel:
+        """The model `create_optimizer` prepared; clipping and checkpoints need its chunks."""
+        if not isinstance(self.model, ChunkedModel):
+            raise TypeError(f"ChunkmemTrainer: the model is a {type(self.model).__name__}, not yet prepared by "
+                            "chunkmem: create_optimizer prepares it when training starts")
+        return self.model
 
     def _chunk_optimizer(self) -> ChunkOptimizer:
-        optimizer = self.optimizer
+        optimizer: object = self.optimizer
         while not isinstance(optimizer, ChunkOptimizer):  # Accelerate wraps it
-            optimizer = optimizer.optimizer
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is None:
+                raise TypeError(f"ChunkmemTrainer: the Trainer's optimizer is a {type(optimizer).__name__} and "
+                                "wraps no ChunkOptimizer: create_optimizer has not prepared the model")
+            optimizer = inner
         return optimizer
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -68,12 +85,14 @@ class ChunkmemTrainer(Trainer):
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
             return
+        if output_dir is None:
+            raise ValueError("ChunkmemTrainer: nowhere to save: set TrainingArguments.output_dir")
         hf.save_pretrained(self.model, output_dir, self.model.runtime.config.dtype)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        chunkmem.save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, self.model, self._chunk_optimizer())
+        chunkmem.save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, self._prepared(), self._chunk_optimizer())
         if self.lr_scheduler is not None:
             state = {k: v for k, v in self.lr_scheduler.state_dict().items() if _jsonable(v)}
             (Path(output_dir) / SCHEDULER_FILE).write_text(json.dumps(state))
@@ -81,7 +100,7 @@ class ChunkmemTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not (Path(checkpoint) / OPTIMIZER_DIR).exists():
             return
-        chunkmem.load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self.model, self._chunk_optimizer())
+        chunkmem.load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self._prepared(), self._chunk_optimizer())
         scheduler_file = Path(checkpoint) / SCHEDULER_FILE
         if self.lr_scheduler is not None and scheduler_file.exists():
             self.lr_scheduler.load_state_dict(json.loads(scheduler_file.read_text()))

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.spawn import free_port
+from tests.multiproc import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "zero_torchrun.py"
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import chunkmem
 from tests.helpers import gpt2_loss, mlp, mlp_loss, tiny_gpt2, train, updates
-from tests.spawn import run_workers
+from tests.multiproc import run_workers
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 

@@ -46,6 +46,17 @@ def _error(message: str) -> int:
     return 2
 
 
+def _budget(field: str, value: str | None) -> int:
+    """A memory budget in bytes. The parser gives each flag a default; None comes only from a
+    Namespace built by hand, and the planner needs a number."""
+    from chunkmem.config import parse_size
+
+    size = parse_size(field, value)
+    if size is None:
+        raise ValueError(f"Config.{field}={value!r}: expected a size like '24GiB'")
+    return size
+
+
 def _config(args: argparse.Namespace) -> Any:
     from chunkmem.hf import resolve
     from chunkmem.trace.planner import gpt2_config
@@ -62,7 +73,6 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkmem.config import parse_size
     from chunkmem.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
 
@@ -71,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
     try:
-        device_memory = parse_size("device_memory", args.device_memory)
-        host_memory = parse_size("host_memory", args.host_memory)
+        device_memory = _budget("device_memory", args.device_memory)
+        host_memory = _budget("host_memory", args.host_memory)
         config = _config(args)
     except (ValueError, InputError) as error:
         return _error(str(error).replace("Config.", "--").replace("_memory", "-memory"))

@@ -71,12 +71,12 @@ class Session:
             self._detach = lambda: runtime.observers.remove(self.recorder)
             config = dict(vars(runtime.config))
         elif isinstance(model, nn.Module):
-            self.watcher = PlainWatcher(model, _Forward(self))
-            self.recorder = Recorder(self.directory, rank, PlainSource(model, optimizer, lambda: self.watcher.meter.live),
+            watcher = self.watcher = PlainWatcher(model, _Forward(self))
+            self.recorder = Recorder(self.directory, rank, PlainSource(model, optimizer, lambda: watcher.meter.live),
                                      self.level, self.retention)
             if optimizer is not None:
-                self.watcher.set_optimizer(optimizer)
-            self._detach = self.watcher.remove
+                watcher.set_optimizer(optimizer)
+            self._detach = watcher.remove
             config = {}
         else:
             raise TypeError(f"chunkmem.trace: model must be an nn.Module (plain or prepared), got {type(model).__name__}")

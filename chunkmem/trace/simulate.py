@@ -52,8 +52,9 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0) -
     if request.checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if request.optimizer == "adam" else
-                 torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if request.optimizer == "sgd-momentum" else 0))
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=1e-4) if request.optimizer == "adam" else
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if request.optimizer == "sgd-momentum" else 0))
     prepared, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(
         device="cpu", device_memory=request.device_memory, dtype=request.dtype,
         offload_activations=request.offload_activations))
