@@ -21,7 +21,8 @@ _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 
 
 class FetchMode(TorchFunctionMode):
-    """Brings a managed parameter to the device when a torch function receives it unannounced."""
+    """Brings a managed parameter to the device when a torch function receives it unannounced, and
+    retries a forward op that ran out of device memory once chunks not in use have left."""
 
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
@@ -32,13 +33,18 @@ class FetchMode(TorchFunctionMode):
         if type(func) is _DESCRIPTOR_CALL:  # `.data = `, `.shape`: attribute access, not compute
             return func(*args, **kwargs)
         records = self.runtime.unannounced(_parameters(args, kwargs))
-        if not records:
-            return func(*args, **kwargs)
-        self.runtime.acquire(records)
+        if records:
+            self.runtime.acquire(records)
         try:
             return func(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            # Activations outgrew the warm-up's record: make room with the chunks nobody uses and run
+            # the op again (forward ops only: backward's kernels do not pass through this mode).
+            self.runtime.placer.out_of_memory(error)
+            return func(*args, **kwargs)
         finally:
-            self.runtime.release(records)
+            if records:
+                self.runtime.release(records)
 
 
 def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:

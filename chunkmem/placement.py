@@ -293,6 +293,12 @@ class Placer:
         self.phase = Phase.DIVERGED
         self.residency.limit = self.conservative
 
+    def out_of_memory(self, error: Exception) -> None:
+        """A compute op ran out of device memory: free every chunk not in use, stay conservative for the
+        rest of this step and record the next (its non-model data outgrew what the plan assumed)."""
+        self._diverge(f"device out of memory in a forward op ({error}); evicted every chunk not in use")
+        self.residency.evict_unpinned()
+
     # -- steps ------------------------------------------------------------------------------------
     def step_done(self) -> None:
         """At the end of an optimizer step: plan after warm-up, re-plan or re-record after that."""

@@ -83,12 +83,10 @@ class Residency:
                 self._bring(chunk, reason)
             except torch.OutOfMemoryError as error:
                 # The budget was right for chunks but the device is full (non-model data grew beyond the
-                # warm-up's record): the most conservative placement is no other chunk on the device.
+                # warm-up's record).
                 log.warning("device out of memory bringing %s (%s): evicting every chunk not in use and "
                             "retrying; if this repeats, lower Config.device_memory", chunk.name, error)
-                self.stats.oom_fallbacks += 1
-                for other in [c for c in self.resident.values() if not c.pins]:
-                    self.evict(other)
+                self.evict_unpinned()
                 self._bring(chunk, reason)
             self._added(chunk)
         if chunk.pending is not None and reason != "prefetch":
@@ -129,6 +127,13 @@ class Residency:
             self._drop(chunk)
         chunk.write_host()
         return host
+
+    def evict_unpinned(self) -> None:
+        """The most conservative placement, after an out-of-memory error: no chunk on the device that
+        no tensor is using right now."""
+        self.stats.oom_fallbacks += 1
+        for chunk in [c for c in self.resident.values() if not c.pins]:
+            self.evict(chunk)
 
     def evict(self, chunk: Chunk) -> None:
         if chunk.state.on_device:

@@ -120,6 +120,46 @@ def test_out_of_memory_falls_back_and_the_step_completes_identically(caplog):
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+class FlakyTanh(torch.nn.Module):
+    """tanh through an op that runs out of device memory the next `failures` times, as a large
+    activation would. The op takes part in torch-function dispatch like a torch op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x)
+
+    def op(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.overrides.has_torch_function((x,)):
+            return torch.overrides.handle_torch_function(self.op, (x,), x)
+        if self.failures:
+            self.failures -= 1
+            raise torch.OutOfMemoryError("simulated: no device memory for an activation")
+        return torch.tanh(x)
+
+
+def test_out_of_memory_in_a_forward_op_falls_back_and_the_step_completes_identically(caplog):
+    model, batches = torch.nn.Sequential(FlakyTanh(), mlp()), mlp_batches(5)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 2)
+    losses = train(cm, opt, batches[:2], mlp_loss)
+    assert cm.runtime.placer.phase is Phase.FOLLOW
+    flaky = cm.module[0]
+    flaky.failures = 1
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        losses += train(cm, opt, batches[2:3], mlp_loss)
+    assert flaky.failures == 0 and cm.memory_stats()["oom_fallbacks"] == 1
+    assert any("out of memory in a forward op" in r.getMessage() for r in caplog.records)
+    assert cm.runtime.placer.phase is Phase.RECORD, "the step after the fallback is recorded anew"
+    losses += train(cm, opt, batches[3:], mlp_loss)
+    assert cm.runtime.placer.phase is Phase.FOLLOW
+    assert losses == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
 def test_activation_meter_counts_saved_tensors_until_backward_frees_them():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
     cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))

@@ -1,0 +1,76 @@
+"""What a CUDA device holds besides chunkmem's chunks: the non-model memory the placement plans around.
+
+Two parts. PyTorch's allocator reports the bytes its live tensors use (`memory_allocated`); minus the
+chunk bytes, that is activations, temporaries and communication buffers. Memory outside PyTorch's
+allocator (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's own buffers) shows only in the driver's
+per-process reading, which NVML gives: the process's used bytes minus what PyTorch has reserved.
+
+Cached-but-free allocator blocks (reserved - allocated) are not counted: PyTorch releases them and
+retries before it reports an out-of-memory error, so chunks can still use that room.
+
+The outside part changes rarely (it grows when a library first initialises) and an NVML query costs
+tens of microseconds, so it is read at most every REFRESH_S seconds, not at every moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+log = logging.getLogger("chunkmem")
+REFRESH_S = 1.0
+
+
+class DeviceMemory:
+    """Non-model bytes on one CUDA device. `nvml` is the pynvml module, or None to read the allocator only."""
+
+    def __init__(self, device: torch.device, nvml: Any = None) -> None:
+        self.device = device
+        self.nvml = nvml
+        self._handle: Any = None
+        self._outside = 0
+        self._read_at = -REFRESH_S
+
+    def nonmodel(self, chunk_bytes: int) -> int:
+        allocated = torch.cuda.memory_allocated(self.device)
+        return max(0, allocated - chunk_bytes) + self.outside_allocator()
+
+    def outside_allocator(self) -> int:
+        """Bytes this process holds on the device that PyTorch's allocator did not reserve (0 without NVML)."""
+        if self.nvml is None or time.monotonic() - self._read_at < REFRESH_S:
+            return self._outside
+        self._read_at = time.monotonic()
+        used = self._process_used()
+        if used is not None:
+            self._outside = max(0, used - torch.cuda.memory_reserved(self.device))
+        return self._outside
+
+    def _process_used(self) -> int | None:
+        """This process's bytes on the device by NVML, or None when it cannot tell (e.g. another PID namespace)."""
+        nvml = self.nvml
+        try:
+            if self._handle is None:
+                nvml.nvmlInit()
+                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            for process in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if process.pid == os.getpid() and process.usedGpuMemory is not None:
+                    return int(process.usedGpuMemory)
+        except Exception as error:  # NVMLError has many subclasses; none of them should stop training
+            log.info("chunkmem: NVML cannot read this process's device memory (%s); counting the allocator only",
+                     error)
+            self.nvml = None
+        return None
+
+
+def load_nvml() -> Any:
+    """The pynvml module (package nvidia-ml-py), or None when it is not installed."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return pynvml
