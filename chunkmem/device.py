@@ -2,18 +2,25 @@
 
 In the simulation the "device" is ordinary CPU memory kept apart from the host payloads, so every
 placement decision and every copy happens for real and is counted, on a machine without a GPU.
+Host payloads come from a `HostPool` (chunkmem/hostpool.py) on both: pinned on CUDA, its twin in
+simulation, with the same reuse, cap and fallback.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 import torch
 
+from chunkmem import native
+from chunkmem.config import parse_size
+from chunkmem.hostpool import EngineAllocator, HostAllocator, HostPool, PlainAllocator, RegisteredAllocator
+
 
 class Device(Protocol):
     torch_device: torch.device
+    host_pool: HostPool  # where host_alloc's buffers come from; its stats() go into memory_stats()
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -38,8 +45,9 @@ class SimulatedDevice:
 
     torch_device = torch.device("cpu")
 
-    def __init__(self) -> None:
+    def __init__(self, host_memory: int | None = None) -> None:
         self.fail_allocations = 0
+        self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.fail_allocations > 0:
@@ -48,7 +56,7 @@ class SimulatedDevice:
         return torch.empty(numel, dtype=dtype)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+        return self.host_pool.tensor(numel, dtype)
 
     def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
         device.copy_(host)
@@ -65,37 +73,67 @@ class SimulatedDevice:
 
 
 class CudaDevice:
-    """A CUDA device: pinned host payloads and a copy stream fenced against the compute stream."""
+    """A CUDA device: pinned host payloads and copy streams fenced against the compute stream.
 
-    def __init__(self, name: str) -> None:
+    With the copy engine built (chunkmem/native.py) copies go through it: its own upload and download
+    streams, events as tokens, and cudaHostAlloc'd host memory. Without it, the same with PyTorch.
+    """
+
+    def __init__(self, name: str, host_memory: int | None = None) -> None:
         self.torch_device = torch.device(name)
         if self.torch_device.index is None:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
-        self.copy_stream = torch.cuda.Stream(self.torch_device)
+        module = native.load_copy_engine()
+        self.engine: Any = None  # the device's CopyEngine when the extension is built
+        self.copy_stream: torch.cuda.Stream
+        allocator: HostAllocator
+        if module is not None:
+            self.engine = native.copy_engine(self.torch_device.index)
+            allocator = EngineAllocator(module)
+            # The engine's upload stream as torch sees it, for record_stream on the buffers it fills.
+            self.copy_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
+        else:
+            allocator = RegisteredAllocator()
+            self.copy_stream = torch.cuda.Stream(self.torch_device)
+        self.host_pool = HostPool(allocator, host_memory)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+        return self.host_pool.tensor(numel, dtype)
 
     def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
-        # The copy runs on its own stream; compute waits for it only where the chunk is used, so a
-        # prefetch overlaps with the module running now.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.torch_device))
-        with torch.cuda.stream(self.copy_stream):
-            device.copy_(host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
+        # The copy runs on its own stream after what compute has queued (the device buffer was just
+        # allocated on the compute stream); compute waits for it only where the chunk is used, so a
+        # prefetch overlaps with the module running now. record_stream keeps the caching allocator
+        # from handing the buffer out again before the copy is done.
+        compute = torch.cuda.current_stream(self.torch_device)
+        if self.engine is not None:
+            done = self.engine.copy([device], [host], compute.cuda_stream)
+        else:
+            self.copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self.copy_stream):
+                device.copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
         device.record_stream(self.copy_stream)
         return done
 
     def wait(self, token: object) -> None:
-        torch.cuda.current_stream(self.torch_device).wait_event(token)  # type: ignore[arg-type]
+        compute = torch.cuda.current_stream(self.torch_device)
+        if self.engine is not None:
+            token.wait(compute.cuda_stream)  # type: ignore[attr-defined]
+        else:
+            compute.wait_event(token)  # type: ignore[arg-type]
 
     def download(self, device: torch.Tensor, host: torch.Tensor) -> None:
         # The host copy is read by host code right after, so this waits for it.
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+        compute = torch.cuda.current_stream(self.torch_device)
+        if self.engine is not None:
+            self.engine.copy([host], [device], compute.cuda_stream).synchronize()
+            return
+        self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
             host.copy_(device, non_blocking=True)
         device.record_stream(self.copy_stream)
@@ -105,5 +143,9 @@ class CudaDevice:
         return torch.cuda.mem_get_info(self.torch_device)[0]
 
 
-def make_device(name: str) -> Device:
-    return SimulatedDevice() if name == "cpu" else CudaDevice(name)
+def make_device(name: str, host_memory: int | str | None = None) -> Device:
+    """The device `name` ("cpu" is the simulation) pinning at most `host_memory` bytes of host buffers."""
+    limit = parse_size("host_memory", host_memory)
+    device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
+    native.report_missing(cuda=name != "cpu")
+    return device

@@ -1,79 +1,20 @@
-// Host<->device chunk copies issued as one batch on a caller's stream, and a pinned host pool.
+// The CUDA copy engine: dedicated host-to-device and device-to-host streams, events that fence chunk
+// use, batched copies of a list of chunks in one call, and raw page-locked host allocation.
 //
 // Why: moving a layer's chunks one cudaMemcpyAsync per Python call costs a launch and a GIL round trip
-// each; issuing the whole list from C++ keeps the copy engine busy back to back. Asynchronous copies
-// only overlap compute from page-locked memory, and cudaHostAlloc/cudaFreeHost are slow and
-// synchronising, so freed pinned buffers are kept and handed out again to requests of the same size
-// (chunks come in a few fixed sizes, so exact-size reuse is enough and never wastes a byte).
+// each; issuing the whole list from C++ keeps the copy engine busy back to back. Copies only overlap
+// compute from page-locked memory and on a stream other than the compute stream, one per direction
+// so uploads (prefetch) and downloads (eviction) run concurrently on the GPU's two copy engines.
 //
-// Plain CUDA runtime with a C interface (no torch headers), so it builds wherever nvcc does; a binding
-// layer passes raw pointers and the stream handle. Not exercised on a machine without a GPU.
+// Two layers. The C functions first use only the CUDA runtime, so `nvcc -c` builds them anywhere nvcc
+// runs. The Python binding after them is compiled when torch.utils.cpp_extension builds this file
+// (it defines TORCH_EXTENSION_NAME; see chunkmem/native.py). Reusing pinned buffers, capping them and
+// falling back to pageable memory is chunkmem/hostpool.py's policy: this file only allocates and frees.
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <mutex>
-#include <unordered_map>
-#include <vector>
-
-namespace {
-
-// Freed pinned buffers by exact byte size. Guarded by a mutex: frees can come from a copy thread.
-class PinnedPool {
- public:
-  cudaError_t acquire(size_t bytes, void** out) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto found = free_.find(bytes);
-      if (found != free_.end() && !found->second.empty()) {
-        *out = found->second.back();
-        found->second.pop_back();
-        return cudaSuccess;
-      }
-    }
-    return cudaHostAlloc(out, bytes, cudaHostAllocDefault);  // outside the lock: it can take milliseconds
-  }
-
-  void release(void* ptr, size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    free_[bytes].push_back(ptr);
-  }
-
-  // Returns every cached buffer to the driver; buffers still handed out are the caller's to release.
-  cudaError_t trim(size_t* freed_bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    cudaError_t status = cudaSuccess;
-    size_t freed = 0;
-    for (auto& [bytes, buffers] : free_) {
-      for (void* ptr : buffers) {
-        const cudaError_t err = cudaFreeHost(ptr);
-        if (err != cudaSuccess && status == cudaSuccess) status = err;
-        freed += bytes;
-      }
-    }
-    free_.clear();
-    if (freed_bytes != nullptr) *freed_bytes = freed;
-    return status;
-  }
-
-  size_t cached_bytes() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    size_t total = 0;
-    for (const auto& [bytes, buffers] : free_) total += bytes * buffers.size();
-    return total;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<size_t, std::vector<void*>> free_;
-};
-
-PinnedPool& pool() {
-  static PinnedPool instance;  // process lifetime: pinned memory is released by trim() or at exit
-  return instance;
-}
-
-}  // namespace
+#include <cstdint>
 
 extern "C" {
 
@@ -93,13 +34,194 @@ cudaError_t chunkmem_copy_batch(void* const* dst, const void* const* src, const 
   return status;
 }
 
-cudaError_t chunkmem_pinned_acquire(size_t bytes, void** out) { return pool().acquire(bytes, out); }
+// Exactly `bytes` of page-locked host memory (the driver rounds to pages, nothing more). Portable: it
+// counts as pinned in every device's context, so a chunk can move to any GPU of the process.
+cudaError_t chunkmem_pinned_alloc(size_t bytes, void** out) {
+  const cudaError_t status = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
+  // An allocation failure is not sticky, but it stays the "last error" until read, and torch's next
+  // kernel-launch check would report it as its own: clear it here, the caller has the status.
+  if (status != cudaSuccess) (void)cudaGetLastError();
+  return status;
+}
 
-// The caller must know the copies reading or writing `ptr` are done (e.g. an event after them).
-void chunkmem_pinned_release(void* ptr, size_t bytes) { pool().release(ptr, bytes); }
-
-cudaError_t chunkmem_pinned_trim(size_t* freed_bytes) { return pool().trim(freed_bytes); }
-
-size_t chunkmem_pinned_cached_bytes() { return pool().cached_bytes(); }
+// cudaFreeHost synchronises the device: free rarely (the pool keeps blocks for reuse).
+cudaError_t chunkmem_pinned_free(void* ptr) { return cudaFreeHost(ptr); }
 
 }  // extern "C"
+
+#ifdef TORCH_EXTENSION_NAME
+
+#include <ATen/core/Tensor.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+void check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  (void)cudaGetLastError();  // see chunkmem_pinned_alloc
+  TORCH_CHECK(false, "chunkmem copy engine: ", what, " failed with CUDA error ", static_cast<int>(status), " (",
+              cudaGetErrorString(status), ")");
+}
+
+// Makes `device` current for the scope: streams and events belong to the device current at creation.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { (void)cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// Marks a point on a stream. Compute waits on it before touching an uploaded chunk (`wait`, which does
+// not block the host); host code waits on it before reading a downloaded one (`synchronize`).
+class Event {
+ public:
+  Event(int device, cudaStream_t stream) : device_(device) {
+    DeviceGuard guard(device);
+    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventRecord(event_, stream), "cudaEventRecord");
+  }
+  // Destroying an event whose work is still pending is legal: the driver releases it once it completes.
+  ~Event() { (void)cudaEventDestroy(event_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Work queued on `stream` (a cudaStream_t as an integer, e.g. torch.cuda.current_stream().cuda_stream)
+  // after this call starts only once the copies before the event are done.
+  void wait(std::uintptr_t stream) const {
+    DeviceGuard guard(device_);
+    check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0), "cudaStreamWaitEvent");
+  }
+
+  void synchronize() const {
+    pybind11::gil_scoped_release no_gil;
+    check(cudaEventSynchronize(event_), "cudaEventSynchronize");
+  }
+
+  bool query() const {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    check(status, "cudaEventQuery");
+    return true;
+  }
+
+ private:
+  int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+// One per device and process (chunkmem/native.py caches it). The streams are never destroyed: the caching
+// allocator records events on them for device buffers that may outlive the engine, until process exit.
+class CopyEngine {
+ public:
+  explicit CopyEngine(int device) : device_(device) {
+    DeviceGuard guard(device);
+    check(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (h2d)");
+    check(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (d2h)");
+    check(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  }
+  CopyEngine(const CopyEngine&) = delete;
+  CopyEngine& operator=(const CopyEngine&) = delete;
+
+  int device() const { return device_; }
+  std::uintptr_t h2d_stream() const { return reinterpret_cast<std::uintptr_t>(h2d_); }
+  std::uintptr_t d2h_stream() const { return reinterpret_cast<std::uintptr_t>(d2h_); }
+
+  // Copies src[i] into dst[i] for every i, all in one direction (every dst on this device and every src
+  // on the host, or the reverse), on that direction's stream, after the work already queued on `after`
+  // (the stream that allocated or last wrote the buffers; 0 for none). Returns an event after the last.
+  // The caller keeps the tensors alive, and device buffers recorded on the copy stream, until it fires.
+  std::shared_ptr<Event> copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
+                              std::uintptr_t after) {
+    TORCH_CHECK(dst.size() == src.size(), "chunkmem copy engine: ", dst.size(), " destinations but ", src.size(),
+                " sources; pass one of each per chunk");
+    TORCH_CHECK(!dst.empty(), "chunkmem copy engine: empty batch; pass at least one chunk");
+    const bool upload = dst[0].is_cuda();
+    std::vector<void*> dst_ptrs(dst.size());
+    std::vector<const void*> src_ptrs(src.size());
+    std::vector<size_t> bytes(dst.size());
+    for (size_t i = 0; i < dst.size(); ++i) {
+      const at::Tensor& device_side = upload ? dst[i] : src[i];
+      const at::Tensor& host_side = upload ? src[i] : dst[i];
+      TORCH_CHECK(device_side.is_cuda() && device_side.get_device() == device_ && host_side.is_cpu(),
+                  "chunkmem copy engine: pair ", i, " copies ", src[i].device(), " -> ", dst[i].device(),
+                  " but this batch goes ", upload ? "cpu -> cuda:" : "cuda:", device_, upload ? "" : " -> cpu",
+                  "; split batches by direction and device");
+      TORCH_CHECK(dst[i].is_contiguous() && src[i].is_contiguous(), "chunkmem copy engine: pair ", i,
+                  " is not contiguous; chunks are flat buffers, pass them whole");
+      TORCH_CHECK(dst[i].nbytes() == src[i].nbytes() && dst[i].dtype() == src[i].dtype(),
+                  "chunkmem copy engine: pair ", i, " has ", src[i].nbytes(), " bytes of ", src[i].dtype(),
+                  " for ", dst[i].nbytes(), " bytes of ", dst[i].dtype(), "; both sides must match");
+      dst_ptrs[i] = dst[i].data_ptr();
+      src_ptrs[i] = src[i].data_ptr();
+      bytes[i] = dst[i].nbytes();
+    }
+    cudaStream_t stream = upload ? h2d_ : d2h_;
+    pybind11::gil_scoped_release no_gil;  // a copy from pageable memory blocks until it is staged
+    std::lock_guard<std::mutex> lock(mutex_);  // one fence event per engine
+    DeviceGuard guard(device_);
+    if (after != 0) {
+      // The wait binds to the record made just before it, so one reused event serves every call.
+      check(cudaEventRecord(fence_, reinterpret_cast<cudaStream_t>(after)), "cudaEventRecord (fence)");
+      check(cudaStreamWaitEvent(stream, fence_, 0), "cudaStreamWaitEvent (fence)");
+    }
+    int issued = 0;
+    check(chunkmem_copy_batch(dst_ptrs.data(), src_ptrs.data(), bytes.data(), static_cast<int>(bytes.size()),
+                              upload ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream, &issued),
+          "cudaMemcpyAsync");
+    return std::make_shared<Event>(device_, stream);
+  }
+
+ private:
+  int device_;
+  cudaStream_t h2d_ = nullptr;
+  cudaStream_t d2h_ = nullptr;
+  cudaEvent_t fence_ = nullptr;
+  std::mutex mutex_;
+};
+
+std::uintptr_t pinned_alloc(size_t bytes) {
+  void* ptr = nullptr;
+  const cudaError_t status = chunkmem_pinned_alloc(bytes, &ptr);
+  TORCH_CHECK(status == cudaSuccess, "chunkmem copy engine: cudaHostAlloc of ", bytes, " bytes failed (",
+              cudaGetErrorString(status), "): free host memory, or pin less");
+  return reinterpret_cast<std::uintptr_t>(ptr);
+}
+
+void pinned_free(std::uintptr_t ptr) {
+  check(chunkmem_pinned_free(reinterpret_cast<void*>(ptr)), "cudaFreeHost");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "chunkmem's CUDA copy engine (csrc/copy_engine.cu)";
+  pybind11::class_<Event, std::shared_ptr<Event>>(m, "Event")
+      .def("wait", &Event::wait, pybind11::arg("stream"))
+      .def("synchronize", &Event::synchronize)
+      .def("query", &Event::query);
+  pybind11::class_<CopyEngine, std::shared_ptr<CopyEngine>>(m, "CopyEngine")
+      .def(pybind11::init<int>(), pybind11::arg("device"))
+      .def_property_readonly("device", &CopyEngine::device)
+      .def_property_readonly("h2d_stream", &CopyEngine::h2d_stream)
+      .def_property_readonly("d2h_stream", &CopyEngine::d2h_stream)
+      .def("copy", &CopyEngine::copy, pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("after") = 0);
+  m.def("pinned_alloc", &pinned_alloc, pybind11::arg("nbytes"));
+  m.def("pinned_free", &pinned_free, pybind11::arg("ptr"));
+}
+
+#endif  // TORCH_EXTENSION_NAME
