@@ -259,7 +259,8 @@ def _loop(cfg: FinetuneConfig, result: Result, batches: Batches, held_out: torch
         if len(held_out) and cfg.eval_every and result.step % cfg.eval_every == 0:
             _evaluate(cfg, result, held_out, out)
         if cfg.save_every and result.step % cfg.save_every == 0 and result.step < result.total_steps:
-            out.save(model, optimizer, result.step, cfg.keep)
+            with chunkmem.annotate("checkpoint"):
+                out.save(model, optimizer, result.step, cfg.keep)
         bar.set_postfix_str(f"loss {loss:.3f}, {rate:,.0f} tok/s, {memory_text(model)}", refresh=False)
         bar.update()
     bar.close()
@@ -267,7 +268,8 @@ def _loop(cfg: FinetuneConfig, result: Result, batches: Batches, held_out: torch
 
 
 def _evaluate(cfg: FinetuneConfig, result: Result, held_out: torch.Tensor, out: RunDir) -> None:
-    loss = evaluate(result.model, held_out, cfg.batch_size, cfg.eval_batches)
+    with chunkmem.annotate("eval"):  # a span in the memory trace, when one is recording
+        loss = evaluate(result.model, held_out, cfg.batch_size, cfg.eval_batches)
     result.evals.append((result.step, loss))
     out.log_metrics({"step": result.step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))})
     log.info("step %d: held-out loss %.4f, perplexity %.2f", result.step, loss, math.exp(min(loss, 50.0)))
@@ -276,11 +278,13 @@ def _evaluate(cfg: FinetuneConfig, result: Result, held_out: torch.Tensor, out: 
 def save_outputs(cfg: FinetuneConfig, result: Result, source: hf.ModelSource) -> None:
     """At the end: the final checkpoint and the Hugging Face directory (adapters folded in)."""
     out = RunDir(cfg.output)
-    out.save(result.model, result.optimizer, result.step, cfg.keep)
+    with chunkmem.annotate("checkpoint"):
+        out.save(result.model, result.optimizer, result.step, cfg.keep)
     transform = lora.merged(result.model.module) if cfg.lora_rank else None
     shard_bytes = parse_size("max_shard_size", cfg.max_shard_size) or 2 * 2**30
-    hf.save_pretrained(result.model, out.path, cfg.dtype, source.directory if source.has_tokenizer else None,
-                       shard_bytes, transform)
+    with chunkmem.annotate("save_pretrained"):
+        hf.save_pretrained(result.model, out.path, cfg.dtype, source.directory if source.has_tokenizer else None,
+                           shard_bytes, transform)
 
 
 def memory_text(model: ChunkedModel) -> str:

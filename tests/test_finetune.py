@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 transformers = pytest.importorskip("transformers")
 
-from chunkmem import cli, finetune  # noqa: E402
+from chunkmem import cli, corpus, finetune  # noqa: E402
 from chunkmem.rundir import RunDir  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -96,6 +99,69 @@ def test_llama_config_with_grad_ckpt_and_accumulation(tmp_path: Path) -> None:
     assert result.step == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded).__name__ == "LlamaForCausalLM" and loaded.dtype == torch.bfloat16
+
+
+def word_tokenizer(directory: Path) -> Any:
+    """A word-level tokenizer trained on the bundled text, saved as Hugging Face files (no network)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train([str(corpus.BUNDLED_TEXT)], trainers.WordLevelTrainer(vocab_size=200,
+                                                                         special_tokens=["[UNK]", "[EOS]"]))
+    wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[EOS]")
+    wrapped.save_pretrained(directory)
+    return wrapped
+
+
+def test_model_directory_tokenizer_is_used_and_copied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir, out = tmp_path / "model", tmp_path / "out"
+    tokenizer = word_tokenizer(model_dir)
+    transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                            bos_token_id=1, eos_token_id=1).save_pretrained(model_dir)
+    seen = []
+    load = corpus.load
+    monkeypatch.setattr(corpus, "load", lambda *a, **k: seen.append(load(*a, **k)) or seen[-1])
+    cfg = finetune.FinetuneConfig(model=str(model_dir), output=str(out), steps=2, seq_len=16, batch_size=4,
+                                  eval_every=0)
+    assert finetune.run(cfg).step == 2
+    data = seen[0]
+    assert data.tokenizer == type(transformers.AutoTokenizer.from_pretrained(model_dir)).__name__ != "bytes"
+    expected = tokenizer(corpus.BUNDLED_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+    assert data.train.flatten()[:64].tolist() == expected[:64]  # words, not bytes
+    assert int(data.train.max()) < len(tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (model_dir / name).read_bytes()
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded("Alice was beginning")["input_ids"] == tokenizer("Alice was beginning")["input_ids"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tokenizer)
+
+
+def test_keeps_exactly_the_last_checkpoints_and_logs_perplexity(tmp_path: Path, tiny_config: str) -> None:
+    cfg = finetune.FinetuneConfig(model=tiny_config, output=str(tmp_path), steps=7, seq_len=32, batch_size=4,
+                                  save_every=2, keep=2, eval_every=3, eval_batches=2)
+    result = finetune.run(cfg)
+    # Saves at 2, 4 and 6, and the final one at 7; only the newest two are left, nothing half-written.
+    assert RunDir(tmp_path).saved_steps() == [6, 7]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000006", "step-00000007"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6, 7] == [step for step, _ in result.evals]
+    for record, (_, loss) in zip(evals, result.evals):
+        assert record["eval_loss"] == loss
+        assert record["eval_perplexity"] == pytest.approx(math.exp(record["eval_loss"]), rel=1e-12)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 8))
+
+
+def test_cli_smoke(tmp_path: Path) -> None:
+    command = Path(sys.executable).parent / "chunkmem"  # the installed entry point, beside this python
+    argv = [str(command)] if command.exists() else [sys.executable, "-m", "chunkmem.cli"]
+    done = subprocess.run([*argv, "finetune", "--steps", "3", "--output", str(tmp_path / "out")],
+                          env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trained steps 1-3 of 3" in done.stdout and "Hugging Face directory" in done.stdout
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.n_layer == 4  # the bundled default
 
 
 def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:

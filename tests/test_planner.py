@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 import chunkmem
 from chunkmem.cli import main
+from chunkmem.placement import SAFETY_FRACTION
 from chunkmem.trace.planner import Request, fixes, gpt2_config, plan, spec_from_config
 from chunkmem.trace.simulate import simulate
 
 MiB = 2**20
+LLAMA = Path(__file__).resolve().parent.parent / "examples" / "llama_config.json"
 
 
 @pytest.mark.parametrize("dtype,world,budget", [("fp32", 1, 2 * MiB), ("bf16", 1, 600_000), ("bf16", 2, 4 * MiB)])
@@ -33,19 +38,57 @@ def test_model_data_matches_a_prepared_model(dtype: str, world: int, budget: int
     assert estimate.model_data_by_kind == {k: v for k, v in prepared.runtime.model_bytes()["host"].items()}
 
 
-# (layers, hidden, vocab, batch, seq, dtype): GPT-2-style configs across batch and sequence sizes.
-CONFIGS = [(2, 64, 128, 1, 16, "fp32"), (2, 64, 128, 8, 64, "fp32"), (2, 128, 256, 2, 128, "fp32"),
-           (2, 128, 256, 4, 32, "bf16")]
+# (layers, hidden, vocab, batch, seq, dtype, checkpointing): GPT-2-style configs across batch and sequence sizes.
+CONFIGS = [(2, 64, 128, 1, 16, "fp32", False), (2, 64, 128, 8, 64, "fp32", False), (2, 128, 256, 2, 128, "fp32", False),
+           (2, 128, 256, 4, 32, "bf16", False), (3, 128, 256, 4, 64, "fp32", True)]
 
 
-@pytest.mark.parametrize("layers,hidden,vocab,batch,seq,dtype", CONFIGS)
-def test_activation_estimate_within_25_percent(layers, hidden, vocab, batch, seq, dtype) -> None:
+@pytest.mark.parametrize("layers,hidden,vocab,batch,seq,dtype,checkpointing", CONFIGS)
+def test_activation_estimate_within_25_percent(layers, hidden, vocab, batch, seq, dtype, checkpointing) -> None:
     config = gpt2_config(layers, hidden, vocab, 128)
-    request = Request(8 * MiB, 2**30, batch, seq, dtype, attention="math", cuda=False)
+    request = Request(8 * MiB, 2**30, batch, seq, dtype, checkpointing, attention="math", cuda=False)
     estimate = plan(spec_from_config(config, "gpt2"), request)
     measured = simulate(config, request, estimate)
     assert abs(estimate.activation_forward_bytes / measured.activation_peak - 1) < 0.25
     assert measured.model_data_bytes == estimate.model_data_bytes
+    if checkpointing:  # the forward keeps layer inputs only: far below what it keeps without checkpointing
+        plain = plan(spec_from_config(config, "gpt2"), dataclasses.replace(request, checkpointing=False))
+        assert measured.activation_peak < plain.activation_forward_bytes / 3
+
+
+@pytest.mark.parametrize("dtype,checkpointing", [("fp32", False), ("bf16", True)])
+def test_llama_activation_estimate_within_25_percent(dtype: str, checkpointing: bool) -> None:
+    config = AutoConfig.from_pretrained(LLAMA)  # gated MLP, RMS norm, grouped-query attention
+    request = Request(8 * MiB, 2**30, 2, 64, dtype, checkpointing, attention="math", cuda=False)
+    estimate = plan(spec_from_config(config, "llama"), request)
+    measured = simulate(config, request, estimate)
+    assert abs(estimate.activation_forward_bytes / measured.activation_peak - 1) < 0.25
+    assert measured.model_data_bytes == estimate.model_data_bytes
+
+
+def test_plan_command_on_a_local_directory_and_a_config(tmp_path: Path, capsys) -> None:
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    budget = 3 * MiB
+    cases = [(gpt2_config(layers=2, hidden=64, vocab=320, positions=64), "bf16"),
+             (AutoConfig.from_pretrained(LLAMA), "fp32")]
+    for index, (config, dtype) in enumerate(cases):
+        model = GPT2LMHeadModel(config) if index == 0 else AutoModelForCausalLM.from_config(config)
+        if index == 0:  # a Hugging Face directory: config.json and safetensors weights
+            model.save_pretrained(tmp_path / "gpt2")
+            target = str(tmp_path / "gpt2")
+        else:  # a bare config.json
+            target = str(LLAMA)
+        code = main(["plan", target, "--device", "cpu", "--device-memory", str(budget), "--dtype", dtype,
+                     "--batch-size", "1", "--seq-len", "16", "--json"])
+        result = json.loads(capsys.readouterr().out)
+        assert code == 0 and result["verdict"] in ("fits", "tight") and result["model"] == target
+        prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                                       chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
+        stats = prepared.memory_stats()
+        assert result["model_data_bytes"] == stats["model_data_bytes"], target
+        assert result["chunk_size"] == stats["chunk_size"]
+        assert result["margin_bytes"] == int(budget * SAFETY_FRACTION)  # --device cpu: no CUDA context margin
 
 
 def test_verdicts_binding_and_fixes() -> None:

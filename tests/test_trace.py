@@ -14,6 +14,7 @@ import chunkmem
 from chunkmem.observe import Moment, Move
 from chunkmem.trace import TraceError, read_trace
 from chunkmem.trace.recorder import Retention
+from chunkmem.trace.report_data import build
 from chunkmem.trace.schema import MODEL_KINDS, SCHEMA, total
 from tests.helpers import gpt2_batches, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2
 
@@ -56,6 +57,33 @@ def test_categories_equal_runtime_at_every_moment(tmp_path: Path) -> None:
         assert "master" in record["host"]  # bf16: fp32 master weights are their own category
 
 
+def test_layout_meta_and_host_readings(tmp_path: Path) -> None:
+    model = tiny_gpt2(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu", device_memory=300_000,
+                                                                          dtype="bf16"))
+    with chunkmem.trace(tmp_path, model=model, optimizer=optimizer):
+        for ids in gpt2_batches(2):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    layout = json.loads((tmp_path / "layout.rank0.json").read_text())
+    # What the store holds, read off the chunks' own host buffers.
+    held = {c.name: c.host.untyped_storage().nbytes() for c in model.runtime.store.chunks()}
+    assert {c["name"]: c["bytes"] for c in layout["chunks"]} == held
+    assert sum(held.values()) == model.memory_stats()["model_data_bytes"]
+    assert {c["kind"] for c in layout["chunks"]} == {"param", "grad", "master", "exp_avg", "exp_avg_sq"}
+    members = {m["name"] for c in layout["chunks"] if c["kind"] == "param" for m in c["members"]}
+    assert members == {name for name, _ in model.module.named_parameters()}  # tied weights appear once
+    assert layout["device_limit_bytes"] == 300_000
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["argv"] == sys.argv and meta["schema"] == SCHEMA
+    assert (meta["chunkmem"], meta["torch"]) == (chunkmem.__version__, torch.__version__)
+    assert meta["python"] == sys.version.split()[0] and meta["config"]["dtype"] == "bf16"
+    moments = read_trace(tmp_path).ranks[0].moments
+    assert all(m["host"]["rss"] > total(m["host"]) for m in moments)  # the process holds more than its chunks
+
+
 def test_observer_mode_reports_plain_adam_exactly(tmp_path: Path) -> None:
     model = mlp(width=16, depth=2)
     optimizer = torch.optim.Adam(model.parameters())
@@ -89,7 +117,13 @@ def test_retention_keeps_warmup_and_last_steps(tmp_path: Path) -> None:
     assert sorted({m["step"] for m in rank.moments}) == [0, 4, 5]
     assert [s["step"] for s in rank.steps] == list(range(6))  # summaries are never dropped
     assert rank.gaps == [{"type": "gap", "first": 1, "last": 3, "steps": 3}]
-    assert [m["phase"] for m in rank.markers if m["step"] == 0] == ["begin", "end"]
+    # An annotation after an optimizer step comes before the next step's first moment (i = -1), and is
+    # kept or dropped with that step; the last one, after the last step, stays with it.
+    last = max(m["i"] for m in rank.moments if m["step"] == 5)
+    assert [(m["step"], m["i"], m["phase"]) for m in rank.markers] == [
+        (4, -1, "begin"), (4, -1, "end"), (5, -1, "begin"), (5, -1, "end"), (5, last, "begin"), (5, last, "end")]
+    first_of_4 = next(x for x, m in enumerate(rank.moments) if m["step"] == 4)
+    assert build(read_trace(tmp_path))["ranks"][0]["spans"][0] == {"name": "eval", "x0": first_of_4, "x1": first_of_4}
     assert rank.complete
 
 
@@ -123,5 +157,6 @@ def test_trace_command_records_a_plain_script_without_changes(tmp_path: Path) ->
     rank = read_trace(out).ranks[0]
     assert rank.header["source"] == "observer" and rank.complete
     assert rank.moments[-1]["device"]["exp_avg"] == (4 * 2 + 2) * 4
+    assert json.loads((out / "meta.json").read_text())["argv"] == [str(script)]
     missing = subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace"], capture_output=True, text=True)
     assert missing.returncode == 2 and "no command given" in missing.stderr

@@ -32,10 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     run_.add_argument("--offload-activations", action="store_true")
     run_.add_argument("--world-size", type=int, default=1, help="ranks sharing model data (ZeRO)")
+    run_.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                      help="cuda: keep margins for the CUDA context and host libraries (default); cpu: plan a "
+                           "run in the CPU simulation (Config(device='cpu')), as --simulate does")
     run_.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-momentum"])
     run_.add_argument("--attention", choices=["math", "fused"],
                       help="math: PyTorch's unfused path (CPU, eager); fused: flash/memory-efficient "
-                           "(default: fused on CUDA, math with --simulate)")
+                           "(default: fused on CUDA, math with --device cpu or --simulate)")
     parser.add_argument("--simulate", action="store_true", help="also run one real step in the CPU simulation "
                         "with this budget and compare")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -86,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args)
     except (ValueError, InputError) as error:
         return _error(str(error).replace("Config.", "--").replace("_memory", "-memory"))
-    attention = args.attention or ("math" if args.simulate else "fused")
+    attention = args.attention or ("math" if args.simulate or args.device == "cpu" else "fused")
     request = Request(device_memory, host_memory, args.batch_size, args.seq_len, args.dtype, args.grad_ckpt,
-                      args.offload_activations, args.world_size, args.optimizer, attention, cuda=not args.simulate)
+                      args.offload_activations, args.world_size, args.optimizer, attention,
+                      cuda=args.device == "cuda" and not args.simulate)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",

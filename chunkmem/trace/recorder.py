@@ -59,6 +59,7 @@ class _Step:
     start: float
     lines: list[str] = dataclasses.field(default_factory=list)
     moments: int = 0
+    trailing: int = 0  # markers at the end of `lines`, after the step's last moment or move
     dropped: int = 0
     warmup: bool = False
     device_peak: int = 0
@@ -117,6 +118,7 @@ class Recorder:
         lines = self.current.lines
         if phase == "begin" and lines and lines[-1] == self._last_point:
             lines.pop()  # `with annotate(name):` first made a point marker: the span replaces it
+            self.current.trailing -= 1
         self._add({"type": "marker", "step": self.current.step, "i": self.index, "t": self._now(), "name": name,
                    "phase": phase})
         self._last_point = self.current.lines[-1] if phase == "point" and self.current.lines else None
@@ -159,9 +161,15 @@ class Recorder:
             step.dropped += 1
             return
         step.lines.append(json.dumps(record, separators=(",", ":")))
+        step.trailing = step.trailing + 1 if record["type"] == "marker" else 0
 
-    def _end_step(self, next_step: int) -> None:
+    def _end_step(self, next_step: int, carry: bool = True) -> None:
         step = self.current
+        # Markers after a step's last moment come between steps (an evaluation after the optimizer
+        # step): they belong to the next step, before its first moment (i = -1), so that they are
+        # kept or dropped with the moments they annotate.
+        carried = step.lines[len(step.lines) - step.trailing:] if carry and step.trailing else []
+        del step.lines[len(step.lines) - len(carried):]
         if step.lines or step.moments:
             self._write({"type": "step", "step": step.step, "t_start": step.start, "t_end": self._now(),
                          "moments": step.moments, "warmup": step.warmup, "records_dropped": step.dropped,
@@ -170,6 +178,8 @@ class Recorder:
             self._retain(step)
         self.current = _Step(next_step, self._now())
         self.last_resident = None  # each kept step starts with its full resident set
+        for line in carried:
+            self._add(dict(json.loads(line), step=next_step, i=-1))
 
     def _retain(self, step: _Step) -> None:
         if self.warm_kept < self.retention.keep_warmup and (step.warmup or step.step < self.retention.keep_warmup):
@@ -186,7 +196,7 @@ class Recorder:
         if self.closed:
             return
         self.closed = True
-        self._end_step(self.current.step + 1)
+        self._end_step(self.current.step + 1, carry=False)
         if self.gap:
             self._write({"type": "gap", "first": self.gap[0], "last": self.gap[1], "steps": self.gap[2]})
         for step in self.tail:

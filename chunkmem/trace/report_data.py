@@ -24,12 +24,14 @@ def rank_view(rank: RankTrace) -> dict[str, Any]:
         "source": rank.header.get("source"),
         "device": rank.header.get("device"),
         "simulated": rank.header.get("simulated"),
+        "device_limit": rank.layout.get("device_limit_bytes"),  # the budget (chunk runtime only)
         "moments": [{"step": m["step"], "i": m["i"], "t": m["t"], "name": m["name"], "stage": m["stage"],
                      "where": m["where"], "warmup": m["warmup"]} for m in moments],
         "series": series,
         "lanes": lanes(rank),
         "moves": [dict(m, x=_x_of(order, m)) for m in rank.moves],
         "markers": [dict(m, x=_x_of(order, m)) for m in rank.markers],
+        "spans": marker_spans([dict(m, x=_x_of(order, m)) for m in rank.markers]),
         "steps": rank.steps,
         "gaps": rank.gaps,
         "phases": phase_summary(rank),
@@ -38,7 +40,22 @@ def rank_view(rank: RankTrace) -> dict[str, Any]:
 
 
 def _x_of(order: dict[tuple[int, int], int], record: dict[str, Any]) -> int:
-    return order.get((record["step"], record["i"]), -1)
+    return order.get((record["step"], max(record["i"], 0)), -1)  # i = -1: before the step's first moment
+
+
+def marker_spans(markers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Annotations as [x0, x1] ranges: a `with annotate(...)` block from its begin to its end (the
+    moments between are the block's), a point as x0 == x1. Unfinished or unplaced ones are left out."""
+    out, open_ = [], {}
+    for marker in markers:
+        if marker["phase"] == "begin":
+            open_[marker["name"]] = marker
+        elif marker["phase"] == "end" and marker["name"] in open_:
+            begin = open_.pop(marker["name"])
+            out.append({"name": marker["name"], "x0": begin["x"], "x1": marker["x"]})
+        elif marker["phase"] == "point":
+            out.append({"name": marker["name"], "x0": marker["x"], "x1": marker["x"]})
+    return [s for s in out if s["x0"] >= 0 and s["x1"] >= 0]
 
 
 def lanes(rank: RankTrace) -> list[dict[str, Any]]:
@@ -76,20 +93,31 @@ def phase_summary(rank: RankTrace) -> dict[str, dict[str, float]]:
 
 
 def predicted_vs_actual(trace: Trace) -> list[dict[str, Any]]:
-    """Rows comparing a plan (plan.json in the trace directory) with what rank 0 recorded."""
+    """Rows comparing a plan (plan.json in the trace directory) with what rank 0 recorded.
+
+    The planner's "all chunks resident" figure is the device peak only when everything fits; when
+    chunks move the runtime fills the budget instead, so the predicted peak is the smaller of the two.
+    """
     if trace.plan is None or not trace.ranks or not trace.ranks[0].moments:
         return []
-    moments = trace.ranks[0].moments
-    actual = {
-        "model data (host)": max(total(m["host"]) for m in moments),
-        "activations (device, peak)": max(m["device"].get("nonmodel", 0) for m in moments),
-        "device total (peak)": max(m["device"].get("allocated", 0) for m in moments),
-    }
-    plan = trace.plan
-    predicted = {"model data (host)": plan.get("model_data_bytes"),
-                 "activations (device, peak)": plan.get("activation_bytes"),
-                 "device total (peak)": plan.get("device_all_resident")}
-    return [{"what": k, "predicted": predicted[k], "actual": actual[k]} for k in actual]
+    rank, plan = trace.ranks[0], trace.plan
+    moments = rank.moments
+    budget = plan.get("request", {}).get("device_memory")
+    resident = plan.get("device_all_resident")
+    rows = [("model data (host)", plan.get("model_data_bytes"), max(total(m["host"]) for m in moments)),
+            ("activations (device, peak)", plan.get("activation_bytes"),
+             max(m["device"].get("nonmodel", 0) for m in moments)),
+            ("device total (peak)", min(resident, budget) if resident and budget else resident,
+             max(m["device"].get("allocated", 0) for m in moments)),
+            ("device budget", budget, rank.layout.get("device_limit_bytes"))]
+    return [{"what": what, "predicted": predicted, "actual": actual, "difference": _difference(predicted, actual)}
+            for what, predicted, actual in rows]
+
+
+def _difference(predicted: int | None, actual: int | None) -> str:
+    if not predicted or actual is None:
+        return ""
+    return f"{actual / predicted - 1:+.1%}"
 
 
 def build(trace: Trace) -> dict[str, Any]:

@@ -81,7 +81,7 @@ def write_png(data: dict[str, Any], path: Path) -> bool:
                     "Perfetto files are written")
         return False
     rank = data["ranks"][0]
-    figure, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharex=True)
+    figure, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharex=True)
     for axis, side in zip(axes, ("device", "host")):
         keys = [k for k in data["stacked"] if any(rank["series"][side][k])]
         x = range(len(rank["moments"]))
@@ -89,16 +89,30 @@ def write_png(data: dict[str, Any], path: Path) -> bool:
                        colors=[COLORS.get(k, "#999") for k in keys], linewidth=0)
         if side == "host" and any(rank["series"]["host"]["rss"]):
             axis.plot(x, [v / 2**20 for v in rank["series"]["host"]["rss"]], color="#222", lw=1, label="process RSS")
-        for step in _step_starts(rank):
-            axis.axvline(step, color="#bbb", lw=0.5)
+        starts = _step_starts(rank)
+        for start in starts:
+            axis.axvline(start, color="#bbb", lw=0.5)
+        axis.set_xticks(starts, [f"s{rank['moments'][x]['step']}" for x in starts])
+        if side == "device" and rank.get("device_limit"):
+            axis.axhline(rank["device_limit"] / 2**20, color="#000", lw=1, ls="--", label="device budget")
+        _annotations(axis, rank.get("spans", []), len(rank["moments"]))
         axis.set_title(f"{side} memory, rank {rank['rank']} ({rank['device']})")
-        axis.set_xlabel("moment (grey lines: step starts)")
+        axis.set_xlabel("moments of the kept steps (grey lines: step starts; shaded: annotations)")
         axis.set_ylabel("MiB")
-        axis.legend(loc="upper left", fontsize=7, ncol=2)
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=7, ncol=5, frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
+
+
+def _annotations(axis: Any, spans: list[dict[str, Any]], moments: int) -> None:
+    for j, span in enumerate(spans):
+        axis.axvspan(span["x0"], max(span["x1"], span["x0"] + 0.5), color="#000", alpha=0.06, lw=0)
+        right = span["x0"] > 0.85 * moments  # near the right edge: the label goes to the left of its span
+        axis.annotate(span["name"], (span["x0"], 1), xycoords=("data", "axes fraction"),
+                      xytext=(-2 if right else 2, -10 - 9 * (j % 3)), textcoords="offset points", fontsize=7,
+                      ha="right" if right else "left")
 
 
 def _step_starts(rank: dict[str, Any]) -> list[int]:

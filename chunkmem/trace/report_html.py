@@ -1,7 +1,8 @@
 """The report page: one HTML file with its data and script inline, so it opens offline anywhere.
 
 Drawn with plain SVG from a small inline script (no libraries, nothing fetched): stacked memory
-by category over moments for device and host side by side, a hover read-out of every category at
+by category over moments for device and host side by side, the device budget and the
+`chunkmem.annotate` spans over them, a hover read-out of every category at
 a moment, legend entries that hide a category, a step-range filter (all / warm-up / steady state),
 chunk placement lanes with the copies on them, the warm-up vs steady-state table, and predicted vs
 actual when the trace directory holds a plan.
@@ -46,6 +47,7 @@ function chart(id, side) {
     R.series[side][k].some(v => v > 0));
   const tops = xs.map(x => keys.reduce((s, k) => s + R.series[side][k][x], 0));
   let ymax = Math.max(1, ...tops); if (side === 'host') ymax = Math.max(ymax, ...xs.map(x => R.series.host.rss[x]));
+  const limit = side === 'device' ? R.device_limit : null; if (limit) ymax = Math.max(ymax, limit * 1.04);
   const sx = i => L + (W - L - 8) * i / Math.max(1, xs.length - 1), sy = v => H - B - (H - B - 8) * v / ymax;
   let base = xs.map(() => 0);
   for (const k of keys) { const top = base.map((b, i) => b + R.series[side][k][xs[i]]);
@@ -56,11 +58,19 @@ function chart(id, side) {
     fill: 'none', stroke: '#222', 'stroke-width': 1}, svg);
   let prev = null; xs.forEach((x, i) => { const m = R.moments[x]; if (m.step !== prev) {
     el('line', {x1: sx(i), x2: sx(i), y1: 8, y2: H - B, stroke: m.warmup ? '#e8a' : '#ccc'}, svg);
-    const t = el('text', {x: sx(i) + 2, y: H - 8, 'font-size': 10, fill: '#666'}, svg); t.textContent = 's' + m.step; }
+    const t = el('text', {x: sx(i) + 2, y: H - 8, 'font-size': 10, fill: '#666'}, svg);
+    const gap = prev !== null && m.step > prev + 1 ? `(s${prev + 1}-${m.step - 1} not kept) ` : '';
+    t.textContent = gap + 's' + m.step; }
     prev = m.step; });
-  R.markers.forEach(mk => { const i = xs.indexOf(mk.x); if (i < 0) return;
-    el('line', {x1: sx(i), x2: sx(i), y1: 8, y2: H - B, stroke: '#333', 'stroke-dasharray': '3,3'}, svg);
-    const t = el('text', {x: sx(i) + 2, y: 18, 'font-size': 10}, svg); t.textContent = mk.name; });
+  if (limit) { el('line', {x1: L, x2: W, y1: sy(limit), y2: sy(limit), stroke: '#000', 'stroke-dasharray': '6,3'}, svg);
+    const t = el('text', {x: L + 4, y: sy(limit) + 12, 'font-size': 10}, svg);
+    t.textContent = 'device budget ' + MiB(limit); }
+  R.spans.forEach((sp, j) => { const a = xs.indexOf(sp.x0), b = xs.indexOf(sp.x1); if (a < 0 || b < 0) return;
+    el('rect', {x: sx(a), y: 8, width: Math.max(1, sx(b) - sx(a)), height: H - B - 8, fill: '#0000000d',
+      stroke: '#555', 'stroke-dasharray': '3,3'}, svg);
+    const right = sx(a) > W - 90;  // near the right edge: the label goes to the left of its box
+    const t = el('text', {x: right ? sx(a) - 2 : sx(a) + 2, y: 18 + 11 * (j % 3), 'font-size': 10,
+      'text-anchor': right ? 'end' : 'start'}, svg); t.textContent = sp.name; });
   for (let k = 0; k <= 4; k++) { const v = ymax * k / 4; const t = el('text', {x: 2, y: sy(v) + 4, 'font-size': 10,
     fill: '#666'}, svg); t.textContent = MiB(v); el('line', {x1: L, x2: W, y1: sy(v), y2: sy(v), stroke: '#eee'}, svg); }
   const cursor = el('line', {y1: 8, y2: H - B, stroke: '#000', visibility: 'hidden'}, svg);
@@ -76,10 +86,11 @@ function chart(id, side) {
 }
 function lanes() {
   const svg = document.getElementById('lanes'); svg.innerHTML = ''; const xs = range(); const lanes = R.lanes;
-  if (!lanes.length || !xs.length) { svg.setAttribute('height', 30); el('text', {x: 8, y: 20}, svg).textContent =
+  if (!lanes.length || !xs.length) { svg.setAttribute('height', 30); svg.setAttribute('viewBox', '0 0 1420 30');
+    el('text', {x: 8, y: 20}, svg).textContent =
     'no chunk lanes: observer mode (plain model) has no chunks'; return; }
   const W = 1420, L = 130, h = 12, first = xs[0], last = xs[xs.length - 1];
-  svg.setAttribute('height', lanes.length * h + 30);
+  svg.setAttribute('height', lanes.length * h + 30); svg.setAttribute('viewBox', `0 0 ${W} ${lanes.length * h + 30}`);
   const sx = x => L + (W - L - 8) * (x - first) / Math.max(1, last - first);
   lanes.forEach((lane, j) => { const y = 8 + j * h; const t = el('text', {x: 2, y: y + 9, 'font-size': 10}, svg);
     t.textContent = lane.chunk; el('line', {x1: L, x2: W, y1: y + h / 2, y2: y + h / 2, stroke: '#f0f0f0'}, svg);
@@ -117,11 +128,18 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+def _plan_line(plan: dict[str, Any]) -> str:
+    verdict, binding = html.escape(str(plan.get("verdict"))), html.escape(str(plan.get("binding")))
+    return (f"<p>plan.json: <b>{verdict}</b> (binding: {binding}); difference = actual / predicted - 1. "
+            f"A device budget that differs from the plan's makes the other rows incomparable.</p>")
+
+
 def render(data: dict[str, Any], title: str) -> str:
     rank = data["ranks"][0]
     phases = [{"phase": k, **v} for k, v in rank["phases"].items()]
     phase_table = _table(phases, ["phase", "steps", "device_peak", "h2d_per_step", "d2h_per_step", "seconds_per_step"])
-    compare = (_table(data["compare"], ["what", "predicted", "actual"]) if data["compare"]
+    compare = (_plan_line(data["plan"]) + _table(data["compare"], ["what", "predicted", "actual", "difference"])
+               if data["compare"]
                else "<p class=muted>No plan.json in the trace directory: run <code>chunkmem plan ... --json "
                     "&gt; TRACE_DIR/plan.json</code> to compare the estimate with this run.</p>")
     gaps = "".join(f"<p class=muted>Steps {g['first']}-{g['last']} ({g['steps']} steps) were recorded as summaries "
@@ -139,7 +157,7 @@ source: {html.escape(str(rank['source']))} · {len(rank['moments'])} moments kep
 <option value=steady>steady-state steps</option></select> rank <select id=rank onchange="location.reload()">{options}</select>
 · hover a chart for the numbers at a moment; click a legend entry to hide it.</p>
 <div id=legend class=legend></div>
-<div class=row><div class=panel><h2>Device</h2><svg id=device viewBox="0 0 700 300" width=100%></svg></div>
+<div class=row><div class=panel><h2>Device (dashed line: the budget; boxes: annotations)</h2><svg id=device viewBox="0 0 700 300" width=100%></svg></div>
 <div class=panel><h2>Host (black line: process RSS)</h2><svg id=host viewBox="0 0 700 300" width=100%></svg></div></div>
 {gaps}
 <h2>Chunk placement (bars: on the device; ticks: copies — red on-demand, green prefetch, black evict, purple optimizer)</h2>

@@ -9,7 +9,8 @@ Record types (the "type" field of each JSONL line):
   header  first line: schema, rank, source ("chunks" | "observer"), level, retention policy
   moment  step, i, t, name, stage, where, warmup, device {...}, host {...} (bytes; absent = 0)
   move    step, i (the moment it follows), t, chunk, kind, src, dst, bytes, seconds, reason
-  marker  step, i, t, name, phase ("point" | "begin" | "end") — from chunkmem.annotate
+  marker  step, i (the moment it follows; -1: before the step's first), t, name, phase ("point" |
+          "begin" | "end") — from chunkmem.annotate
   step    step, t, moments, kept, peaks and bytes moved — one per step, never dropped
   gap     first, last: steady-state steps whose moments and moves were dropped by the policy
   footer  last line of a trace closed cleanly

@@ -36,8 +36,13 @@ class Measured:
     seconds: float
 
 
-def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0) -> Measured:
-    """Run one training step of `config`'s model under `request` in the CPU simulation."""
+def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, use_cache: bool = True) -> Measured:
+    """Run one training step of `config`'s model under `request` in the CPU simulation.
+
+    use_cache: Hugging Face's default forward keeps the key/value cache (True: what a plain loop
+    calling `model(ids, labels=ids)` runs, and what the activation model counts); `chunkmem
+    finetune` passes False, which saves 2 * hidden * itemsize bytes per token per layer less.
+    """
     from transformers import AutoModelForCausalLM
 
     need = estimate.model_data_bytes + estimate.activation_bytes + 4 * estimate.model_data_bytes // max(
@@ -49,8 +54,11 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0) -
                           f"--batch-size, or drop --simulate")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    if request.checkpointing:
-        model.gradient_checkpointing_enable()
+    if request.checkpointing:  # as `chunkmem finetune --grad-ckpt` enables it
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     optimizer: torch.optim.Optimizer = (
         torch.optim.AdamW(model.parameters(), lr=1e-4) if request.optimizer == "adam" else
@@ -61,7 +69,7 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0) -
     ids = torch.randint(0, config.vocab_size, (request.batch_size, request.seq_len),
                         generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
-    loss = prepared(ids, labels=ids).loss
+    loss = prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss
     loss.backward()
     seconds = time.perf_counter() - start
     stats = prepared.memory_stats()
