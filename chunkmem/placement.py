@@ -3,7 +3,10 @@
 [Note: warm-up]
 The first step runs under a conservative chunk budget and records, at every access of chunks, the
 non-model bytes on the device and which chunks were needed ("use"), which gradient chunk was written
-("grad") and which chunk group the optimizer updated ("optim"). At the end of that step:
+("grad") and which chunk group the optimizer updated ("optim"). The conservative budget also gives
+way at every moment to the non-model bytes measured then (less the margin, never below one module's
+working set); growth inside one module between two moments cannot be foreseen without a record, and
+on CUDA the out-of-memory fallback catches it. At the end of that step:
   1. homes: chunk groups whose whole optimizer data (param, grad, master, states) fits in what the
      peak non-model data and the streaming working set leave free stay on the device for good and
      are updated there; the rest stream, and their optimizer runs on the host (PatrickStar's margin);
@@ -198,6 +201,7 @@ class Placer:
         everything_fits = store.model_data_bytes() <= limit
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
+        self.working_set = working_set
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
         self.events: list[Event] = []
@@ -232,16 +236,32 @@ class Placer:
         if self.off_path:
             self._fetch(chunks)
             return
+        nonmodel = self.nonmodel() if self.phase is not Phase.FOLLOW else 0
         if self.phase is Phase.RECORD:
-            self.events.append(Event(kind, names, group, self.nonmodel()))
+            self.events.append(Event(kind, names, group, nonmodel))
         if kind != "use" and group not in self.homes:
             return
         if self.phase is Phase.FOLLOW:
             self._check_path(names)
+        else:
+            self._conservative_now(nonmodel)
         self._fetch(chunks)
         if self.phase is Phase.FOLLOW:
             self._following.cursor += 1
             self._prefetch(self._following.cursor)
+
+    def moment(self) -> None:
+        """Between accesses activations grow too: without a plan, re-fit the chunks at every moment."""
+        if self.phase is not Phase.FOLLOW and not self.off_path:
+            self._conservative_now(self.nonmodel())
+
+    def _conservative_now(self, nonmodel: int) -> None:
+        """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
+        what the non-model data on the device now leaves, less the margin, but never below one module's
+        working set: chunks give way to activations as they grow, as the plan's budgets do later."""
+        left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
+        self.residency.limit = max(self.working_set, min(self.conservative, left))
+        self.residency.shrink()
 
     def _fetch(self, chunks: Sequence[Chunk]) -> None:
         for chunk in chunks:

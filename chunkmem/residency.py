@@ -153,17 +153,28 @@ class Residency:
         extra = sum(c.nbytes for c in set(chunks) if not c.pins)
         return pinned + extra <= self.limit
 
+    def shrink(self) -> None:
+        """After the limit was lowered: evict chunks nothing uses until the resident ones fit, if they can."""
+        self._evict_down_to(self.limit)
+
     def _make_room(self, chunk: Chunk) -> None:
-        while self.stats.device_chunk_bytes + chunk.nbytes > self.limit:
+        if not self._evict_down_to(self.limit - chunk.nbytes):
+            pinned = ", ".join(c.name for c in self.resident.values())
+            raise MemoryBudgetError(
+                f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device but "
+                f"{self.stats.device_chunk_bytes} of the {self.limit} allowed are held by chunks "
+                f"in use ({pinned}): raise Config.device_memory or lower Config.chunk_size")
+
+    def _evict_down_to(self, target: int) -> bool:
+        """Evict chunks nothing uses, the policy's victims first, until at most `target` bytes are
+        resident; False when the chunks in use alone hold more."""
+        while self.stats.device_chunk_bytes > target:
             candidates = [c for c in self.resident.values() if not c.pins]
             if not candidates:
-                pinned = ", ".join(c.name for c in self.resident.values())
-                raise MemoryBudgetError(
-                    f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device but "
-                    f"{self.stats.device_chunk_bytes} of the {self.limit} allowed are held by chunks "
-                    f"in use ({pinned}): raise Config.device_memory or lower Config.chunk_size")
+                return False
             self.evict(self.policy.victim(candidates))
             self.stats.evictions += 1
+        return True
 
     def _drop(self, chunk: Chunk) -> None:
         self._removed(chunk)

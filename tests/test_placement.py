@@ -6,6 +6,7 @@ import copy
 import functools
 import logging
 
+import pytest
 import torch
 
 import chunkmem
@@ -184,6 +185,55 @@ def test_offloading_activations_keeps_results_and_lowers_the_device_peak():
     assert all(torch.equal(results[True][1][k], v) for k, v in results[False][1].items())
     assert results[True][2] < results[False][2] / 2
     assert results[True][3]["activation_offload_bytes"] > 0 == results[False][3]["activation_offload_bytes"]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_activation_checkpointing_with_chunks_moving_matches_plain_pytorch(offload: bool) -> None:
+    # Re-computation in backward fetches evicted chunks again and must release them when it ends.
+    model, batches = tiny_gpt2(), gpt2_batches(3)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 4, offload_activations=offload)
+    losses = train(cm, opt, batches, gpt2_loss)
+    stats = cm.memory_stats()
+    assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
+    assert losses == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+class DeviceBytes:
+    """An observer: chunk bytes plus non-model bytes on the device at every moment of the warm-up."""
+
+    def __init__(self, runtime) -> None:
+        self.runtime, self.seen = runtime, []
+
+    def moment(self, moment) -> None:
+        if moment.warmup:
+            self.seen.append(self.runtime.residency.stats.device_chunk_bytes + self.runtime.nonmodel_bytes())
+
+    def moved(self, move) -> None:
+        pass
+
+
+@pytest.mark.parametrize("model_data_fits", [True, False])
+def test_warm_up_gives_chunks_only_what_activations_leave(model_data_fits: bool) -> None:
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(s))
+                                   for s in range(3)]
+    probe, _ = prepared(model, ADAMW)
+    gpt2_loss(probe, batches[0]).backward()
+    activations, model_data = probe.runtime.activations.peak, probe.memory_stats()["model_data_bytes"]
+    # Model data fits but not with the activations; or activations take most of a budget it does not fit.
+    limit = model_data + activations // 2 if model_data_fits else int(activations * 1.5)
+    assert (limit >= model_data) == model_data_fits and limit < model_data + activations
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=limit)
+    meter = DeviceBytes(cm.runtime)
+    cm.runtime.observers.append(meter)
+    assert train(cm, opt, batches, gpt2_loss) == expected
+    assert meter.seen and max(meter.seen) <= limit, f"warm-up held {max(meter.seen)} bytes, budget {limit}"
 
 
 def test_evaluation_between_steps_leaves_the_plan_alone(caplog):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -47,10 +47,7 @@ class StageBody(nn.Sequential):
         index, self.forwards = self.forwards, self.forwards + 1
         mode = self.checkpoint_mode
         if mode == "always" or (mode == "except_last" and index < self.n_microbatches - 1):
-            # Re-computation must run whole: stopping early (torch's default) skips the post-forward
-            # hooks that give chunkmem's parameters back, leaving their chunks pinned.
-            with set_checkpoint_early_stop(False):
-                return checkpoint(super().forward, x, use_reentrant=False)
+            return checkpoint(super().forward, x, use_reentrant=False)  # runs whole: see hooks.Hooks.forward
         return super().forward(x)
 
 
