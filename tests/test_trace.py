@@ -55,6 +55,8 @@ def test_categories_equal_runtime_at_every_moment(tmp_path: Path) -> None:
         assert total(record["device"]) == stats["device_chunk_bytes"]
         assert total(record["host"]) == stats["model_data_bytes"]
         assert "master" in record["host"]  # bf16: fp32 master weights are their own category
+        # Every host payload comes from chunkmem's pool, pinned (the simulation's twin counts as pinned).
+        assert record["host"]["pinned_chunkmem"] == stats["host_pinned_bytes"] >= stats["model_data_bytes"]
 
 
 def test_layout_meta_and_host_readings(tmp_path: Path) -> None:

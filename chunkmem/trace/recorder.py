@@ -140,8 +140,9 @@ class Recorder:
                 torch.cuda.synchronize(self.source.torch_device)
                 device["peak_allocated"] = torch.cuda.max_memory_allocated(self.source.torch_device)
                 torch.cuda.reset_peak_memory_stats(self.source.torch_device)
-            if self.source.kind == "chunks":
-                host["pinned_chunkmem"] = host_model  # every host payload is pinned on CUDA
+        pinned = self.source.pinned_bytes()  # chunkmem's pool (in the simulation, its twin's count)
+        if pinned is not None:
+            host["pinned_chunkmem"] = pinned
         host.update(host_readings(self.source.torch_device))
         # What the process holds beyond host model data (and, in the simulation, the "device").
         simulated_device = device["allocated"] if self.simulated else 0

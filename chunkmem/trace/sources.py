@@ -29,6 +29,9 @@ class Source(Protocol):
     def nonmodel_device(self) -> int: ...
     def resident(self) -> list[str] | None: ...
     def layout(self) -> dict[str, Any]: ...
+    def pinned_bytes(self) -> int | None:
+        """Host bytes chunkmem itself keeps page-locked, or None when it keeps none (observer mode)."""
+        ...
 
 
 class ChunkSource:
@@ -50,6 +53,9 @@ class ChunkSource:
 
     def resident(self) -> list[str]:
         return sorted(self.runtime.residency.resident)
+
+    def pinned_bytes(self) -> int:
+        return int(self.runtime.device.host_pool.stats()["host_pinned_bytes"])
 
     def layout(self) -> dict[str, Any]:
         store = self.runtime.store
@@ -115,6 +121,9 @@ class PlainSource:
             model = sum(self.model_bytes()["device"].values())
             return max(0, torch.cuda.memory_allocated(self.torch_device) - model)
         return self.activation_bytes()
+
+    def pinned_bytes(self) -> None:
+        return None
 
     def resident(self) -> None:
         return None
