@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
 from chunkmem.runtime import Runtime
@@ -86,10 +87,20 @@ class Hooks:
         runtime = self.runtime
         # A forward without gradients (evaluation) is not part of the training step the plan follows.
         runtime.placer.off_path = not torch.is_grad_enabled()
+        if runtime.shards is not None:  # nor of the order of gathers the next step follows
+            runtime.shards.off_path = runtime.placer.off_path
         try:
-            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime):
+            # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
+            # skips the post-forward hooks that release parameters, leaving their chunks pinned.
+            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime), \
+                    set_checkpoint_early_stop(False):
                 yield
         finally:
+            if runtime.shards is not None and runtime.shards.off_path:
+                # Nor may it leave gathered groups behind: the next step would find them and gather (and
+                # so access chunks) otherwise than the warm-up recorded.
+                runtime.shards.drop_all()
+                runtime.shards.off_path = False
             runtime.placer.off_path = False
             runtime.release_all()
 

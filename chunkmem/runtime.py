@@ -26,6 +26,7 @@ from chunkmem.chunk import Chunk
 from chunkmem.config import Config
 from chunkmem.device import make_device
 from chunkmem.errors import MemoryBudgetError
+from chunkmem.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.layout import search_chunk_size
 from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.placement import Phase, Placer
@@ -33,7 +34,7 @@ from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
-from chunkmem.zero import Key, Shards
+from chunkmem.zero import Key, Shards, agree, least_transient_bytes
 
 log = logging.getLogger("chunkmem")
 
@@ -51,10 +52,14 @@ class ChunkRef:
 class Runtime:
     def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None) -> None:
         self.config = config
-        self.device = make_device(config.device)
+        self.device = make_device(config.device, config.host_memory)
+        self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
+            if self.device.torch_device.type == "cuda" else None
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
-        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module), world, rank)
+        if world > 1:  # every rank decides from the same budget (zero's Note on one order)
+            self.limit = agree([self.limit], group, self.device.torch_device)[0]
+        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module, world), world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)
         self._check_host_budget()
@@ -62,18 +67,22 @@ class Runtime:
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
         self.warmup = True
-        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self.store.point_views,
+        self.shards: Shards | None = None
+        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
                                    self.observers)
         self.store.load_initial_values()
         for chunk_group in self.store.owned_groups():
             self.store.point_views(chunk_group.param)
-        self.shards = Shards(group, self.store, self._bring_param, self.device.alloc) if world > 1 else None
+        self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share) \
+            if world > 1 else None
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
         working_set = self._check_working_set()
+        # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
+        self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
-        self.placer = Placer(self.residency, self.store, self.limit, working_set, self.nonmodel_bytes)
+        self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
         if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.to_device(chunk)
@@ -81,13 +90,19 @@ class Runtime:
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
 
     # -- set-up ------------------------------------------------------------------------------
-    def _chunk_size(self, module: nn.Module) -> int:
-        """The configured size, or the least wasteful one whose per-module working set fits the budget."""
+    def _chunk_size(self, module: nn.Module, world: int) -> int:
+        """The configured size, or the least wasteful one whose per-module working set (and, under ZeRO,
+        the fewest transient buffers) fits the budget."""
         if self.config.chunk_size is not None:
             return self.config.chunk_size
         itemsize = self.config.torch_dtype.itemsize
-        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], fits=lambda size:
-                                 working_set_chunks(module, size) * size * itemsize <= self.limit)
+
+        def need(size: int) -> int:
+            chunks = working_set_chunks(module, size)
+            own = chunks if world == 1 else 1  # under ZeRO one at a time (see _check_working_set)
+            return own * size * itemsize + least_transient_bytes(world, size * itemsize, chunks)
+        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()],
+                                 fits=lambda size: need(size) <= self.limit)
 
     def _check_host_budget(self) -> None:
         need, allowed = self.store.model_data_bytes(), self.config.host_memory
@@ -100,6 +115,8 @@ class Runtime:
         most = 0
         for module, records in self.module_records.items():
             need = sum(c.nbytes for c in {r.group.param for r in records if r.group.owned})
+            if self.shards is not None and records:  # one chunk at a time, copied into a gathered buffer
+                need = self.store.chunk_size * self.store.dtype.itemsize
             if need > self.limit:
                 raise MemoryBudgetError(
                     f"module {type(module).__name__} needs its parameter chunks on the device at once: "
@@ -112,9 +129,11 @@ class Runtime:
         return self.device.host_alloc(tensor.numel(), tensor.dtype).view(tensor.shape)
 
     def nonmodel_bytes(self) -> int:
-        """Device bytes that are not chunks: the allocator's reading on CUDA, saved activations in simulation."""
-        if self.device.torch_device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device.torch_device) - self.residency.stats.device_chunk_bytes
+        """Device bytes that are not chunks: allocator and driver readings on CUDA (gpu_memory.py), saved
+        activations in the simulation."""
+        if self.gpu_memory is not None:
+            transient = self.shards.live if self.shards is not None else 0  # reserved apart: not non-model data
+            return self.gpu_memory.nonmodel(self.residency.stats.device_chunk_bytes + transient)
         return self.activations.live
 
     # -- forward -------------------------------------------------------------------------------
@@ -122,7 +141,7 @@ class Runtime:
         records = list(records)
         for record in records:
             record.move("acquire")
-            if record.uses == 0 and record.group.owned:
+            if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
                 record.group.param.pins += 1
             record.uses += 1
         if self.shards is not None:
@@ -137,15 +156,31 @@ class Runtime:
             record.uses -= 1
             if record.uses == 0:
                 record.move("release")
-                if record.group.owned:
+                if record.group.owned and self.shards is None:
                     record.group.param.pins -= 1
         if self.shards is not None:
             for key in dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.unpin(key)
 
-    def _bring_param(self, chunk_group: ChunkGroup) -> torch.Tensor:
-        self.placer.access([chunk_group.param])
-        return chunk_group.param.device  # type: ignore[return-value]
+    def _chunk_moved(self, chunk: Chunk) -> None:
+        """Parameters follow their chunk's payload; under ZeRO, not while they view a gathered copy."""
+        if self.shards is not None:
+            self.shards.chunk_moved(chunk)
+        else:
+            self.store.point_views(chunk)
+
+    def _bring_param(self, chunk_group: ChunkGroup, ahead: bool) -> torch.Tensor:
+        """This rank's parameter chunk of a group on the device, for a gather. A gather ahead of need is not
+        in the placer's record (zero's Note on overlap): its chunk goes to the residency directly."""
+        chunk = chunk_group.param
+        if not ahead:
+            self.placer.access([chunk])
+            return chunk.device  # type: ignore[return-value]
+        flat = self.residency.to_device(chunk, "prefetch")
+        if chunk.pending is not None:  # the collective reads it: compute's stream waits for the upload
+            self.device.wait(chunk.pending)
+            chunk.pending = None
+        return flat
 
     def unannounced(self, params: Iterable[nn.Parameter]) -> list[ParamRecord]:
         """The managed parameters among `params` that no running module has acquired."""
@@ -185,7 +220,9 @@ class Runtime:
 
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
-        """Tell observers a moment has come (see observe.Moment)."""
+        """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
+        the non-model data measured now (placement.Placer.moment)."""
+        self.placer.moment()
         if self.observers:
             moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
             for observer in self.observers:
@@ -194,7 +231,7 @@ class Runtime:
 
     def step_done(self) -> None:
         if self.shards is not None:
-            self.shards.drop_all()  # the owners just changed their shares: gathered copies are stale
+            self.shards.step_done()
         self.placer.step_done()
         self.warmup = self.placer.phase is not Phase.FOLLOW
         self.step_count += 1
@@ -209,9 +246,8 @@ class Runtime:
             return
         if self.shards is not None:
             record.move_grad("write")
-            if self.shards.add_grad(record, grad):
-                self._take_share(self.shards.key(record.group))
-            elif not self._flush_queued:
+            self.shards.add_grad(record, grad)
+            if not self._flush_queued:  # reduce-scatters in flight finish at the end of this backward
                 self._flush_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
@@ -237,19 +273,17 @@ class Runtime:
         self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
         return self.residency.host_for_write(chunk)
 
-    def _take_share(self, key: Key) -> None:
-        """Reduce-scatter a complete group and add this rank's share to its gradient chunk."""
-        share = self.shards.reduce(key)  # type: ignore[union-attr]
+    def _add_share(self, key: Key, share: torch.Tensor) -> None:
+        """Add this rank's reduce-scattered share of a gradient group to its gradient chunk."""
         owned = self.shards.owned(key)  # type: ignore[union-attr]
         if owned.trainable:
             flat = self._grad_target(owned, share.nbytes)
             flat.add_(share.to(flat.device))
 
     def _flush(self) -> None:
-        """End of backward: groups some of whose parameters got no gradient are reduced now."""
+        """End of backward: every gradient group reduced and added to its owner's chunk."""
         self._flush_queued = False
-        for key in self.shards.pending():  # type: ignore[union-attr]
-            self._take_share(key)
+        self.shards.finish_backward()  # type: ignore[union-attr]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.store.trainable_groups():
@@ -313,8 +347,11 @@ class Runtime:
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)
         stats["activation_offload_bytes"] = self.activations.offload_bytes
+        stats.update(self.device.host_pool.stats())
         if self.shards is not None:
-            stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes)
+            stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes,
+                         gathered_bytes_peak=self.shards.gathered_peak, transient_bytes_peak=self.shards.live_peak,
+                         transient_reserved_bytes=self.shards.reserved)
         stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats

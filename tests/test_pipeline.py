@@ -9,19 +9,25 @@ below the stage's model data. The order each rank executed is checked against th
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
+import os
+import re
+import runpy
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import chunkmem
 from chunkmem.pipeline import pipeline
 from chunkmem.pipeline.schedule import simulate, validate
-from tests.multiproc import run_workers
+from tests.multiproc import free_port, run_workers
 from tests.test_pipeline_schedule import textbook
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -55,9 +61,11 @@ def cases(stages: int) -> list[dict]:
     return out
 
 
-def config(budget: bool) -> chunkmem.Config:
+def config(budget: bool, data_parallel: int = 1) -> chunkmem.Config:
     # 1 KiB with 80-element chunks: a module's chunks fit, the stage's model data (2-4 KiB) does not.
-    return chunkmem.Config(device="cpu", device_memory=1024 if budget else None, chunk_size=80 if budget else None)
+    # Sharded over 2 replicas, ZeRO's gathered and gradient buffers (2 chunks each) need another KiB.
+    return chunkmem.Config(device="cpu", device_memory=1024 * data_parallel if budget else None,
+                           chunk_size=80 if budget else None)
 
 
 def run_case(case: dict) -> dict:
@@ -114,8 +122,8 @@ def grid_worker(rank: int, world: int, tmp: str) -> dict:
 def resume(tmp: Path) -> dict:
     """Train 3 steps straight, or 2 steps, save, and a fresh pipeline that loads and takes the third."""
     data = batches(7)
-    make = functools.partial(pipeline, model(), ADAMW, loss_fn("mean"), n_microbatches=3,
-                             config=chunkmem.Config(device="cpu"))
+    def make():  # a fresh model each time: a pipeline prepares its stage's layers in place
+        return pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=3, config=chunkmem.Config(device="cpu"))
     straight = make()
     for x, y in data:
         straight.step(x, y)
@@ -174,9 +182,12 @@ def dp_worker(rank: int, world: int) -> list[dict]:
     out = []
     for reduction, budget in [("mean", False), ("sum", True)]:
         pipe = pipeline(model(), ADAMW, loss_fn(reduction), n_microbatches=3, schedule="1f1b", balance=[3, 4],
-                        reduction=reduction, config=config(budget), data_parallel=2)
-        losses = [pipe.step(x, y) for x, y in batches(11)]
-        out.append({"losses": losses, "state": pipe.state_dict(),
+                        reduction=reduction, config=config(budget, 2), data_parallel=2)
+        losses, phases = [], []
+        for x, y in batches(11):
+            losses.append(pipe.step(x, y))
+            phases.append(pipe.model.runtime.placer.phase.value)
+        out.append({"losses": losses, "phases": phases, "state": pipe.state_dict(),
                     "model_data_bytes": pipe.model.memory_stats()["model_data_bytes"]})
     return out
 
@@ -197,6 +208,74 @@ def test_two_pipelines_of_two_stages_match_one_process() -> None:
         for rank, result in enumerate(results):
             got = result[i]
             assert got["losses"] == pytest.approx(expected, rel=1e-5), (reduction, rank)
+            # The first step's shape probe (a forward without gradients) must not leave gathered groups
+            # behind: the plan recorded in step 0 is followed from then on, not re-recorded.
+            assert got["phases"] == ["follow"] * len(got["phases"]), (reduction, rank)
             assert_close(got["state"], plain.state_dict(), f"{reduction} rank {rank}")
         full = [r[i]["model_data_bytes"] for r in results]
         assert full[0] < 0.75 * sum(full[:2]), "each replica persists about half its stage's model data"
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline_torchrun.py"
+
+
+def test_the_torchrun_example_trains_like_plain_pytorch() -> None:
+    """`torchrun --nproc-per-node 2 examples/pipeline_torchrun.py`: its losses are one process's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONPATH=str(EXAMPLE.parent.parent))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(EXAMPLE), "--steps", "3"],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    printed = [float(v) for v in re.findall(r"step \d+ loss ([\d.]+)", out.stdout)]
+    example = runpy.run_path(str(EXAMPLE))
+    plain = example["build"](256, width=128, depth=6)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    gen, expected = torch.Generator().manual_seed(0), []
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (10, 33), generator=gen)
+        loss = example["next_token_loss"](plain(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    assert printed == pytest.approx(expected, abs=1e-4)  # printed with 4 decimals
+    assert re.search(r"rank 1: stage 1 of 2, balance \[\d+, \d+\]", out.stdout)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(schedule="zigzag"), ValueError, r"schedule='zigzag': expected one of \['gpipe', '1f1b'\]"),
+    (dict(checkpoint="sometimes"), ValueError, r"checkpoint='sometimes'"),
+    (dict(reduction="none"), ValueError, r"reduction='none'"),
+    (dict(n_microbatches=0), ValueError, r"n_microbatches=0: expected a positive int"),
+    (dict(balance=[3, 4]), ValueError, r"balance=\[3, 4\]: expected 'auto' or 1 positive layer counts"),
+    (dict(data_parallel=3), ValueError, r"data_parallel=3 does not divide the world of 1"),
+    (dict(config=chunkmem.Config(device="cpu", dtype="fp16")), ValueError, r"dtype='fp16' is not supported"),
+    (dict(config=[chunkmem.Config(device="cpu")] * 2), ValueError, r"got 2 Configs for 1 stages"),
+])
+def test_bad_arguments_say_what_to_change(one_rank_group: None, kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        pipeline(model(), ADAMW, loss_fn("mean"), **kwargs)
+
+
+def test_a_batch_smaller_than_the_micro_batch_count_and_a_non_sequential_model_are_refused(
+        one_rank_group: None) -> None:
+    pipe = pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=4, config=chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match=r"a batch of 3 rows cannot be split into n_microbatches=4"):
+        pipe.step(torch.randn(3, WIDTH), torch.randn(3, 3))
+    with pytest.raises(TypeError, match=r"splits an nn.Sequential .* got Linear"):
+        pipeline(nn.Linear(WIDTH, 3), ADAMW, loss_fn("mean"))
+
+
+def test_without_a_process_group_the_error_says_how_to_launch() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"launch with torchrun"):
+        pipeline(model(), ADAMW, loss_fn("mean"))
