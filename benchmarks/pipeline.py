@@ -1,11 +1,15 @@
 """Pipeline throughput in the CPU simulation: K = 2 and 4 chunk-managed stages against one stage.
 
-    PYTHONPATH=. python benchmarks/pipeline.py --json benchmarks/results/pipeline_cpu.json
+    python -m benchmarks.pipeline --device-memory 4MiB --json benchmarks/results/pipeline_cpu.json
+    python -m benchmarks.pipeline --width 1024 --batch 256 --microbatches 4 \
+        --json benchmarks/results/pipeline_cpu_compute_bound.json
 
-Every stage is one process (gloo); the baseline is one process holding the whole model, prepared
-by chunkmem, stepping on the whole batch. In the simulation all stages share the machine's CPU
-cores, so this measures the pipeline's overheads (micro-batching, sends, bubbles), not the speed-up
-K devices would give: that needs K real devices.
+Every stage is one process (gloo) with one thread; the baseline is one process with one thread
+holding the whole model, prepared by chunkmem, stepping on the whole batch. In the simulation all
+stages share the machine's CPU cores (2 here), so K=4 oversubscribes them and no configuration can
+show the speed-up K devices would give. The first command is overhead-bound (8-row micro-batches,
+and a budget below each stage's model data, so every micro-batch streams its stage's chunks again);
+the second is compute-bound (64-row micro-batches, no budget), where stages overlap for real.
 """
 
 from __future__ import annotations
