@@ -34,7 +34,8 @@ from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
-from chunkmem.zero import Key, Shards, agree, least_transient_bytes
+from chunkmem.collectives import agree
+from chunkmem.zero import Key, Shards, least_transient_bytes
 
 log = logging.getLogger("chunkmem")
 

@@ -18,7 +18,7 @@ from chunkmem.hooks import Hooks
 from chunkmem.optim import ChunkOptimizer, rule_for
 from chunkmem.runtime import Runtime
 from chunkmem.scaler import LossScaler
-from chunkmem.zero import default_group
+from chunkmem.collectives import default_group
 
 
 class _ScaleGrad(torch.autograd.Function):

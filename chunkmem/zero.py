@@ -44,10 +44,8 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import datetime
 import gc
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunk import Chunk
+from chunkmem.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
 from chunkmem.device import Device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
@@ -66,50 +65,6 @@ CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs 
 AHEAD = 1  # groups gathered ahead of need
 GRAD_BUFFERS = 2  # gradient buffers at once, typically: one filling, one being reduce-scattered
 Key = tuple[bool, int]  # (trainable, communication group index)
-
-# torch >= 2.8 names the single-tensor collectives *_single and deprecates *_into_tensor / *_tensor.
-_ALL_GATHER: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def default_group(group: object) -> object | None:
-    """The process group to shard over: the given one, the default one, or one torchrun's env describes."""
-    if group is not None:
-        return group
-    if not dist.is_available():
-        return None
-    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = datetime.timedelta(seconds=float(os.environ.get("CHUNKMEM_TIMEOUT", "600")))
-        dist.init_process_group(backend, timeout=timeout)
-        log.info("initialised a %s process group of %d ranks from the environment", backend, dist.get_world_size())
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
-def agree(values: list[int], group: Any, device: torch.device) -> list[int]:
-    """The least of each value over the ranks of `group`: what every rank then decides from."""
-    tensor = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
-    return [int(v) for v in tensor.tolist()]
-
-
-def single_tensor_collectives(group: Any, device: torch.device) -> bool:
-    """Whether the backend has the single-tensor all-gather and reduce-scatter (older gloo lacks them).
-
-    Decided once, before training, the same on every rank: switching mid-run on the rank that saw
-    an error would leave the ranks' collectives out of step.
-    """
-    if dist.get_backend(group) == "nccl":
-        return True
-    world = dist.get_world_size(group)
-    try:
-        _ALL_GATHER(torch.zeros(world, device=device), torch.zeros(1, device=device), group=group)
-        _REDUCE_SCATTER(torch.zeros(1, device=device), torch.zeros(world, device=device), group=group)
-        supported = 1
-    except (RuntimeError, NotImplementedError, ValueError):
-        supported = 0
-    return bool(agree([supported], group, device)[0])
-
 
 def least_transient_bytes(world: int, chunk_bytes: int, pinned: int) -> int:
     """The fewest device bytes ZeRO's pool can have: `pinned` gathered groups, a gradient buffer, a share."""
@@ -312,7 +267,7 @@ class Shards:
         buffer = self.device.alloc(self.world * local.numel(), local.dtype)
         mine = buffer[self.rank * local.numel():(self.rank + 1) * local.numel()]
         mine.copy_(local)  # gathered in place: the chunk itself may leave the device while this runs
-        work = self._issue(_ALL_GATHER, buffer, mine) if self.single else \
+        work = self._issue(ALL_GATHER, buffer, mine) if self.single else \
             self._issue(dist.all_gather, list(buffer.chunk(self.world)), mine)
         self._log("prefetch" if ahead else "gather", key)
         self.flights[key] = Flight(work, buffer, ahead)
@@ -407,7 +362,7 @@ class Shards:
         if self.single:
             share = self.device.alloc(full.numel() // self.world, full.dtype)
             self._count(share.nbytes)
-            work = self._issue(_REDUCE_SCATTER, share, full)
+            work = self._issue(REDUCE_SCATTER, share, full)
         else:  # all-reduce the whole buffer and keep this rank's part
             work = self._issue(dist.all_reduce, full)
             share = full[self.rank * self.store.chunk_size:(self.rank + 1) * self.store.chunk_size]
@@ -442,7 +397,7 @@ class Shards:
         local = self._on_backend(local.contiguous())
         out = torch.empty(self.world * local.numel(), dtype=local.dtype, device=local.device)
         if self.single:
-            _ALL_GATHER(out, local, group=self.group)
+            ALL_GATHER(out, local, group=self.group)
         else:
             dist.all_gather(list(out.chunk(self.world)), local, group=self.group)
         return out.cpu()

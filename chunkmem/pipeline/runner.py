@@ -36,7 +36,7 @@ from chunkmem.pipeline import balance as balancing
 from chunkmem.pipeline.schedule import Action, Kind
 from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, StageBody, layers_of, recv_shape, send_shape
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
-from chunkmem.zero import default_group
+from chunkmem.collectives import default_group
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -1,0 +1,62 @@
+"""The process group chunkmem shards over, and what every rank must decide alike before using it.
+
+`default_group` finds (or, under torchrun, creates) the group; `agree` makes a number the same on
+every rank; `single_tensor_collectives` probes the backend once. The collectives themselves are the
+single-tensor all-gather and reduce-scatter, under their current names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("chunkmem")
+
+# torch >= 2.8 names the single-tensor collectives *_single and deprecates *_into_tensor / *_tensor.
+ALL_GATHER: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def default_group(group: object) -> object | None:
+    """The process group to shard over: the given one, the default one, or one torchrun's env describes."""
+    if group is not None:
+        return group
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = datetime.timedelta(seconds=float(os.environ.get("CHUNKMEM_TIMEOUT", "600")))
+        dist.init_process_group(backend, timeout=timeout)
+        log.info("initialised a %s process group of %d ranks from the environment", backend, dist.get_world_size())
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def agree(values: list[int], group: Any, device: torch.device) -> list[int]:
+    """The least of each value over the ranks of `group`: what every rank then decides from."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in tensor.tolist()]
+
+
+def single_tensor_collectives(group: Any, device: torch.device) -> bool:
+    """Whether the backend has the single-tensor all-gather and reduce-scatter (older gloo lacks them).
+
+    Decided once, before training, the same on every rank: switching mid-run on the rank that saw
+    an error would leave the ranks' collectives out of step.
+    """
+    if dist.get_backend(group) == "nccl":
+        return True
+    world = dist.get_world_size(group)
+    try:
+        ALL_GATHER(torch.zeros(world, device=device), torch.zeros(1, device=device), group=group)
+        REDUCE_SCATTER(torch.zeros(1, device=device), torch.zeros(world, device=device), group=group)
+        supported = 1
+    except (RuntimeError, NotImplementedError, ValueError):
+        supported = 0
+    return bool(agree([supported], group, device)[0])
