@@ -20,11 +20,22 @@ class Chunk:
         self.name = name
         self.numel = numel
         self.dtype = dtype
-        self.host: torch.Tensor = device.host_alloc(numel, dtype)  # [numel] on host
+        self._dev = device
+        self._host: torch.Tensor = device.host_alloc(numel, dtype)  # [numel] on host
         self.device: torch.Tensor | None = None  # [numel] on the compute device when resident
         self.state = ChunkState.FREE
         self.pins = 0  # member tensors in COMPUTE
         self.pending: object | None = None  # the device's token for an upload compute has not waited on
+        self.landing: object | None = None  # the device's token for a download into `host` not waited on
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The host payload, [numel]. A download may still be landing in it (evictions do not wait for
+        theirs): every reader comes through here, and waits."""
+        if self.landing is not None:
+            self._dev.wait_host(self.landing)
+            self.landing = None
+        return self._host
 
     def __repr__(self) -> str:
         return f"Chunk({self.name}, {self.numel} x {self.dtype}, {self.state.name}, pins={self.pins})"
@@ -59,8 +70,9 @@ class Chunk:
         self.state = new
 
     def download(self, dev: Device) -> None:
+        """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
-        dev.download(self.device, self.host)  # type: ignore[arg-type]
+        self.landing = dev.download(self.device, self.host)  # type: ignore[arg-type]
         self.state = new
 
     def drop_device(self) -> None:

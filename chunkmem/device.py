@@ -8,6 +8,7 @@ simulation, with the same reuse, cap and fallback.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import psutil
@@ -32,7 +33,14 @@ class Device(Protocol):
         """Make compute wait for the copy behind `token`, without blocking the host."""
         ...
 
-    def download(self, device: torch.Tensor, host: torch.Tensor) -> None: ...
+    def download(self, device: torch.Tensor, host: torch.Tensor) -> object | None:
+        """Start a device-to-host copy; returns a token for `wait_host` (None when already complete)."""
+        ...
+
+    def wait_host(self, token: object) -> None:
+        """Block the host until the copy behind `token` has landed in host memory."""
+        ...
+
     def free_bytes(self) -> int: ...
 
 
@@ -65,18 +73,34 @@ class SimulatedDevice:
     def wait(self, token: object) -> None:
         pass
 
-    def download(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        host.copy_(device)
+    def download(self, device: torch.Tensor, host: torch.Tensor) -> object | None:
+        # The copy happens when someone waits for it, as an asynchronous one may land as late: a host
+        # read that does not wait sees stale bytes here too, so the parity tests would catch it.
+        return _Landing(device, host)
+
+    def wait_host(self, token: object) -> None:
+        assert isinstance(token, _Landing)
+        token.host.copy_(token.device)
 
     def free_bytes(self) -> int:
         return psutil.virtual_memory().available
 
 
+@dataclasses.dataclass(frozen=True)
+class _Landing:
+    """A simulated device-to-host copy not yet made; it keeps the device buffer alive, as CUDA's
+    record_stream does."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+
 class CudaDevice:
     """A CUDA device: pinned host payloads and copy streams fenced against the compute stream.
 
-    With the copy engine built (chunkmem/native.py) copies go through it: its own upload and download
-    streams, events as tokens, and cudaHostAlloc'd host memory. Without it, the same with PyTorch.
+    Uploads and downloads run on their own streams, so an eviction's copy overlaps with compute and
+    with the next upload; events are the tokens. With the copy engine built (chunkmem/native.py)
+    copies go through it, into cudaHostAlloc'd host memory. Without it, the same with PyTorch.
     """
 
     def __init__(self, name: str, host_memory: int | None = None) -> None:
@@ -85,16 +109,19 @@ class CudaDevice:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
         module = native.load_copy_engine()
         self.engine: Any = None  # the device's CopyEngine when the extension is built
-        self.copy_stream: torch.cuda.Stream
+        self.copy_stream: torch.cuda.Stream  # uploads
+        self.d2h_stream: torch.cuda.Stream  # downloads
         allocator: HostAllocator
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
             allocator = EngineAllocator(module)
-            # The engine's upload stream as torch sees it, for record_stream on the buffers it fills.
+            # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
             self.copy_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
+            self.d2h_stream = torch.cuda.ExternalStream(self.engine.d2h_stream, device=self.torch_device)
         else:
             allocator = RegisteredAllocator()
             self.copy_stream = torch.cuda.Stream(self.torch_device)
+            self.d2h_stream = torch.cuda.Stream(self.torch_device)
         self.host_pool = HostPool(allocator, host_memory)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -127,17 +154,23 @@ class CudaDevice:
         else:
             compute.wait_event(token)  # type: ignore[arg-type]
 
-    def download(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        # The host copy is read by host code right after, so this waits for it.
+    def download(self, device: torch.Tensor, host: torch.Tensor) -> object | None:
+        # After what compute has queued (the last writes of the chunk); record_stream keeps the device
+        # buffer from being reused before the copy has read it, though the chunk lets go of it at once.
         compute = torch.cuda.current_stream(self.torch_device)
         if self.engine is not None:
-            self.engine.copy([host], [device], compute.cuda_stream).synchronize()
-            return
-        self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
-            host.copy_(device, non_blocking=True)
-        device.record_stream(self.copy_stream)
-        self.copy_stream.synchronize()
+            done = self.engine.copy([host], [device], compute.cuda_stream)
+        else:
+            self.d2h_stream.wait_stream(compute)
+            with torch.cuda.stream(self.d2h_stream):
+                host.copy_(device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.d2h_stream)
+        device.record_stream(self.d2h_stream)
+        return done
+
+    def wait_host(self, token: object) -> None:
+        token.synchronize()  # type: ignore[attr-defined]
 
     def free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.torch_device)[0]

@@ -107,6 +107,11 @@ class Residency:
 
     def to_host(self, chunk: Chunk, reason: str = "optimizer") -> torch.Tensor:
         """Bring the host payload up to date (the device copy, if any, stays) and return it."""
+        self._write_back(chunk, reason)
+        return chunk.host
+
+    def _write_back(self, chunk: Chunk, reason: str) -> None:
+        """Start bringing the host payload up to date; whoever reads `chunk.host` next waits for it."""
         if chunk.state is ChunkState.DEVICE_DIRTY:
             start = time.perf_counter()
             chunk.download(self.device)
@@ -114,7 +119,6 @@ class Residency:
             self.report(chunk, "device", "host", chunk.nbytes, time.perf_counter() - start, reason)
         elif chunk.state is ChunkState.FREE:
             chunk.materialize_host()
-        return chunk.host
 
     def report(self, chunk: Chunk, src: str, dst: str, nbytes: int, seconds: float, reason: str) -> None:
         for observer in self.observers:
@@ -137,7 +141,7 @@ class Residency:
 
     def evict(self, chunk: Chunk) -> None:
         if chunk.state.on_device:
-            self.to_host(chunk, "evict")
+            self._write_back(chunk, "evict")  # not waited for: the copy overlaps what runs next
             self._drop(chunk)
 
     def reset(self, chunk: Chunk) -> None:

@@ -34,6 +34,18 @@ def test_budget_evicts_least_recently_used_and_counts_bytes():
     assert moved == ["c0", "c1", "c1", "c2"], "b leaves before c arrives"
 
 
+def test_an_eviction_does_not_wait_for_its_copy_and_the_first_read_does():
+    res, (a, b), _ = setup(2, limit_chunks=1)
+    res.to_device(a).fill_(42.0)
+    a.write_device()
+    res.to_device(b)  # evicts a: its write-back starts, and nobody waits for it yet
+    assert a.landing is not None and res.stats.d2h_bytes == 64
+    assert torch.equal(a._host, torch.zeros(16)), "the simulated copy lands only when waited for"
+    assert torch.equal(a.host, torch.full((16,), 42.0)) and a.landing is None
+    res.to_device(a)  # the upload reads the host payload, so it too would have waited
+    assert torch.equal(a.device, torch.full((16,), 42.0))
+
+
 def test_dirty_eviction_writes_back_and_the_value_survives():
     res, (a, b), _ = setup(2, limit_chunks=1)
     res.to_device(a).fill_(42.0)
