@@ -47,7 +47,9 @@ class Config:
     native_optimizer: update host-resident chunks with the native kernel (csrc/cpu_optim.cpp: one
         pass, casts folded in) instead of torch.optim's functions. Faster in mixed precision, within
         1e-6 of torch.optim rather than bit-identical to it; falls back to torch.optim, with one
-        warning, when the kernel cannot be built.
+        warning, when the kernel cannot be built. None (the default): on with CUDA, where chunks
+        updated on the host and on the device already differ in the last bits; off in the CPU
+        simulation, whose results stay bit-identical to torch.optim whatever the budget.
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -56,7 +58,7 @@ class Config:
     dtype: str = "fp32"
     chunk_size: int | None = None
     offload_activations: bool = False
-    native_optimizer: bool = False
+    native_optimizer: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -71,10 +73,16 @@ class Config:
         if self.chunk_size is not None and (
                 isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
             raise ValueError(f"Config.chunk_size={self.chunk_size!r}: expected a positive int of elements or None")
-        for flag in ("offload_activations", "native_optimizer"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"Config.{flag}={getattr(self, flag)!r}: expected True or False")
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
+        if self.native_optimizer is not None and not isinstance(self.native_optimizer, bool):
+            raise ValueError(f"Config.native_optimizer={self.native_optimizer!r}: expected True, False or None (auto)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def uses_native_optimizer(self) -> bool:
+        """native_optimizer, with None resolved: on with CUDA, off in the simulation."""
+        return self.device != "cpu" if self.native_optimizer is None else self.native_optimizer

@@ -91,7 +91,7 @@ class ChunkOptimizer(Optimizer):
                                      "chunkmem.prepare: build the optimizer from model.parameters()")
         self.steps: dict[ParamRecord, torch.Tensor] = {
             records[p]: torch.tensor(0.0) for g in self.param_groups for p in g["params"]}
-        self.native = native.load() if runtime.config.native_optimizer else None
+        self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made
 
     def group_of(self) -> dict[ParamRecord, dict]:

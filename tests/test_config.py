@@ -24,6 +24,8 @@ def test_sizes_accept_ints_and_units(text, expected):
     (dict(chunk_size=0), r"Config.chunk_size=0"),
     (dict(chunk_size=2.5), r"Config.chunk_size=2.5"),
     (dict(device="tpu"), r"Config.device='tpu': expected 'cuda', 'cuda:N' or 'cpu'"),
+    (dict(offload_activations="yes"), r"Config.offload_activations='yes': expected True or False"),
+    (dict(native_optimizer=1), r"Config.native_optimizer=1: expected True, False or None \(auto\)"),
 ])
 def test_bad_values_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -34,6 +36,15 @@ def test_bad_values_name_the_field(kwargs, match):
 def test_cuda_without_cuda_says_to_use_the_simulation():
     with pytest.raises(ValueError, match="use device='cpu'"):
         chunkmem.Config(device="cuda")
+
+
+def test_the_native_optimizer_is_on_by_default_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The simulation keeps torch.optim's bits whatever the budget; on CUDA host and device updates differ anyway.
+    assert not chunkmem.Config(device="cpu").uses_native_optimizer
+    assert chunkmem.Config(device="cpu", native_optimizer=True).uses_native_optimizer
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert chunkmem.Config(device="cuda:0").uses_native_optimizer
+    assert not chunkmem.Config(device="cuda:0", native_optimizer=False).uses_native_optimizer
 
 
 def test_unknown_field_is_a_type_error():
