@@ -109,18 +109,18 @@ class CudaDevice:
             self.torch_device = torch.device("cuda", torch.cuda.current_device())
         module = native.load_copy_engine()
         self.engine: Any = None  # the device's CopyEngine when the extension is built
-        self.copy_stream: torch.cuda.Stream  # uploads
+        self.h2d_stream: torch.cuda.Stream  # uploads
         self.d2h_stream: torch.cuda.Stream  # downloads
         allocator: HostAllocator
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
             allocator = EngineAllocator(module)
             # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
-            self.copy_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
+            self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
             self.d2h_stream = torch.cuda.ExternalStream(self.engine.d2h_stream, device=self.torch_device)
         else:
             allocator = RegisteredAllocator()
-            self.copy_stream = torch.cuda.Stream(self.torch_device)
+            self.h2d_stream = torch.cuda.Stream(self.torch_device)
             self.d2h_stream = torch.cuda.Stream(self.torch_device)
         self.host_pool = HostPool(allocator, host_memory)
 
@@ -131,21 +131,8 @@ class CudaDevice:
         return self.host_pool.tensor(numel, dtype)
 
     def upload(self, host: torch.Tensor, device: torch.Tensor) -> object | None:
-        # The copy runs on its own stream after what compute has queued (the device buffer was just
-        # allocated on the compute stream); compute waits for it only where the chunk is used, so a
-        # prefetch overlaps with the module running now. record_stream keeps the caching allocator
-        # from handing the buffer out again before the copy is done.
-        compute = torch.cuda.current_stream(self.torch_device)
-        if self.engine is not None:
-            done = self.engine.copy([device], [host], compute.cuda_stream)
-        else:
-            self.copy_stream.wait_stream(compute)
-            with torch.cuda.stream(self.copy_stream):
-                device.copy_(host, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-        device.record_stream(self.copy_stream)
-        return done
+        # Compute waits for it only where the chunk is used, so a prefetch overlaps the module running now.
+        return self._copy(device, host, self.h2d_stream, device)
 
     def wait(self, token: object) -> None:
         compute = torch.cuda.current_stream(self.torch_device)
@@ -155,18 +142,25 @@ class CudaDevice:
             compute.wait_event(token)  # type: ignore[arg-type]
 
     def download(self, device: torch.Tensor, host: torch.Tensor) -> object | None:
-        # After what compute has queued (the last writes of the chunk); record_stream keeps the device
-        # buffer from being reused before the copy has read it, though the chunk lets go of it at once.
+        # The chunk lets go of `device` at once; the host waits for the copy only when it reads `host`.
+        return self._copy(host, device, self.d2h_stream, device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+              device_buffer: torch.Tensor) -> object:
+        """`dst.copy_(src)` on `stream` (the engine picks its own by direction) after what compute has
+        queued: a new device buffer was allocated there, an evicted one last written there. Returns an
+        event that marks the copy's end. record_stream keeps the caching allocator from handing
+        `device_buffer` out again before the copy is done with it."""
         compute = torch.cuda.current_stream(self.torch_device)
         if self.engine is not None:
-            done = self.engine.copy([host], [device], compute.cuda_stream)
+            done = self.engine.copy([dst], [src], compute.cuda_stream)
         else:
-            self.d2h_stream.wait_stream(compute)
-            with torch.cuda.stream(self.d2h_stream):
-                host.copy_(device, non_blocking=True)
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
-                done.record(self.d2h_stream)
-        device.record_stream(self.d2h_stream)
+                done.record(stream)
+        device_buffer.record_stream(stream)
         return done
 
     def wait_host(self, token: object) -> None:
