@@ -33,9 +33,9 @@ from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.collectives import agree
-from chunkmem.zero import Key, Shards, least_transient_bytes
+from chunkmem.zero import Key, Shards, least_device_bytes
 
 log = logging.getLogger("chunkmem")
 
@@ -97,13 +97,8 @@ class Runtime:
         if self.config.chunk_size is not None:
             return self.config.chunk_size
         itemsize = self.config.torch_dtype.itemsize
-
-        def need(size: int) -> int:
-            chunks = working_set_chunks(module, size)
-            own = chunks if world == 1 else 1  # under ZeRO one at a time (see _check_working_set)
-            return own * size * itemsize + least_transient_bytes(world, size * itemsize, chunks)
-        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()],
-                                 fits=lambda size: need(size) <= self.limit)
+        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
+                                 fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
 
     def _check_host_budget(self) -> None:
         need, allowed = self.store.model_data_bytes(), self.config.host_memory

@@ -58,7 +58,7 @@ from chunkmem.chunk import Chunk
 from chunkmem.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
 from chunkmem.device import Device
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
 
 log = logging.getLogger("chunkmem")
 CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs its group again
@@ -69,6 +69,15 @@ Key = tuple[bool, int]  # (trainable, communication group index)
 def least_transient_bytes(world: int, chunk_bytes: int, pinned: int) -> int:
     """The fewest device bytes ZeRO's pool can have: `pinned` gathered groups, a gradient buffer, a share."""
     return ((pinned + 1) * world + 1) * chunk_bytes if world > 1 else 0
+
+
+def least_device_bytes(module: nn.Module, chunk_size: int, itemsize: int, world: int) -> int:
+    """Device bytes one step needs at least with chunks of `chunk_size` elements: one module's chunks
+    at once, or under ZeRO one own chunk at a time plus the fewest transient buffers (their Note).
+    The runtime and the planner (trace/planner.py) choose chunk sizes with it, so they agree."""
+    chunks = working_set_chunks(module, chunk_size)
+    own = chunks if world == 1 else 1
+    return own * chunk_size * itemsize + least_transient_bytes(world, chunk_size * itemsize, chunks)
 
 
 def most_pinned(module: nn.Module, keys: Callable[[nn.Module], set[Key]]) -> int:

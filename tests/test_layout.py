@@ -35,3 +35,12 @@ def test_search_picks_the_least_waste_at_least_the_largest_parameter():
 def test_search_never_goes_below_the_largest_parameter():
     params = [("emb", 5000), ("w", 100)]
     assert search_chunk_size(params) >= 5000
+
+
+def test_search_counts_the_chunks_that_round_up_to_the_world_size():
+    # One 2240-element chunk holds everything, but 3 ranks need 3 chunks: two of them empty. Two chunks
+    # of 1536 (plus one empty) waste about half as much.
+    params = [("p0", 500), ("p1", 128), ("p2", 64), ("p3", 1500)]
+    assert search_chunk_size(params) == 2240
+    assert search_chunk_size(params, multiple_of=3) == 1536
+    assert pack(params, 1536, multiple_of=3).wasted < pack(params, 2240, multiple_of=3).wasted / 1.5

@@ -25,6 +25,7 @@ from torch import nn
 from chunkmem.layout import search_chunk_size
 from chunkmem.placement import SAFETY_FRACTION
 from chunkmem.store import layouts, working_set_chunks
+from chunkmem.zero import least_device_bytes
 from chunkmem.trace.activation_model import Shape, estimate
 
 CUDA_CONTEXT = 512 * 2**20
@@ -89,8 +90,9 @@ def chunk_layout(module: nn.Module, request: Request) -> tuple[int, int, int, in
     """(chunk_size, trainable chunks, frozen chunks, working-set chunks), as chunkmem.prepare chooses them."""
     itemsize = ITEMSIZE[request.dtype]
     named = [(n, p.numel()) for n, p in module.named_parameters()]
-    size = search_chunk_size(named, fits=lambda s: working_set_chunks(module, s) * s * itemsize
-                             <= request.device_memory)
+    world = request.world_size
+    size = search_chunk_size(named, multiple_of=world,
+                             fits=lambda s: least_device_bytes(module, s, itemsize, world) <= request.device_memory)
     trainable, frozen = layouts(module, size, request.world_size)
     return size, trainable.num_chunks, frozen.num_chunks, working_set_chunks(module, size)
 
