@@ -66,7 +66,9 @@ def steady_step(base: torch.nn.Module, ids: torch.Tensor, device_memory: int | N
     warmup = {k: v for k, v in model.memory_stats().items() if k in keys}
     step()  # the first step on the plan (it settles the set of chunks resident at a step's start)
     placer = model.runtime.placer
-    start = set(placer.start)
+    # chunkmem uploads the parameter chunks the host optimizer rewrote during that step (it counts those
+    # bytes); the replays start without them and fetch them on demand, moving the same bytes.
+    start = set(placer.start) - {g.param for g in placer.groups if g.index not in placer.homes}
     dirty = {c.name for c in model.runtime.store.chunks() if c.state.name == "DEVICE_DIRTY"}
     before = dict(model.memory_stats())
     steady_seconds = timed(step)

@@ -123,6 +123,8 @@ class ChunkOptimizer(Optimizer):
             if members:
                 runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
                 self._step_group(chunk_group, members, group_of, inv_scale)
+                if not runtime.placer.homed(chunk_group.index):
+                    runtime.placer.updated_on_host(chunk_group.param)
                 runtime.emit("post_optimizer", "optim", chunk_group.master.name)
         runtime.step_done()
         return loss

@@ -250,6 +250,18 @@ class Placer:
             self._following.cursor += 1
             self._prefetch(self._following.cursor)
 
+    def updated_on_host(self, chunk: Chunk) -> None:
+        """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
+        plan will want it on the device from the start (it fits under the first access's budget beside
+        what is resident), upload it now: on CUDA the copy then overlaps the next group's update rather
+        than the next forward. The plan is rebuilt from what is resident when the step ends, as always."""
+        if self.phase is not Phase.FOLLOW or self.off_path or chunk.state.on_device:
+            return
+        budgets = self._following.plan.budgets
+        room = min(self.residency.limit, budgets[0]) if budgets else 0
+        if self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
+            self.residency.to_device(chunk, "prefetch")
+
     def moment(self) -> None:
         """Between accesses activations grow too: without a plan, re-fit the chunks at every moment."""
         if self.phase is not Phase.FOLLOW and not self.off_path:
