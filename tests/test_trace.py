@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +163,26 @@ def test_trace_command_records_a_plain_script_without_changes(tmp_path: Path) ->
     assert json.loads((out / "meta.json").read_text())["argv"] == [str(script)]
     missing = subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace"], capture_output=True, text=True)
     assert missing.returncode == 2 and "no command given" in missing.stderr
+
+
+def test_trace_command_under_torchrun_writes_one_file_per_rank_and_the_report_shows_both(tmp_path: Path) -> None:
+    from tests.multiproc import free_port
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "zero_torchrun.py"
+    out = tmp_path / "trace"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", CHUNKMEM_TIMEOUT="60")
+    done = subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace", "--output", str(out), "--",
+                           sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(example), "--steps", "2"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    trace = read_trace(out)
+    assert [r.header["rank"] for r in trace.ranks] == [0, 1]
+    for rank in trace.ranks:  # each rank's exact chunk categories: its own shard of the model data
+        assert rank.header["source"] == "chunks" and rank.complete and rank.moments
+    layouts = [json.loads((out / f"layout.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(lay["world"], lay["rank"]) for lay in layouts] == [(2, 0), (2, 1)]
+    report = subprocess.run([sys.executable, "-m", "chunkmem.cli", "report", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert [r["rank"] for r in build(trace)["ranks"]] == [0, 1]
