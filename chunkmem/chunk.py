@@ -2,15 +2,25 @@
 
 Transitions are the named methods below; each checks the move against `state.CHUNK_MOVES`, does
 the work, and sets the new state last. Accounting of bytes and budgets is the residency manager's.
+
+[Note: fenced payloads]
+Copies are asynchronous (device.py's Note on tokens), so a payload may still be in flight: an upload
+into `device` that compute has not waited for, downloads into `host` the host has not waited for.
+Every reader and writer of a payload goes through `device` and `host`, which wait first. Only
+bookkeeping that touches no bytes (addresses, pointing views) uses `device_unfenced`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from chunkmem.device import Device
 from chunkmem.errors import ChunkStateError
 from chunkmem.state import ChunkState, next_chunk_state
+
+Landing = tuple[object, Callable[[], object] | None]  # a download's token, and what to do once it landed
 
 
 class Chunk:
@@ -22,19 +32,38 @@ class Chunk:
         self.dtype = dtype
         self._dev = device
         self._host: torch.Tensor = device.host_alloc(numel, dtype)  # [numel] on host
-        self.device: torch.Tensor | None = None  # [numel] on the compute device when resident
+        self._device: torch.Tensor | None = None  # [numel] on the compute device when resident
         self.state = ChunkState.FREE
         self.pins = 0  # member tensors in COMPUTE
         self.pending: object | None = None  # the device's token for an upload compute has not waited on
-        self.landing: object | None = None  # the device's token for a download into `host` not waited on
+        self.landings: list[Landing] = []  # downloads into `host` not waited for, oldest first
 
     @property
     def host(self) -> torch.Tensor:
-        """The host payload, [numel]. A download may still be landing in it (evictions do not wait for
-        theirs): every reader comes through here, and waits."""
-        if self.landing is not None:
-            self._dev.wait_host(self.landing)
-            self.landing = None
+        """The host payload, [numel], once every download into it has landed."""
+        landings, self.landings = self.landings, []
+        for token, then in landings:
+            self._dev.wait_host(token)
+            if then is not None:
+                then()
+        return self._host
+
+    @property
+    def device(self) -> torch.Tensor | None:
+        """The device payload, [numel], with compute waiting for its upload; None when not resident."""
+        if self.pending is not None:
+            self._dev.wait(self.pending)
+            self.pending = None
+        return self._device
+
+    @property
+    def device_unfenced(self) -> torch.Tensor | None:
+        """The device buffer, whether or not its upload has landed: for addresses and views, not bytes."""
+        return self._device
+
+    @property
+    def host_unfenced(self) -> torch.Tensor:
+        """The host buffer, whether or not its downloads have landed: for addresses and views, not bytes."""
         return self._host
 
     def __repr__(self) -> str:
@@ -60,26 +89,44 @@ class Chunk:
 
     def materialize_device(self, dev: Device) -> None:
         new = self._check("materialize_device")
-        self.device = dev.alloc(self.numel, self.dtype).zero_()
+        self._device = dev.alloc(self.numel, self.dtype).zero_()
         self.state = new
 
     def upload(self, dev: Device) -> None:
         new = self._check("upload")
-        self.device = dev.alloc(self.numel, self.dtype)
-        self.pending = dev.upload(self.host, self.device)
+        self._device = dev.alloc(self.numel, self.dtype)
+        self.pending = dev.upload(self.host, self._device, self.name)
         self.state = new
 
     def download(self, dev: Device) -> None:
         """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
-        self.landing = dev.download(self.device, self.host)  # type: ignore[arg-type]
+        self.landings.append((dev.download(self.device, self._host, self.name), None))  # type: ignore[arg-type]
         self.state = new
+
+    def receive(self, dev: Device, source: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
+                staged: torch.Tensor | None = None) -> None:
+        """Start copying device tensor `source` into `part(host payload)` (a slice of it), or, through the host
+        buffer `staged` (source's shape), adding it there; `host` waits for it when next read. The chunk must
+        be HOST: the host payload is the only copy."""
+        if self.state is not ChunkState.HOST:
+            raise ChunkStateError(f"{self!r}: receive needs the host payload to be the only copy")
+        target = part(self._host)
+        if staged is None:
+            self.landings.append((dev.download(source, target, self.name), None))
+        else:
+            self.landings.append((dev.download(source, staged, self.name), lambda: target.add_(staged)))
 
     def drop_device(self) -> None:
         new = self._check("drop_device")
         self._check_unpinned("drop_device")
-        self.device = None
+        self._forget_device()
         self.state = new
+
+    def _forget_device(self) -> None:
+        if self.pending is not None:  # a prefetch never used: its bytes will not be read
+            self._dev.discard(self.pending)
+        self._device, self.pending = None, None
 
     def write_host(self) -> None:
         self.state = self._check("write_host")
@@ -90,7 +137,7 @@ class Chunk:
     def reset(self) -> None:
         new = self._check("reset")
         self._check_unpinned("reset")
-        self.device = None
+        self._forget_device()
         self.state = new
 
     def _check_unpinned(self, move: str) -> None:

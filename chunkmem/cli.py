@@ -12,7 +12,7 @@ import logging
 import sys
 from types import ModuleType
 
-COMMANDS = ["finetune", "trace", "report", "plan", "env"]
+COMMANDS = ["finetune", "trace", "report", "plan", "env", "selftest"]
 
 
 def _available() -> dict[str, ModuleType]:

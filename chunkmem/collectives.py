@@ -23,14 +23,21 @@ ALL_GATHER: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dis
 REDUCE_SCATTER: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def default_group(group: object) -> object | None:
-    """The process group to shard over: the given one, the default one, or one torchrun's env describes."""
+def backend_for(device: str) -> str:
+    """The process-group backend for a Config.device: NCCL for CUDA, gloo for the CPU simulation (whose
+    tensors NCCL cannot carry, even on a machine that has GPUs)."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def default_group(group: object, device: str) -> object | None:
+    """The process group to shard over: the given one, the default one, or one torchrun's env describes,
+    with the backend `device` needs."""
     if group is not None:
         return group
     if not dist.is_available():
         return None
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(device)
         timeout = datetime.timedelta(seconds=float(os.environ.get("CHUNKMEM_TIMEOUT", "600")))
         dist.init_process_group(backend, timeout=timeout)
         log.info("initialised a %s process group of %d ranks from the environment", backend, dist.get_world_size())

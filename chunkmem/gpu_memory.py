@@ -9,7 +9,21 @@ Cached-but-free allocator blocks (reserved - allocated) are not counted: PyTorch
 retries before it reports an out-of-memory error, so chunks can still use that room.
 
 The outside part changes rarely (it grows when a library first initialises) and an NVML query costs
-tens of microseconds, so it is read at most every REFRESH_S seconds, not at every moment.
+tens of microseconds, so it is read at most every REFRESH_S seconds, not at every moment. NVML numbers
+its devices its own way, not as CUDA_VISIBLE_DEVICES renumbers them for the process, so the device
+is found by its UUID.
+
+[Note: the budget and the caching allocator]
+The placement keeps chunk bytes plus allocated non-model bytes within `device_memory`, but PyTorch's
+caching allocator holds more than is allocated: freed chunks stay cached (and held by record_stream
+until their copies end), and fixed-size chunks beside activations fragment the cache. So on CUDA a
+prepared model also caps the allocator with `torch.cuda.set_per_process_memory_fraction`: what it may
+reserve is the device budget (the sum of the budgets of the live prepared models on that device) less
+what the process already holds outside the allocator (NVML's reading at prepare). At the cap the
+allocator releases cached blocks and retries before it reports out of memory, and chunkmem's
+fallback then evicts chunks and retries. So reserved memory, plus what NVML sees outside it, stays
+within the budget by construction; `chunkmem selftest` measures `max_memory_reserved` against it.
+The cap is process-wide for that device, as the budget means everything the process takes there.
 """
 
 from __future__ import annotations
@@ -55,8 +69,7 @@ class DeviceMemory:
         try:
             if self._handle is None:
                 nvml.nvmlInit()
-                index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-                self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                self._handle = nvml.nvmlDeviceGetHandleByUUID(nvml_uuid(self.device))
             for process in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
                 if process.pid == os.getpid() and process.usedGpuMemory is not None:
                     return int(process.usedGpuMemory)
@@ -65,6 +78,24 @@ class DeviceMemory:
                      error)
             self.nvml = None
         return None
+
+
+def nvml_uuid(device: torch.device) -> str:
+    """The device's UUID as NVML spells it ("GPU-..."); torch reports it without the prefix."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def allocator_fraction(budgets: list[int], outside: int, total: int) -> float:
+    """The share of the device the caching allocator may reserve: the budgets of the prepared models on
+    it, less what the process holds outside the allocator (see the Note on the budget)."""
+    allowed = sum(budgets) - outside
+    if allowed <= 0:
+        raise ValueError(f"the device budget ({sum(budgets)} bytes) is less than the {outside} bytes this process "
+                         "already holds on the device outside PyTorch's allocator (CUDA context, libraries): "
+                         "raise Config.device_memory")
+    return min(1.0, allowed / total)
 
 
 def load_nvml() -> Any:

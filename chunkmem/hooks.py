@@ -31,9 +31,10 @@ class FetchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if type(func) is _DESCRIPTOR_CALL:  # `.data = `, `.shape`: attribute access, not compute
-            return func(*args, **kwargs)
-        records = self.runtime.unannounced(_parameters(args, kwargs))
+        # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
+        # parameters its module's hook already acquired; it pays one scan of its arguments.
+        params = _parameters(args, kwargs) if type(func) is not _DESCRIPTOR_CALL else None
+        records = self.runtime.unannounced(params) if params else None
         if records:
             self.runtime.acquire(records)
         try:
@@ -50,7 +51,7 @@ class FetchMode(TorchFunctionMode):
 
 def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
     found = []
-    for arg in (*args, *kwargs.values()):
+    for arg in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(arg, nn.Parameter):
             found.append(arg)
         elif isinstance(arg, (list, tuple)):

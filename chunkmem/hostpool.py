@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
+import mmap
 import threading
 import weakref
+from collections.abc import Callable
 from types import ModuleType
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -91,21 +94,56 @@ class PlainAllocator:
 
 
 class RegisteredAllocator:
-    """Pinned memory without the extension: plain exact-size memory page-locked by cudaHostRegister."""
+    """Pinned memory without the extension: anonymous memory page-locked by cudaHostRegister.
+
+    Each block is its own mapping, so its own pages. Registering a page another block registered
+    already fails (cudaErrorHostMemoryAlreadyRegistered), which 64-byte-aligned blocks from a general
+    allocator hit as soon as two small ones share a page. `cudart` and `clear_error` are
+    torch.cuda.cudart() and a cudaGetLastError call unless given (tests give fakes).
+    """
 
     pinned = True
 
+    def __init__(self, cudart: Any = None, clear_error: Callable[[], None] | None = None) -> None:
+        self.cudart = cudart if cudart is not None else torch.cuda.cudart()
+        self.clear_error = clear_error or clear_cuda_error
+
     def alloc(self, nbytes: int) -> Block:
-        base = torch.empty(nbytes, dtype=torch.uint8)
+        region: mmap.mmap = mmap.mmap(-1, nbytes)
+        anchor = ctypes.c_char.from_buffer(region)  # the mapping's address; released before it is closed
+        ptr = ctypes.addressof(anchor)
         # Flag 1 is cudaHostRegisterPortable: pinned for every device's context, not just the current one.
-        status = int(torch.cuda.cudart().cudaHostRegister(base.data_ptr(), nbytes, 1))
+        status = int(self.cudart.cudaHostRegister(ptr, nbytes, 1))
         if status != 0:
+            self.clear_error()
+            del anchor
+            region.close()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {status}")
-        return Block(base.data_ptr(), nbytes, True, base)
+        return Block(ptr, nbytes, True, [region, anchor])
 
     def free(self, block: Block) -> None:
-        torch.cuda.cudart().cudaHostUnregister(block.ptr)  # before torch's allocator can reuse the address
-        block.owner = None
+        self.cudart.cudaHostUnregister(block.ptr)
+        region = block.owner[0]  # type: ignore[index]
+        block.owner = None  # drops the anchor, so the mapping can close
+        region.close()
+
+
+def clear_cuda_error() -> None:
+    """Reset the calling thread's last CUDA error. A failed cudaHostRegister leaves its error there, and
+    torch's next kernel-launch check would report it as the kernel's own; torch binds no cudaGetLastError,
+    so call the runtime library torch loaded."""
+    library = _cudart_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
+@functools.cache
+def _cudart_library() -> Any:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart" in line:
+                return ctypes.CDLL(line.split()[-1])
+    return None
 
 
 class EngineAllocator:
@@ -136,7 +174,7 @@ class PoolStats:
     fallbacks: int = 0  # misses served from pageable memory
 
 
-def _free_all(cache: dict[int, list[Block]], allocator: HostAllocator) -> None:
+def _free_all(cache: dict[tuple[str, int], list[Block]], allocator: HostAllocator) -> None:
     for blocks in cache.values():
         for block in blocks:
             allocator.free(block)
@@ -147,35 +185,46 @@ class HostPool:
     """Host buffers for one runtime: exact-size reuse of pinned blocks, a cap, a pageable fallback.
 
     limit: most pinned bytes (Config.host_memory); None: only the RAM reserve limits pinning.
+    before_free: called before cached blocks go back to the allocator (the device's synchronize): a
+    block's last view may have died while an asynchronous copy still used it, and unpinned memory may
+    be handed to anyone at once.
     """
 
     def __init__(self, pinned: HostAllocator, limit: int | None = None,
-                 pageable: HostAllocator | None = None) -> None:
+                 pageable: HostAllocator | None = None, before_free: Callable[[], None] | None = None) -> None:
         self.allocator = pinned
         self.pageable = pageable or PlainAllocator(pinned=False)
         self.limit = limit
+        self.before_free = before_free
         self.stats_ = PoolStats()
-        self._cache: dict[int, list[Block]] = {}  # nbytes -> freed pinned blocks of exactly that size
+        # (tag, nbytes) -> freed pinned blocks of exactly that size, handed out again only under the same tag
+        self._cache: dict[tuple[str, int], list[Block]] = {}
         # Re-entrant: a garbage collection inside `tensor()` may run a finalizer that gives a block back.
         self._lock = threading.RLock()
         self._warned = False
         # Cached blocks go back to the allocator when the pool goes; outstanding ones keep it alive.
         weakref.finalize(self, _free_all, self._cache, pinned).atexit = False
 
-    def tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised 1-D CPU tensor of `numel` x `dtype` whose bytes come from the pool."""
+    def tensor(self, numel: int, dtype: torch.dtype, tag: str = "") -> torch.Tensor:
+        """An uninitialised 1-D CPU tensor of `numel` x `dtype` whose bytes come from the pool.
+
+        tag: a freed block goes only to a request of the same tag. A block's last view can die while a copy
+        queued on the compute stream still uses it; that is safe only when its next user's copies are
+        queued after it on that stream too, so buffers copied that way (offloaded activations, staged
+        gradients) take a tag of their own, apart from chunk payloads, which the host writes.
+        """
         nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(numel, dtype=dtype)
-        block = self._take(nbytes)
+        block = self._take(nbytes, tag)
         view = (ctypes.c_ubyte * nbytes).from_address(block.ptr)
-        weakref.finalize(view, self._give_back, block).atexit = False
+        weakref.finalize(view, self._give_back, block, tag).atexit = False
         return torch.frombuffer(view, dtype=torch.uint8).view(dtype)
 
-    def _take(self, nbytes: int) -> Block:
+    def _take(self, nbytes: int, tag: str) -> Block:
         with self._lock:
             stats = self.stats_
-            cached = self._cache.get(nbytes)
+            cached = self._cache.get((tag, nbytes))
             if cached:
                 stats.hits += 1
                 stats.cached_bytes -= nbytes
@@ -219,19 +268,21 @@ class HostPool:
                          "for them and for later buffers that do not fit, so their copies will not overlap "
                          "compute. Raise Config.host_memory or free RAM to pin them.", nbytes, why)
 
-    def _give_back(self, block: Block) -> None:
+    def _give_back(self, block: Block, tag: str) -> None:
         with self._lock:
             if not block.pinned:
                 self.stats_.pageable_bytes -= block.nbytes
                 self.pageable.free(block)
                 return
-            self._cache.setdefault(block.nbytes, []).append(block)
+            self._cache.setdefault((tag, block.nbytes), []).append(block)
             self.stats_.cached_bytes += block.nbytes
 
     def trim(self) -> int:
         """Free every cached block; returns the bytes freed. Blocks handed out are unaffected."""
         with self._lock:
             freed = self.stats_.cached_bytes
+            if freed and self.before_free is not None:
+                self.before_free()
             _free_all(self._cache, self.allocator)
             self.stats_.pinned_bytes -= freed
             self.stats_.cached_bytes = 0

@@ -180,7 +180,9 @@ class ChunkOptimizer(Optimizer):
                              beta2=beta2, eps=group["eps"], decoupled=group.get("decoupled_weight_decay", False),
                              step=step, **common)
         else:
-            native.sgd_step(master, grad, states.get("momentum_buffer"), param_out, momentum=group["momentum"],
+            # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
+            buffer = states.get("momentum_buffer") if group["momentum"] else None
+            native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
                             dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
                             **common)
         for record in members:

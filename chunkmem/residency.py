@@ -89,10 +89,8 @@ class Residency:
                 self.evict_unpinned()
                 self._bring(chunk, reason)
             self._added(chunk)
-        if chunk.pending is not None and reason != "prefetch":
-            self.device.wait(chunk.pending)
-            chunk.pending = None
-        return chunk.device  # type: ignore[return-value]
+        # A prefetch overlaps what runs now: compute waits for it where the chunk is used (Chunk.device).
+        return (chunk.device_unfenced if reason == "prefetch" else chunk.device)  # type: ignore[return-value]
 
     def _bring(self, chunk: Chunk, reason: str) -> None:
         if chunk.state is ChunkState.FREE:
@@ -126,11 +124,16 @@ class Residency:
 
     def host_for_write(self, chunk: Chunk) -> torch.Tensor:
         """The host payload, made the only copy, for code that is about to change it on the host."""
-        host = self.to_host(chunk)
+        self.claim_host(chunk)
+        return chunk.host
+
+    def claim_host(self, chunk: Chunk) -> None:
+        """Make the host payload the only copy (a write-back, if any, still landing), for code that will
+        change it on the host."""
+        self._write_back(chunk, "optimizer")
         if chunk.state.on_device:
             self._drop(chunk)
         chunk.write_host()
-        return host
 
     def evict_unpinned(self) -> None:
         """The most conservative placement, after an out-of-memory error: no chunk on the device that
@@ -187,7 +190,7 @@ class Residency:
 
     def _added(self, chunk: Chunk) -> None:
         self.resident[chunk.name] = chunk
-        self.by_storage[chunk.device.untyped_storage().data_ptr()] = chunk  # type: ignore[union-attr]
+        self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()] = chunk  # type: ignore[union-attr]
         self.stats.device_chunk_bytes += chunk.nbytes
         self.stats.device_chunk_bytes_peak = max(self.stats.device_chunk_bytes_peak,
                                                  self.stats.device_chunk_bytes)
@@ -195,5 +198,5 @@ class Residency:
 
     def _removed(self, chunk: Chunk) -> None:
         del self.resident[chunk.name]
-        del self.by_storage[chunk.device.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+        del self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()]  # type: ignore[union-attr]
         self.stats.device_chunk_bytes -= chunk.nbytes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
-from chunkmem.state import TensorState
+from chunkmem.state import ChunkState, TensorState
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.collectives import agree
 from chunkmem.zero import Key, Shards, least_device_bytes
@@ -89,6 +89,9 @@ class Runtime:
                 self.residency.to_device(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
+        if config.device_memory is not None:  # the budget holds for what the process takes (gpu_memory's Note)
+            outside = self.gpu_memory.outside_allocator() if self.gpu_memory is not None else 0
+            self.device.limit_memory(self, self.limit, outside)
 
     # -- set-up ------------------------------------------------------------------------------
     def _chunk_size(self, module: nn.Module, world: int) -> int:
@@ -122,7 +125,9 @@ class Runtime:
         return most
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.device.host_alloc(tensor.numel(), tensor.dtype).view(tensor.shape)
+        """A host buffer for a copy of `tensor` that is not model data (offloaded activations, staged gradients):
+        tagged apart from chunk payloads in the pool (HostPool.tensor says why)."""
+        return self.device.host_pool.tensor(tensor.numel(), tensor.dtype, tag="transient").view(tensor.shape)
 
     def nonmodel_bytes(self) -> int:
         """Device bytes that are not chunks: allocator and driver readings on CUDA (gpu_memory.py), saved
@@ -169,14 +174,11 @@ class Runtime:
         """This rank's parameter chunk of a group on the device, for a gather. A gather ahead of need is not
         in the placer's record (zero's Note on overlap): its chunk goes to the residency directly."""
         chunk = chunk_group.param
-        if not ahead:
+        if ahead:
+            self.residency.to_device(chunk, "prefetch")
+        else:
             self.placer.access([chunk])
-            return chunk.device  # type: ignore[return-value]
-        flat = self.residency.to_device(chunk, "prefetch")
-        if chunk.pending is not None:  # the collective reads it: compute's stream waits for the upload
-            self.device.wait(chunk.pending)
-            chunk.pending = None
-        return flat
+        return chunk.device  # type: ignore[return-value]  # the collective reads it: fenced
 
     def unannounced(self, params: Iterable[nn.Parameter]) -> list[ParamRecord]:
         """The managed parameters among `params` that no running module has acquired."""
@@ -247,34 +249,34 @@ class Runtime:
                 self._flush_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
-        view = record.view(self._grad_target(record.group, grad.nbytes))
-        if record.grad_state is TensorState.FREE:
-            view.copy_(grad)
-        else:
-            view.add_(grad.to(view.device))
+        self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE)
         record.move_grad("write")
 
-    def _grad_target(self, group: ChunkGroup, nbytes: int) -> torch.Tensor:
-        """The gradient chunk's payload to write into: on the device for groups homed there, else on the
-        host, where the gradient goes as soon as it is written."""
+    def _write_grad(self, group: ChunkGroup, grad: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
+                    accumulate: bool) -> None:
+        """Write (or add) `grad` into `part` of the group's gradient chunk: on the device for groups homed
+        there, else straight to the host, where the optimizer steps: a download that backward does not
+        wait for, fenced like every copy (it lands before the host next reads the chunk)."""
         chunk = group.chunks["grad"]
         self.emit("grad", "bwd", chunk.name)
         self.placer.access([chunk], "grad", group.index)
         if self.placer.homed(group.index):
-            flat = self.residency.to_device(chunk)
+            view = part(self.residency.to_device(chunk))
             chunk.write_device()
-            return flat
-        self.residency.stats.d2h_bytes += nbytes
-        self.residency.stats.grad_stream_bytes += nbytes
-        self.residency.report(chunk, "device", "host", nbytes, 0.0, "evict")
-        return self.residency.host_for_write(chunk)
+            view.add_(grad) if accumulate else view.copy_(grad)
+            return
+        self.residency.claim_host(chunk)
+        chunk.receive(self.device, grad, part, self._host_like(grad) if accumulate else None)
+        self.residency.stats.d2h_bytes += grad.nbytes
+        self.residency.stats.grad_stream_bytes += grad.nbytes
+        self.residency.report(chunk, "device", "host", grad.nbytes, 0.0, "evict")
 
     def _add_share(self, key: Key, share: torch.Tensor) -> None:
         """Add this rank's reduce-scattered share of a gradient group to its gradient chunk."""
         owned = self.shards.owned(key)  # type: ignore[union-attr]
         if owned.trainable:
-            flat = self._grad_target(owned, share.nbytes)
-            flat.add_(share.to(flat.device))
+            grad = owned.chunks["grad"]
+            self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
 
     def _flush(self) -> None:
         """End of backward: every gradient group reduced and added to its owner's chunk."""

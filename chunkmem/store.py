@@ -135,7 +135,8 @@ class ParamStore:
         group = self._group_of_param_chunk.get(chunk.name)
         if group is None:
             return
-        flat = chunk.device if chunk.device is not None else chunk.host
+        # Pointing views moves no bytes: compute waits for an upload where it uses the chunk (Chunk's Note).
+        flat = chunk.device_unfenced if chunk.device_unfenced is not None else chunk.host_unfenced
         for record in group.members:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter

@@ -170,9 +170,10 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     if optimizer.state:
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
-    group = None if group == LOCAL else default_group(group)
+    config = config or Config()
+    group = None if group == LOCAL else default_group(group, config.device)
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    runtime = Runtime(model, config or Config(), rule.states, group)
+    runtime = Runtime(model, config, rule.states, group)
     wrapped = ChunkedModel(model, runtime)
     return wrapped, ChunkOptimizer(runtime, optimizer, rule)

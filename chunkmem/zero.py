@@ -115,9 +115,9 @@ class Order:
 
 @dataclasses.dataclass
 class Flight:
-    """A collective issued async: its handle, and the tensor that holds the result once waited for."""
+    """A collective issued async: its token, and the tensor that holds the result once waited for."""
 
-    work: Any  # torch.distributed's Work
+    work: object  # the device's token (device.py's Note on tokens)
     result: torch.Tensor
     ahead: bool = False  # a gather issued ahead of need (the placer has not seen its chunk's access yet)
 
@@ -139,7 +139,6 @@ class Shards:
         for chunk_group in store.groups:
             self.members[self.key(chunk_group)].append(chunk_group)
         self.single = single_tensor_collectives(group, device.torch_device)
-        self.stream = torch.cuda.Stream(device.torch_device) if device.torch_device.type == "cuda" else None
         self.chunk_bytes = store.chunk_size * store.dtype.itemsize
         self.buffer_bytes = self.world * self.chunk_bytes  # one gathered group or gradient buffer
         self.pinned_most = most_pinned(module, lambda m: {self.key(store.records[p].group)
@@ -240,13 +239,12 @@ class Shards:
                     "is needed (a module uses parameters of modules outside it): raise Config.device_memory")
         return True
 
-    def _issue(self, collective: Callable[..., Any], *tensors: Any) -> Any:
-        """Start a collective async; on CUDA on its own stream, after what compute has queued so far."""
-        if self.stream is None:
-            return collective(*tensors, group=self.group, async_op=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            return collective(*tensors, group=self.group, async_op=True)
+    def _issue(self, collective: Callable[..., Any], writes: torch.Tensor, reads: torch.Tensor | None,
+               label: str, *args: Any) -> object:
+        """Start a collective async, after the work compute has queued (on CUDA on the device's comm
+        stream); the token waits for it (device.py's Note on tokens)."""
+        return self.device.collective(lambda: collective(*args, group=self.group, async_op=True), [writes],
+                                      [reads] if reads is not None else [], label)
 
     def _log(self, op: str, key: Key) -> None:
         if self.log is not None:
@@ -264,7 +262,7 @@ class Shards:
         if flight is not None:
             if flight.ahead:  # the placer sees the chunk's access where the recorded step had it
                 self.bring(self.owned(key), False)
-            flight.work.wait()
+            self.device.wait(flight.work)
             self._point(key)
         buffer = self.gathered[key]
         self.ahead = expected
@@ -276,8 +274,9 @@ class Shards:
         buffer = self.device.alloc(self.world * local.numel(), local.dtype)
         mine = buffer[self.rank * local.numel():(self.rank + 1) * local.numel()]
         mine.copy_(local)  # gathered in place: the chunk itself may leave the device while this runs
-        work = self._issue(ALL_GATHER, buffer, mine) if self.single else \
-            self._issue(dist.all_gather, list(buffer.chunk(self.world)), mine)
+        label = f"all-gather of group {key}"
+        work = self._issue(ALL_GATHER, buffer, None, label, buffer, mine) if self.single else \
+            self._issue(dist.all_gather, buffer, None, label, list(buffer.chunk(self.world)), mine)
         self._log("prefetch" if ahead else "gather", key)
         self.flights[key] = Flight(work, buffer, ahead)
         self.gathered[key] = buffer
@@ -315,7 +314,7 @@ class Shards:
     def drop(self, key: Key) -> None:
         flight = self.flights.pop(key, None)
         if flight is not None:
-            flight.work.wait()  # a buffer is never let go while a collective writes into it
+            self.device.wait(flight.work)  # a buffer is never let go while a collective writes into it
         buffer = self.gathered.pop(key)
         del self.by_storage[buffer.untyped_storage().data_ptr()]
         self._count(-buffer.nbytes)
@@ -371,9 +370,9 @@ class Shards:
         if self.single:
             share = self.device.alloc(full.numel() // self.world, full.dtype)
             self._count(share.nbytes)
-            work = self._issue(REDUCE_SCATTER, share, full)
+            work = self._issue(REDUCE_SCATTER, share, full, f"reduce-scatter of group {key}", share, full)
         else:  # all-reduce the whole buffer and keep this rank's part
-            work = self._issue(dist.all_reduce, full)
+            work = self._issue(dist.all_reduce, full, None, f"all-reduce of group {key}", full)
             share = full[self.rank * self.store.chunk_size:(self.rank + 1) * self.store.chunk_size]
         self._log("reduce_scatter", key)
         self.reducing = key, Flight(work, share), full
@@ -383,7 +382,7 @@ class Shards:
         assert self.reducing is not None
         key, flight, full = self.reducing
         self.reducing = None
-        flight.work.wait()
+        self.device.wait(flight.work)
         self._log("reduced", key)
         self.deliver(key, flight.result.div_(self.world))  # averaged, as DDP does
         self._count(-full.nbytes - (flight.result.nbytes if self.single else 0))

@@ -52,6 +52,7 @@ cudaError_t chunkmem_pinned_free(void* ptr) { return cudaFreeHost(ptr); }
 #ifdef TORCH_EXTENSION_NAME
 
 #include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -68,27 +69,17 @@ void check(cudaError_t status, const char* what) {
               cudaGetErrorString(status), ")");
 }
 
-// Makes `device` current for the scope: streams and events belong to the device current at creation.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { (void)cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+// Makes `device` current for the scope. torch's guard, not cudaSetDevice/cudaGetDevice by hand: restoring
+// the previous device with cudaSetDevice would create a context on it (GPU 0 for a thread that never
+// chose one), half a GiB on a GPU this rank does not use; torch's guard skips devices without one.
+using DeviceGuard = c10::cuda::CUDAGuard;
 
 // Marks a point on a stream. Compute waits on it before touching an uploaded chunk (`wait`, which does
 // not block the host); host code waits on it before reading a downloaded one (`synchronize`).
 class Event {
  public:
   Event(int device, cudaStream_t stream) : device_(device) {
-    DeviceGuard guard(device);
+    DeviceGuard guard(static_cast<c10::DeviceIndex>(device));
     check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
     check(cudaEventRecord(event_, stream), "cudaEventRecord");
   }
@@ -100,7 +91,7 @@ class Event {
   // Work queued on `stream` (a cudaStream_t as an integer, e.g. torch.cuda.current_stream().cuda_stream)
   // after this call starts only once the copies before the event are done.
   void wait(std::uintptr_t stream) const {
-    DeviceGuard guard(device_);
+    DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
     check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0), "cudaStreamWaitEvent");
   }
 
@@ -129,7 +120,7 @@ class Event {
 class CopyEngine {
  public:
   explicit CopyEngine(int device) : device_(device) {
-    DeviceGuard guard(device);
+    DeviceGuard guard(static_cast<c10::DeviceIndex>(device));
     check(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (h2d)");
     check(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags (d2h)");
     check(cudaEventCreateWithFlags(&fence_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
@@ -143,8 +134,11 @@ class CopyEngine {
 
   // Copies src[i] into dst[i] for every i, all in one direction (every dst on this device and every src
   // on the host, or the reverse), on that direction's stream, after the work already queued on `after`
-  // (the stream that allocated or last wrote the buffers; 0 for none). Returns an event after the last.
-  // The caller keeps the tensors alive, and device buffers recorded on the copy stream, until it fires.
+  // (the stream that allocated or last wrote the buffers, as an integer). 0 is not "none": it is the
+  // legacy default stream, PyTorch's compute stream unless the caller chose another, and the copy
+  // streams are non-blocking, so they order against it only through this fence. Returns an event after
+  // the last copy. The caller keeps the tensors alive, and device buffers recorded on the copy stream,
+  // until it fires.
   std::shared_ptr<Event> copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src,
                               std::uintptr_t after) {
     TORCH_CHECK(dst.size() == src.size(), "chunkmem copy engine: ", dst.size(), " destinations but ", src.size(),
@@ -173,12 +167,10 @@ class CopyEngine {
     cudaStream_t stream = upload ? h2d_ : d2h_;
     pybind11::gil_scoped_release no_gil;  // a copy from pageable memory blocks until it is staged
     std::lock_guard<std::mutex> lock(mutex_);  // one fence event per engine
-    DeviceGuard guard(device_);
-    if (after != 0) {
-      // The wait binds to the record made just before it, so one reused event serves every call.
-      check(cudaEventRecord(fence_, reinterpret_cast<cudaStream_t>(after)), "cudaEventRecord (fence)");
-      check(cudaStreamWaitEvent(stream, fence_, 0), "cudaStreamWaitEvent (fence)");
-    }
+    DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
+    // The wait binds to the record made just before it, so one reused event serves every call.
+    check(cudaEventRecord(fence_, reinterpret_cast<cudaStream_t>(after)), "cudaEventRecord (fence)");
+    check(cudaStreamWaitEvent(stream, fence_, 0), "cudaStreamWaitEvent (fence)");
     int issued = 0;
     check(chunkmem_copy_batch(dst_ptrs.data(), src_ptrs.data(), bytes.data(), static_cast<int>(bytes.size()),
                               upload ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost, stream, &issued),
@@ -219,7 +211,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device", &CopyEngine::device)
       .def_property_readonly("h2d_stream", &CopyEngine::h2d_stream)
       .def_property_readonly("d2h_stream", &CopyEngine::d2h_stream)
-      .def("copy", &CopyEngine::copy, pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("after") = 0);
+      .def("copy", &CopyEngine::copy, pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("after"));
   m.def("pinned_alloc", &pinned_alloc, pybind11::arg("nbytes"));
   m.def("pinned_free", &pinned_free, pybind11::arg("ptr"));
 }

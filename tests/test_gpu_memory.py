@@ -14,23 +14,32 @@ from chunkmem.gpu_memory import DeviceMemory
 MiB = 2**20
 
 
-class FakeNvml:
-    """pynvml's calls that DeviceMemory makes, reporting `used` bytes for this process."""
+UUIDS = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]  # NVML's order: the machine's
+VISIBLE = [2, 0]  # CUDA_VISIBLE_DEVICES=2,0: torch's cuda:0 is NVML's device 2
 
-    def __init__(self, used: int | None, fail: bool = False) -> None:
-        self.used, self.fail, self.queries = used, fail, 0
+
+class FakeNvml:
+    """pynvml's calls that DeviceMemory makes. This process uses `used` bytes on NVML device `ours` only
+    (`used=None`: NVML does not list it), so reading the wrong device reads nothing."""
+
+    def __init__(self, used: int | None, fail: bool = False, ours: int = VISIBLE[0]) -> None:
+        self.used, self.fail, self.ours, self.queries = used, fail, ours, 0
 
     def nvmlInit(self) -> None:
         if self.fail:
             raise RuntimeError("NVML Shared Library Not Found")
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return f"gpu{index}"
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return UUIDS.index(uuid)
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list:
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # NVML's numbering, not CUDA_VISIBLE_DEVICES'
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
         self.queries += 1
         others = [types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=999 * MiB)]
-        mine = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)] if self.used is not None else []
+        mine = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)] \
+            if self.used is not None and handle == self.ours else []
         return others + mine
 
 
@@ -39,6 +48,9 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     readings = {"allocated": 700 * MiB, "reserved": 900 * MiB}
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: readings["allocated"])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: readings["reserved"])
+    # torch reports UUIDs without NVML's "GPU-" prefix, numbered as CUDA_VISIBLE_DEVICES renumbers devices.
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(uuid=UUIDS[VISIBLE[index]].removeprefix("GPU-")))
     return readings
 
 
@@ -78,3 +90,18 @@ def test_a_process_nvml_does_not_list_counts_nothing_outside(allocator: dict[str
     # In a container with its own PID namespace NVML lists host PIDs: ours is absent.
     memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None))
     assert memory.outside_allocator() == 0 and memory.nvml is not None
+
+
+def test_nvml_reads_the_device_torch_means_under_cuda_visible_devices(allocator: dict[str, int]) -> None:
+    # torch's cuda:0 is NVML's device 2 here; reading NVML's device 0 (its own numbering) sees nothing of ours.
+    assert DeviceMemory(torch.device("cuda", 0), FakeNvml(used=1400 * MiB)).outside_allocator() == 500 * MiB
+    assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB, ours=0)).outside_allocator() == 500 * MiB
+    assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB)).outside_allocator() == 0
+
+
+def test_the_allocator_cap_is_the_budgets_less_memory_outside_the_allocator() -> None:
+    assert gpu_memory.allocator_fraction([40 * MiB], 8 * MiB, 80 * MiB) == pytest.approx(0.4)
+    assert gpu_memory.allocator_fraction([40 * MiB, 30 * MiB], 0, 80 * MiB) == pytest.approx(70 / 80)
+    assert gpu_memory.allocator_fraction([100 * MiB], 0, 80 * MiB) == 1.0
+    with pytest.raises(ValueError, match=r"device budget \(8388608 bytes\) is less than the 16777216 bytes"):
+        gpu_memory.allocator_fraction([8 * MiB], 16 * MiB, 80 * MiB)

@@ -235,3 +235,67 @@ def test_training_with_every_chunk_in_pageable_memory_matches_pytorch(monkeypatc
     _assert_same(cm, train(cm, opt, batches, mlp_loss), ref_losses, ref_state)
     stats = cm.memory_stats()
     assert stats["host_pinned_bytes"] == 0 and stats["host_pageable_bytes"] == stats["model_data_bytes"]
+
+
+def test_trim_lets_copies_finish_before_blocks_go_back_to_the_allocator(plenty_of_ram):
+    # A block's last view can die while a copy still uses it (CUDA copies hold no Python reference), and
+    # an unpinned block may be handed to anyone at once: the device synchronises first.
+    order: list[str] = []
+    allocator = Recording()
+    allocator.free = lambda block: order.append("free")  # type: ignore[method-assign]
+    pool = HostPool(allocator, before_free=lambda: order.append("synchronize"))
+    pool.tensor(100, torch.float32)  # dropped at once: cached
+    assert pool.trim() == 400 and order == ["synchronize", "free"]
+    assert pool.trim() == 0 and order == ["synchronize", "free"], "nothing cached: nothing to wait for"
+
+
+def test_blocks_of_one_tag_are_never_handed_to_another(plenty_of_ram):
+    pool = HostPool(PlainAllocator(pinned=True))
+    staged = pool.tensor(100, torch.float32, tag="transient")
+    address = staged.data_ptr()
+    del staged
+    assert pool.tensor(100, torch.float32).data_ptr() != address, "a chunk payload never reuses a transient block"
+    assert pool.tensor(100, torch.float32, tag="transient").data_ptr() == address
+
+
+class FakeCudart:
+    """cudaHostRegister as the driver keeps it: page-granular, refusing a page registered already, and
+    leaving its error as the thread's last CUDA error."""
+
+    PAGE = 4096
+
+    def __init__(self, fail: bool = False) -> None:
+        self.pages: set[int] = set()
+        self.fail = fail
+        self.last_error = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        pages = set(range(ptr // self.PAGE, (ptr + nbytes - 1) // self.PAGE + 1))
+        if self.fail or pages & self.pages:
+            self.last_error = 2 if self.fail else 712  # cudaErrorMemoryAllocation, ...HostMemoryAlreadyRegistered
+            return self.last_error
+        self.pages |= pages
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.pages -= {p for p in self.pages if p >= ptr // self.PAGE}
+        return 0
+
+
+def test_registered_blocks_never_share_a_page():
+    # Two small blocks from a general allocator share a page, and registering the second one fails.
+    cudart = FakeCudart()
+    allocator = hostpool.RegisteredAllocator(cudart, clear_error=lambda: None)
+    blocks = [allocator.alloc(n) for n in (100, 100, 5000, 1)]
+    assert all(b.pinned for b in blocks) and len({b.ptr // FakeCudart.PAGE for b in blocks}) == 4
+    for block in blocks:
+        allocator.free(block)
+    assert not cudart.pages
+
+
+def test_a_failed_registration_clears_the_cuda_error_it_leaves():
+    cudart = FakeCudart(fail=True)
+    allocator = hostpool.RegisteredAllocator(cudart, clear_error=lambda: setattr(cudart, "last_error", 0))
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 100 bytes failed with CUDA error 2"):
+        allocator.alloc(100)
+    assert cudart.last_error == 0, "torch's next kernel-launch check would report it as its own"

@@ -8,6 +8,7 @@ torch's CPU sqrt (MKL) is sometimes one ulp off the correctly rounded result the
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -308,3 +309,27 @@ def test_runtime_with_the_kernel_tracks_the_runtime_without_it(dtype, make_opt, 
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-4)
     for name, update in results[False][1].items():
         assert (results[True][1][name] - update).norm() <= 1e-3 * update.norm().clamp_min(1e-12), name
+
+
+def test_native_sgd_steps_param_groups_with_and_without_momentum():
+    # Every trainable group has the same state chunks, so a param group without momentum still has a
+    # buffer in its chunks: the kernel must not be handed it (it refuses a buffer with momentum=0).
+    from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
+
+    import chunkmem
+
+    base = mlp()
+    results = {}
+    for use in (False, True):
+        model = copy.deepcopy(base)
+        layers = [m for m in model if isinstance(m, torch.nn.Linear)]
+        opt = torch.optim.SGD([{"params": [p for m in layers[:3] for p in m.parameters()], "momentum": 0.9},
+                               {"params": [p for m in layers[3:] for p in m.parameters()], "momentum": 0.0}], lr=0.05)
+        cm, opt = chunkmem.prepare(model, opt, chunkmem.Config(  # a chunk per layer: each in one param group
+            device="cpu", device_memory=param_bytes(base) // 3, chunk_size=1088, native_optimizer=use))
+        losses = train(cm, opt, mlp_batches(4), mlp_loss)
+        results[use] = (losses, cm.state_dict(), opt.native_steps)
+    assert results[False][2] == 0 and results[True][2] > 0, "the kernel must actually run"
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    for name, value in results[False][1].items():
+        assert torch.allclose(results[True][1][name], value, rtol=1e-5, atol=1e-6), name

@@ -171,3 +171,19 @@ def test_model_data_bytes_counts_every_family():
     # bf16 param + bf16 grad + fp32 master + two fp32 Adam states per element, in whole chunks.
     assert cm.memory_stats()["model_data_bytes"] == chunks // 5 * 4096 * (2 + 2 + 4 + 4 + 4)
     assert chunks // 5 * 4096 >= numel
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_copies_landing_at_random_moments_change_nothing(monkeypatch, seed):
+    # CUDA lands a copy at any moment after it is issued; the simulation lands each at a random later
+    # device call here (in stream order), instead of at the latest moment it may.
+    monkeypatch.setenv("CHUNKMEM_SIM_LANDING", f"random:{seed}")
+    model, make_opt, batches = tiny_gpt2(), OPTIMIZERS["adamw"], gpt2_batches(4)
+    ref_losses, ref_state = reference(model, make_opt, batches, gpt2_loss, accumulate=2)
+    for fraction in [0.5, 0.25]:
+        cm, opt = prepared(model, make_opt, device_memory=budget(model, fraction))
+        assert cm.runtime.device._random is not None
+        assert train(cm, opt, batches, gpt2_loss, accumulate=2) == ref_losses, fraction
+        state = cm.state_dict()
+        for key, value in ref_state.items():
+            assert torch.equal(state[key], value), (fraction, key)

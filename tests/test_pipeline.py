@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import pickle
 import re
 import runpy
 import subprocess
@@ -116,7 +117,37 @@ def grid_worker(rank: int, world: int, tmp: str) -> dict:
     out = {"cases": [run_case(c) for c in cases(world)], "peaks": activation_peaks(world)}
     if world == 2:
         out["resume"] = resume(Path(tmp))
+        out["staging"] = state_dict_staging()
     return out
+
+
+def state_dict_staging() -> dict:
+    """What crosses between ranks while `state_dict` consolidates: the largest object collective (pickled
+    bytes; under NCCL those are staged on the GPU) and the largest tensor, against the stage's tensors."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    pipe = pipeline(layers, ADAMW, loss_fn("mean"), n_microbatches=2, balance=[3, 2],
+                    config=chunkmem.Config(device="cpu"))
+    pipe.step(torch.randn(4, 64), torch.randn(4, 64))
+    seen = {"object": 0, "tensor": 0}
+    gather, broadcast = dist.all_gather_object, dist.broadcast
+
+    def spy_gather(out: list, obj: object, group: object = None) -> None:
+        seen["object"] = max(seen["object"], len(pickle.dumps(obj)))
+        gather(out, obj, group=group)
+
+    def spy_broadcast(tensor: torch.Tensor, src: int, group: object = None, **kwargs: object) -> object:
+        seen["tensor"] = max(seen["tensor"], tensor.nbytes)
+        return broadcast(tensor, src, group=group, **kwargs)
+
+    dist.all_gather_object, dist.broadcast = spy_gather, spy_broadcast
+    try:
+        state = pipe.state_dict()
+    finally:
+        dist.all_gather_object, dist.broadcast = gather, broadcast
+    own = pipe.model.state_dict()
+    return seen | {"stage_bytes": sum(v.nbytes for v in own.values()), "largest": max(v.nbytes for v in state.values()),
+                   "matches": all(torch.equal(state[k], v) for k, v in own.items()), "state": state}
 
 
 def resume(tmp: Path) -> dict:
@@ -165,6 +196,11 @@ def test_pipeline_matches_one_process_on_the_whole_batch(stages: int, tmp_path: 
     check_activation_peaks(stages, [r["peaks"] for r in results])
     if stages == 2:
         assert_close(results[0]["resume"]["resumed"], results[0]["resume"]["straight"], "resumed")
+        for staging in (r["staging"] for r in results):  # no stage's state dict crosses whole
+            assert staging["matches"] and staging["tensor"] == staging["largest"]
+            assert staging["object"] < 1024 < staging["largest"] < staging["stage_bytes"]
+            assert_close(staging["state"], results[0]["staging"]["state"], "consolidated on every rank")
+        assert len(results[0]["staging"]["state"]) == 6
 
 
 def check_activation_peaks(stages: int, peaks: list[dict]) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunkmem import sim
 from chunkmem.chunk import Chunk
-from chunkmem.device import SimulatedDevice
+from chunkmem.sim import HazardError, SimulatedDevice
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.state import ChunkState
@@ -39,9 +40,12 @@ def test_an_eviction_does_not_wait_for_its_copy_and_the_first_read_does():
     res.to_device(a).fill_(42.0)
     a.write_device()
     res.to_device(b)  # evicts a: its write-back starts, and nobody waits for it yet
-    assert a.landing is not None and res.stats.d2h_bytes == 64
-    assert torch.equal(a._host, torch.zeros(16)), "the simulated copy lands only when waited for"
-    assert torch.equal(a.host, torch.full((16,), 42.0)) and a.landing is None
+    assert a.landings and res.stats.d2h_bytes == 64
+    with pytest.raises(HazardError, match="host op .* reads .* download of c0"):
+        a.host_unfenced.sum()  # reading without waiting: a race on a GPU
+    with sim.paused():  # a look behind the checker's back
+        assert torch.equal(a.host_unfenced, torch.zeros(16)), "the simulated copy lands only when waited for"
+    assert torch.equal(a.host, torch.full((16,), 42.0)) and not a.landings
     res.to_device(a)  # the upload reads the host payload, so it too would have waited
     assert torch.equal(a.device, torch.full((16,), 42.0))
 

@@ -263,3 +263,22 @@ def test_the_all_gather_and_all_reduce_fallback_trains_like_one_process():
     for got in run_workers(list_collectives_worker, 2, "gpt2", False, 1, 1.0, 3, None):
         assert not got["single"]
         assert_matches(ref, got)
+
+
+def unwaited_collectives_worker(rank: int, world: int) -> None:
+    """ZeRO with compute never waiting for its collectives: the checker must stop the first read."""
+    from chunkmem.sim import SimulatedDevice
+
+    original = SimulatedDevice.wait
+
+    def wait(self: SimulatedDevice, token: object) -> None:
+        if getattr(token, "stream", None) != "comm":
+            original(self, token)
+
+    SimulatedDevice.wait = wait  # type: ignore[method-assign]
+    worker(rank, world, "mlp", False, 1, None, 2, None)
+
+
+def test_a_collective_compute_does_not_wait_for_is_caught():
+    with pytest.raises(AssertionError, match=r"HazardError: chunkmem simulation: compute op .* (all-gather|reduce-scatter)"):
+        run_workers(unwaited_collectives_worker, 2, timeout=60)

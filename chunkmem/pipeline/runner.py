@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
+from chunkmem.device import use_device
 from chunkmem.optim import ChunkOptimizer
 from chunkmem.state import TensorState
 from chunkmem.pipeline import balance as balancing
@@ -58,8 +59,8 @@ class Layout:
         return dist.get_global_rank(self.pipe_group, stage)
 
 
-def make_layout(data_parallel: int) -> Layout:
-    if default_group(None) is None:
+def make_layout(data_parallel: int, device: str) -> Layout:
+    if default_group(None, device) is None:
         raise RuntimeError("chunkmem.pipeline needs one process per stage: launch with torchrun "
                            "(torchrun --nproc-per-node K script.py) or initialise a process group first")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -101,8 +102,12 @@ class Pipeline:
         _check_choice("reduction", reduction, ("mean", "sum"))
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(f"n_microbatches={n_microbatches!r}: expected a positive int")
-        self.layout = make_layout(data_parallel)
+        first = config[0] if isinstance(config, (list, tuple)) and config else config
+        self.layout = make_layout(data_parallel, first.device if isinstance(first, Config) else Config().device)
         self.configs = _stage_configs(config, self.layout.n_stages)
+        self.device = use_device(self.configs[self.stage].device)
+        # What collectives carry tensors on: NCCL only device memory, gloo host memory.
+        self.comm_device = self.device if dist.get_backend(self.layout.pipe_group) == "nccl" else torch.device("cpu")
         self._layers: list[tuple[str, nn.Module]] | None = layers_of(model)
         self._check_balance(balance)
         self.optimizer_factory, self.loss_fn = optimizer_factory, loss_fn
@@ -166,14 +171,14 @@ class Pipeline:
         if dist.get_rank() == 0:  # one rank measures and decides; all follow its choice
             config = self.configs[0]
             costs = balancing.profile([layer for _, layer in self._layers], sample,
-                                      torch.device(config.device), config.torch_dtype)
+                                      self.device, config.torch_dtype)
             k, m = self.n_stages, self.n_microbatches
             needs = [balancing.StageNeeds(m if self.effective_schedule == "gpipe" else min(m, k - s), self.checkpoint)
                      for s in range(k)]
             budgets = [int(c.device_memory) if c.device_memory else None for c in self.configs]
             input_bytes = sample.nbytes if sample.is_floating_point() else 0
             choice[0] = balancing.partition(costs, k, input_bytes, budgets, needs)
-        dist.broadcast_object_list(choice, src=0)
+        dist.broadcast_object_list(choice, src=0, device=self.comm_device)
         return choice[0]
 
     def _runner(self, micro: Microbatches, first: torch.Tensor) -> tuple[_RecordingStage, Any]:
@@ -195,7 +200,7 @@ class Pipeline:
         layout, model = self.layout, self.model
         assert model is not None
         device = model.runtime.device.torch_device
-        comm_device = device if dist.get_backend(layout.pipe_group) == "nccl" else torch.device("cpu")
+        comm_device = self.comm_device
         if self.stage == 0:
             stage_in = first
         else:
@@ -249,8 +254,7 @@ class Pipeline:
         """The mini-batch loss, from the last stage to every rank (and summed over pipelines)."""
         layout = self.layout
         value = torch.stack(losses).double().sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
-        comm_device = "cuda" if dist.get_backend(layout.pipe_group) == "nccl" else "cpu"
-        value = value.to(comm_device)
+        value = value.to(self.comm_device)
         dist.broadcast(value, src=layout.global_rank(self.n_stages - 1), group=layout.pipe_group)
         if layout.n_replicas > 1:
             dist.all_reduce(value, group=layout.data_group)
@@ -267,14 +271,30 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's consolidated fp32 state dict on CPU, with the original keys, on every rank.
 
-        A collective: every rank calls it. It holds the full model in host memory on every rank.
+        A collective: every rank calls it. Names, shapes and dtypes cross first, then the tensors one at a
+        time from the stage that holds them (through the device under NCCL), so no device ever holds more
+        than one tensor of it; every rank's host memory holds the whole model at the end.
         """
         if self.model is None:
             assert self._layers is not None
             return nn.Sequential(OrderedDict(self._layers)).state_dict()
-        parts: list[Any] = [None] * self.n_stages
-        dist.all_gather_object(parts, self.model.state_dict(), group=self.layout.pipe_group)
-        return {k: v for part in parts for k, v in part.items()}
+        local = self.model.state_dict()
+        first_name: dict[int, str] = {}
+        mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), first_name.setdefault(id(t), name))
+                for name, t in local.items()]  # tied tensors cross once
+        specs: list[Any] = [None] * self.n_stages
+        dist.all_gather_object(specs, mine, group=self.layout.pipe_group)
+        out: dict[str, torch.Tensor] = {}
+        for stage, spec in enumerate(specs):
+            for name, shape, dtype, tied_to in spec:
+                if tied_to != name:
+                    out[name] = out[tied_to]
+                    continue
+                ours = stage == self.stage
+                tensor = (local[name] if ours else torch.empty(shape, dtype=getattr(torch, dtype))).to(self.comm_device)
+                dist.broadcast(tensor, src=self.layout.global_rank(stage), group=self.layout.pipe_group)
+                out[name] = local[name] if ours else tensor.cpu()
+        return out
 
     def save_checkpoint(self, path: str | Path) -> Path:
         """Each stage writes `path/stage-<s>` (chunkmem's checkpoint format); rank 0 adds pipeline.json."""

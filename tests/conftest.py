@@ -1,0 +1,24 @@
+"""Every test runs against the strict simulation (chunkmem/sim.py): copies land only when someone learns
+they have, and the happens-before checker raises on any access that a missing fence would leave racing
+on a GPU. Processes the tests start (torchrun, spawned ranks, the CLI) check too, through the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from chunkmem import sim
+
+os.environ.setdefault("CHUNKMEM_SIM_CHECK", "1")  # "0" runs the suite without the checker, to time it
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests
+
+
+@pytest.fixture(autouse=True)
+def strict_simulation() -> Iterator[None]:
+    if os.environ["CHUNKMEM_SIM_CHECK"] != "1":
+        yield
+        return
+    with sim.checking():
+        yield
