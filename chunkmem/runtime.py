@@ -33,7 +33,7 @@ from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import TensorState
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, pinned_at_once
 from chunkmem.collectives import agree
 from chunkmem.zero import Key, Shards, least_device_bytes
 
@@ -79,7 +79,7 @@ class Runtime:
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
-        working_set = self._check_working_set()
+        working_set = self._check_working_set(module)
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
@@ -106,20 +106,25 @@ class Runtime:
             raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
                                     f"{allowed}: raise host_memory, or use a lower-precision dtype")
 
-    def _check_working_set(self) -> int:
-        """The most chunk bytes one module needs at once; an error if the budget cannot hold them."""
-        most = 0
-        for module, records in self.module_records.items():
-            need = sum(c.nbytes for c in {r.group.param for r in records if r.group.owned})
-            if self.shards is not None and records:  # one chunk at a time, copied into a gathered buffer
-                need = self.store.chunk_size * self.store.dtype.itemsize
-            if need > self.limit:
-                raise MemoryBudgetError(
-                    f"module {type(module).__name__} needs its parameter chunks on the device at once: "
-                    f"{need} bytes, but Config.device_memory allows {self.limit}: raise device_memory "
-                    f"to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
-            most = max(most, need)
-        return most
+    def _check_working_set(self, module: nn.Module) -> int:
+        """The most parameter chunk bytes pinned on the device at once; an error if the budget cannot hold them.
+
+        A module's chunks are pinned while it runs, and so are those of every module it runs inside
+        (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
+        """
+        chunk_bytes = self.store.chunk_size * self.store.dtype.itemsize
+        if self.shards is not None:
+            return chunk_bytes if self.store.records else 0
+        chunks, chain = pinned_at_once(module, lambda m: {r.group.param.name for r in self.module_records[m]})
+        need = len(chunks) * chunk_bytes
+        if need > self.limit:
+            where = " inside ".join(name or "the model" for name, _ in reversed(chain))
+            raise MemoryBudgetError(
+                f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks "
+                f"and those of the modules it runs inside on the device at once: {len(chunks)} chunks of "
+                f"{chunk_bytes} bytes, {need} bytes, but Config.device_memory allows {self.limit}: raise "
+                f"device_memory to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
+        return need
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.device.host_alloc(tensor.numel(), tensor.dtype).view(tensor.shape)
