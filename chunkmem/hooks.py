@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
@@ -36,6 +37,8 @@ class FetchMode(TorchFunctionMode):
         records = self.runtime.unannounced(_parameters(args, kwargs))
         if records:
             self.runtime.acquire(records)
+        if func is F.batch_norm:
+            args, kwargs = _affine_like_statistics(args, kwargs)
         try:
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -46,6 +49,30 @@ class FetchMode(TorchFunctionMode):
         finally:
             if records:
                 self.runtime.release(records)
+
+
+def _affine_like_statistics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """BatchNorm's weight and bias in the dtype of its running statistics.
+
+    Buffers keep their precision (ChunkedModel), so under a bf16/fp16 compute dtype BatchNorm gets a
+    low-precision input and weight beside fp32 running statistics. PyTorch's mixed-precision kernel
+    takes a low-precision input with fp32 statistics, weight and bias, normalises in fp32 and returns
+    the input's dtype; the cast is differentiable, so the gradient reaches the chunk in its own dtype.
+    """
+    positional = list(args)
+    statistics = positional[1] if len(positional) > 1 else kwargs.get("running_mean")
+    if statistics is None or statistics.dtype == positional[0].dtype:
+        return args, kwargs
+    for index, name in ((3, "weight"), (4, "bias")):
+        if index < len(positional):
+            positional[index] = _cast(positional[index], statistics.dtype)
+        elif name in kwargs:
+            kwargs = kwargs | {name: _cast(kwargs[name], statistics.dtype)}
+    return tuple(positional), kwargs
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
 
 
 def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:

@@ -46,10 +46,14 @@ class ChunkedModel(nn.Module):
         self.module = module
         self.runtime = runtime
         self.hooks = Hooks(module, runtime)
+        compute = runtime.config.torch_dtype
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
                 if buffer is not None:
-                    sub._buffers[name] = buffer.to(runtime.device.torch_device)
+                    # Buffers keep their precision (fp32 rotary frequencies and BatchNorm statistics stay fp32
+                    # under bf16; hooks._affine_like_statistics), and are raised to the compute dtype if below it.
+                    dtype = torch.promote_types(buffer.dtype, compute) if buffer.is_floating_point() else None
+                    sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from tests import zoo
 from tests.helpers import (gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2,
                            train)
 
@@ -171,3 +172,36 @@ def test_model_data_bytes_counts_every_family():
     # bf16 param + bf16 grad + fp32 master + two fp32 Adam states per element, in whole chunks.
     assert cm.memory_stats()["model_data_bytes"] == chunks // 5 * 4096 * (2 + 2 + 4 + 4 + 4)
     assert chunks // 5 * 4096 >= numel
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_batch_norm_trains_in_low_precision_with_fp32_running_statistics(dtype):
+    # Buffers keep their precision: BatchNorm normalises a low-precision input against fp32 statistics.
+    arch = zoo.by_name("resnet")
+    model, make_opt, batches = arch.build(), functools.partial(torch.optim.AdamW, lr=3e-3), arch.batches(3) * 3
+    fp32_losses, fp32_state = reference(model, make_opt, batches, zoo.loss)
+    cm, opt = prepared(model, make_opt, dtype=dtype, device_memory=budget(model, 0.5))
+    losses = train(cm, opt, batches, zoo.loss)
+    assert losses[-1] < losses[0] - 0.5, "training must make progress"
+    if dtype == "bf16":  # fp16 skips its first step (the loss scale starts too high), so it lags fp32 by one
+        assert all(abs(a - b) / b < 0.03 for a, b in zip(losses, fp32_losses)), (losses, fp32_losses)
+    state = cm.state_dict()
+    for name, buffer in cm.module.named_buffers():
+        assert buffer.dtype == model.get_buffer(name).dtype == state[name].dtype, name
+        if buffer.is_floating_point():  # updated, and in bf16 near fp32's (the weights they follow differ a little)
+            assert not torch.equal(state[name], model.get_buffer(name)), name
+            assert dtype == "fp16" or (state[name] - fp32_state[name]).norm() <= 0.15 * fp32_state[name].norm() + 0.05
+    cm.eval()
+    with torch.no_grad():
+        assert cm(batches[0]["pixel_values"]).logits.dtype == cm.runtime.config.torch_dtype
+
+
+def test_a_bf16_model_trains_in_fp32_like_pytorch_after_float():
+    # Buffers below the compute dtype are raised to it, as model.float() does, and never lowered.
+    arch = zoo.by_name("resnet")
+    model, make_opt, batches = arch.build().to(torch.bfloat16), OPTIMIZERS["adamw"], arch.batches(3)
+    ref_losses, ref_state = reference(copy.deepcopy(model).float(), make_opt, batches, zoo.loss)
+    cm, opt = prepared(model, make_opt, device_memory=budget(model, 1.0))
+    assert train(cm, opt, batches, zoo.loss) == ref_losses
+    state = cm.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref_state.items())
