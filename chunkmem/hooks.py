@@ -6,6 +6,7 @@ Installing them is the only change made to the user's modules; `remove()` takes 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
 from chunkmem.runtime import Runtime
+from chunkmem.store import ParamRecord
 
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
@@ -98,7 +100,10 @@ class Hooks:
         for param, record in runtime.store.records.items():
             if param.requires_grad:
                 self.handles.append(param.register_post_accumulate_grad_hook(
-                    lambda _p, record=record: runtime.grad_ready(record)))
+                    functools.partial(self._grad_ready, record)))
+
+    def _grad_ready(self, record: ParamRecord, _param: nn.Parameter) -> None:
+        self.runtime.grad_ready(record)
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         self.runtime.emit("pre_forward", "fwd", self.names[module])
@@ -135,3 +140,19 @@ class Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def already_hooked(module: nn.Module) -> str | None:
+    """The name of the first submodule or parameter of `module` that another prepared model's hooks
+    manage (its parameters are views into that model's chunks), or None."""
+    def ours(hook: Any) -> bool:
+        bound = hook.func if isinstance(hook, functools.partial) else hook
+        return isinstance(getattr(bound, "__self__", None), Hooks)
+
+    for name, sub in module.named_modules():
+        if any(ours(h) for h in sub._forward_pre_hooks.values()):
+            return f"module {name or type(module).__name__}"
+    for name, param in module.named_parameters():
+        if any(ours(h) for h in (param._post_accumulate_grad_hooks or {}).values()):
+            return f"parameter {name}"
+    return None

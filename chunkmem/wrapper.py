@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -14,7 +15,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
 from chunkmem.config import Config
-from chunkmem.hooks import Hooks
+from chunkmem.hooks import Hooks, already_hooked
 from chunkmem.optim import ChunkOptimizer, rule_for
 from chunkmem.runtime import Runtime
 from chunkmem.scaler import LossScaler
@@ -45,7 +46,6 @@ class ChunkedModel(nn.Module):
         super().__init__()
         self.module = module
         self.runtime = runtime
-        self.hooks = Hooks(module, runtime)
         compute = runtime.config.torch_dtype
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
@@ -54,6 +54,7 @@ class ChunkedModel(nn.Module):
                     # under bf16; hooks._affine_like_statistics), and are raised to the compute dtype if below it.
                     dtype = torch.promote_types(buffer.dtype, compute) if buffer.is_floating_point() else None
                     sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
+        self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -174,9 +175,44 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     if optimizer.state:
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
+    hooked = already_hooked(model)
+    if hooked is not None:
+        raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
+                         "are views into that call's chunks): train through the model that call returned, or "
+                         "prepare a copy made before the first call (copy.deepcopy)")
     group = None if group == LOCAL else default_group(group)
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    runtime = Runtime(model, config or Config(), rule.states, group)
-    wrapped = ChunkedModel(model, runtime)
-    return wrapped, ChunkOptimizer(runtime, optimizer, rule)
+    before = _Snapshot.of(model)
+    wrapped: ChunkedModel | None = None
+    try:
+        runtime = Runtime(model, config or Config(), rule.states, group)
+        wrapped = ChunkedModel(model, runtime)
+        return wrapped, ChunkOptimizer(runtime, optimizer, rule)
+    except BaseException:  # SPEC: a prepare that raises leaves the model as it was
+        if wrapped is not None:
+            wrapped.hooks.remove()
+        before.restore()
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    """What prepare changes in a module (parameter data, buffers), kept to put back if prepare fails."""
+
+    data: dict[nn.Parameter, torch.Tensor]
+    buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _Snapshot:
+        return cls({p: p.data for p in module.parameters()},
+                   {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()})
+
+    def restore(self) -> None:
+        for param, data in self.data.items():
+            if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
+                torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as store.point_views
+            else:
+                param.data = data
+        for (sub, name), buffer in self.buffers.items():
+            sub._buffers[name] = buffer
