@@ -128,14 +128,19 @@ class ChunkedModel(nn.Module):
             names = record.aliases if record is not None else ()
             return next((k for k in (name, *names) if k in state_dict), None)
 
-        missing = [k for k, t in expected.items() if given(k, t) is None]
+        keys = {name: given(name, target) for name, target in expected.items()}
+        missing = [name for name, key in keys.items() if key is None]
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
                                f"missing keys {missing}, unexpected keys {unexpected}")
+        for name, key in keys.items():  # every value checked before any is written: a failed load changes nothing
+            if key is not None and state_dict[key].shape != expected[name].shape:
+                raise ValueError(f"value for {name} has shape {tuple(state_dict[key].shape)}, "
+                                 f"expected {tuple(expected[name].shape)}")
         with torch.no_grad():
             for name, target in expected.items():
-                key = given(name, target)
+                key = keys[name]
                 if key is None:
                     continue
                 if target in records:

@@ -79,3 +79,19 @@ def test_preparing_the_original_model_again_is_refused_and_the_first_keeps_train
         chunkmem.prepare(shared, ADAMW(shared.parameters()), chunkmem.Config(device="cpu"))
     assert train(cm, opt, batches, mlp_loss) == expected
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_load_state_dict_checks_every_shape_before_writing_any() -> None:
+    model = zoo.by_name("resnet").build()
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    before = cm.state_dict()
+    bad = {k: v + 1 for k, v in before.items()}
+    last_param = list(dict(model.named_parameters()))[-1]
+    bad[last_param] = torch.zeros(5)
+    with pytest.raises(ValueError, match=rf"value for {last_param} has shape \(5,\), expected \(3,\)"):
+        cm.load_state_dict(bad)
+    running = "resnet.embedder.embedder.normalization.running_mean"
+    bad[last_param], bad[running] = before[last_param], torch.zeros(1)  # would broadcast into the buffer
+    with pytest.raises(ValueError, match=rf"value for {running} has shape \(1,\), expected \(16,\)"):
+        cm.load_state_dict(bad)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
