@@ -188,7 +188,8 @@ class ChunkOptimizer(Optimizer):
         self.native_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.runtime.zero_grad(set_to_none)
+        """The gradients of this optimizer's parameters only, as torch.optim does (`model.zero_grad()`: all)."""
+        self.runtime.zero_grad(set_to_none, only=set(self.group_of()))
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("a chunkmem optimizer keeps its state in chunks: save it with "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
-from chunkmem.state import TensorState
+from chunkmem.state import ChunkState, TensorState
 from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, pinned_at_once
 from chunkmem.collectives import agree
 from chunkmem.zero import Key, Shards, least_device_bytes
@@ -286,12 +286,26 @@ class Runtime:
         self._flush_queued = False
         self.shards.finish_backward()  # type: ignore[union-attr]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
+        """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
+        optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
+        kept = False
         for group in self.store.trainable_groups():
-            self.residency.reset(group.chunks["grad"])
+            cleared = [r for r in group.members if only is None or r in only]
+            chunk = group.chunks["grad"]
+            if len(cleared) == len(group.members):
+                self.residency.reset(chunk)
+            elif cleared and chunk.state is not ChunkState.FREE:
+                flat = self.writable(chunk, chunk.state.on_device)
+                for record in cleared:
+                    record.view(flat).zero_()
             if set_to_none:
-                for record in group.members:
+                for record in cleared:
                     record.move_grad("free")
+            kept = kept or len(cleared) < len(group.members)
+        if kept and self.scaler is not None and not self.grads_scaled:
+            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
+            torch._foreach_mul_(self.grad_views(), self.scaler.scale)
         self.grads_scaled = self.scaler is not None
 
     # -- access to values ------------------------------------------------------------------------
