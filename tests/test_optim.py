@@ -63,3 +63,49 @@ def test_fp16_gradients_kept_across_a_clipped_step_keep_their_scale() -> None:
     train(cm, opt, batches, mlp_loss, clip=0.5)
     kept = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
     assert cm.clip_grad_norm_(1e9).item() == pytest.approx(kept.item(), rel=0.02)
+
+
+def test_a_param_group_added_after_prepare_trains_as_in_pytorch() -> None:
+    model, batches = mlp(), mlp_batches(6)
+    later = [p for name, p in model.named_parameters() if name.split(".")[0] in ("2", "4")]
+    ref = copy.deepcopy(model)
+    ref_later = [p for name, p in ref.named_parameters() if name.split(".")[0] in ("2", "4")]
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    expected = train(ref, ref_opt, batches[:3], mlp_loss)
+    assert train(cm, opt, batches[:3], mlp_loss) == expected
+    ref_opt.add_param_group({"params": ref_later, "lr": 3e-2})
+    opt.add_param_group({"params": later, "lr": 3e-2})
+    assert opt.param_groups[-1]["lr"] == 3e-2 and opt.param_groups[-1]["betas"] == ref_opt.param_groups[-1]["betas"]
+    assert train(cm, opt, batches[3:], mlp_loss) == train(ref, ref_opt, batches[3:], mlp_loss)
+    state = cm.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("make,group,match", [
+    (ADAMW, {"params": [nn.Parameter(torch.ones(2))]}, "not in the model passed to chunkmem.prepare"),
+    (ADAMW, {"params": "later", "amsgrad": True}, r"AdamW\(amsgrad=True\) is not supported"),
+    (functools.partial(torch.optim.SGD, lr=0.1), {"params": "later", "momentum": 0.9},
+     "momentum=0.9 was added to an SGD optimizer that chunkmem.prepare laid out without momentum buffers"),
+])
+def test_a_param_group_chunkmem_cannot_step_is_refused_and_changes_nothing(make, group, match) -> None:
+    model = mlp()
+    _, opt = chunkmem.prepare(model, make(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
+    if group["params"] == "later":
+        group = group | {"params": list(model[2].parameters())}
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group(group)
+    assert opt.param_groups == groups
+
+
+def test_unfreezing_a_parameter_after_prepare_is_an_error_not_a_silent_no_op() -> None:
+    model, batches = mlp(), mlp_batches(2)
+    model[2].requires_grad_(False)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, batches[:1], mlp_loss)
+    model[2].requires_grad_(True)
+    mlp_loss(cm, batches[1]).backward()
+    with pytest.raises(ValueError, match="parameter 2.weight was frozen .* Set requires_grad before prepare"):
+        opt.step()
