@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.activations import ActivationMeter, Saved
+from chunkmem.agreement import as_agreed, check_agreed
 from chunkmem.chunk import Chunk
 from chunkmem.config import Config
 from chunkmem.device import make_device
@@ -51,15 +52,19 @@ class ChunkRef:
 
 
 class Runtime:
-    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None) -> None:
+    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None,
+                 fingerprints: dict[str, int] | None = None) -> None:
         self.config = config
         self.device = make_device(config.device, config.host_memory)
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
-        if world > 1:  # every rank decides from the same budget (zero's Note on one order)
-            self.limit = agree([self.limit], group, self.device.torch_device)[0]
+        if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
+            own = fingerprints or {}
+            agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
+            self.limit = agreed[0]
+            check_agreed(own, agreed[1:])
         self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module, world), world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)

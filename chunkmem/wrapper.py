@@ -14,6 +14,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
+from chunkmem.agreement import fingerprints
 from chunkmem.config import Config
 from chunkmem.hooks import Hooks, already_hooked
 from chunkmem.optim import ChunkOptimizer, rule_for
@@ -191,7 +192,8 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     before = _Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:
-        runtime = Runtime(model, config or Config(), rule.states, group)
+        config = config or Config()
+        runtime = Runtime(model, config, rule.states, group, fingerprints(model, config, optimizer))
         wrapped = ChunkedModel(model, runtime)
         return wrapped, ChunkOptimizer(runtime, optimizer, rule)
     except BaseException:  # SPEC: a prepare that raises leaves the model as it was
