@@ -17,6 +17,7 @@ import logging
 from collections.abc import Container, Iterable
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,7 +35,7 @@ from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import ChunkState, TensorState
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, pinned_at_once
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, pinned_chunks, planned_model_data_bytes
 from chunkmem.collectives import agree
 from chunkmem.zero import Key, Shards, least_device_bytes
 
@@ -58,6 +59,7 @@ class Runtime:
         self.device = make_device(config.device, config.host_memory)
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
+        self._check_device_memory()
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
@@ -65,10 +67,12 @@ class Runtime:
             agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
             self.limit = agreed[0]
             check_agreed(own, agreed[1:])
-        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module, world), world, rank)
+        state_kinds = list(state_kinds)
+        size = self._chunk_size(module, world)
+        working_set = self._check_budgets(module, size, world, len(state_kinds))
+        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)
-        self._check_host_budget()
         self.observers: list[Observer] = []
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
@@ -84,7 +88,6 @@ class Runtime:
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
-        working_set = self._check_working_set(module)
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
@@ -105,30 +108,62 @@ class Runtime:
         return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
 
-    def _check_host_budget(self) -> None:
-        need, allowed = self.store.model_data_bytes(), self.config.host_memory
-        if allowed is not None and need > int(allowed):
-            raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
-                                    f"{allowed}: raise host_memory, or use a lower-precision dtype")
+    def _check_device_memory(self) -> None:
+        """Config.device_memory is at most what the device has (in the simulation: this machine's RAM)."""
+        asked = self.config.device_memory
+        total, what = _device_total_bytes(self.device.torch_device)
+        if asked is not None and int(asked) > total:
+            raise ValueError(f"Config.device_memory={asked} bytes ({_gib(int(asked))}) is more than the device has: "
+                             f"{what} has {total} bytes ({_gib(total)}): lower device_memory to at most that, or "
+                             "leave it None to use what is free")
 
-    def _check_working_set(self, module: nn.Module) -> int:
+    def _check_budgets(self, module: nn.Module, size: int, world: int, states: int) -> int:
+        """Before any chunk is allocated: one chunk, the chunks pinned at once and the model data fit their
+        budgets. Returns the working set: the most parameter chunk bytes pinned on the device at once."""
+        dtype = self.config.torch_dtype
+        chunk_bytes = size * dtype.itemsize
+        if self.config.chunk_size is not None and chunk_bytes > self.limit:
+            largest = max((p.numel() for p in module.parameters()), default=0)
+            raise MemoryBudgetError(
+                f"Config.chunk_size={size} elements makes chunks of {chunk_bytes} bytes ({_gib(chunk_bytes)} of "
+                f"{dtype}), more than the device budget holds: {self.limit} bytes ({self._limit_source()}): lower "
+                f"chunk_size (the largest parameter has {largest} elements), or leave it None to search")
+        working_set = self._check_working_set(module, size, world)
+        self._check_host_budget(planned_model_data_bytes(module, size, dtype, states, world), size)
+        return working_set
+
+    def _limit_source(self) -> str:
+        return "Config.device_memory" if self.config.device_memory is not None else \
+            "Config.device_memory=None: what is free on the device"
+
+    def _check_host_budget(self, need: int, size: int) -> None:
+        allowed = self.config.host_memory
+        limit = int(allowed) if allowed is not None else psutil.virtual_memory().available
+        if need > limit:
+            has = f"Config.host_memory allows {limit}" if allowed is not None else \
+                f"this machine has {limit} ({_gib(limit)}) available"
+            raise MemoryBudgetError(
+                f"model data needs {need} bytes ({_gib(need)}) of host memory in chunks of {size} elements, {has}: "
+                f"{'raise host_memory, ' if allowed is not None else ''}use a lower-precision dtype, shard it over "
+                f"more ranks{', or lower Config.chunk_size (chunks are allocated whole)' if self.config.chunk_size else ''}")
+
+    def _check_working_set(self, module: nn.Module, size: int, world: int) -> int:
         """The most parameter chunk bytes pinned on the device at once; an error if the budget cannot hold them.
 
         A module's chunks are pinned while it runs, and so are those of every module it runs inside
         (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
         """
-        chunk_bytes = self.store.chunk_size * self.store.dtype.itemsize
-        if self.shards is not None:
-            return chunk_bytes if self.store.records else 0
-        chunks, chain = pinned_at_once(module, lambda m: {r.group.param.name for r in self.module_records[m]})
-        need = len(chunks) * chunk_bytes
+        chunk_bytes = size * self.config.torch_dtype.itemsize
+        chunks, chain = pinned_chunks(module, size)
+        count = min(len(chunks), 1) if world > 1 else len(chunks)
+        need = count * chunk_bytes
         if need > self.limit:
             where = " inside ".join(name or "the model" for name, _ in reversed(chain))
             raise MemoryBudgetError(
                 f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks "
-                f"and those of the modules it runs inside on the device at once: {len(chunks)} chunks of "
-                f"{chunk_bytes} bytes, {need} bytes, but Config.device_memory allows {self.limit}: raise "
-                f"device_memory to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
+                f"and those of the modules it runs inside on the device at once: {count} chunks of "
+                f"{chunk_bytes} bytes, {need} bytes, but {self._limit_source()} allows {self.limit}: raise "
+                f"device_memory to at least {need}, or lower Config.chunk_size (now {size} elements)")
         return need
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -391,3 +426,14 @@ class Runtime:
 
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())
+
+
+def _device_total_bytes(device: torch.device) -> tuple[int, str]:
+    """All the memory of the compute device, and what it is."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)} ({device})"
+    return psutil.virtual_memory().total, "the CPU simulation's device (this machine's RAM)"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

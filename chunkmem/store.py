@@ -156,12 +156,28 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
             pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
 
 
-def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
-    """The most parameter chunks pinned at once under this chunk size (`pinned_at_once`)."""
+def pinned_chunks(module: nn.Module, chunk_size: int) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
+    """The parameter chunks pinned at once at most under this chunk size, as (trainable, index), and the
+    modules that pin them (`pinned_at_once`)."""
     trainable, frozen = layouts(module, chunk_size)
     where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
     name_of = {p: n for n, p in module.named_parameters()}
-    return most_pinned(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=False)})
+    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=False)})
+
+
+def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
+    """The most parameter chunks pinned at once under this chunk size (`pinned_at_once`)."""
+    return len(pinned_chunks(module, chunk_size)[0])
+
+
+def planned_model_data_bytes(module: nn.Module, chunk_size: int, dtype: torch.dtype, states: int,
+                             world: int = 1) -> int:
+    """The bytes of chunks a ParamStore of `module` holds on each rank, with `states` optimizer-state
+    families, computed before it allocates them (its `model_data_bytes()` afterwards)."""
+    trainable, frozen = layouts(module, chunk_size, world)
+    master = 4 if dtype != torch.float32 else 0
+    per_trainable = 2 * dtype.itemsize + master + 4 * states  # param, grad, fp32 master, fp32 states
+    return (trainable.num_chunks * per_trainable + frozen.num_chunks * dtype.itemsize) * chunk_size // world
 
 
 K = TypeVar("K", bound=Hashable)

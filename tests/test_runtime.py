@@ -6,12 +6,15 @@ import copy
 import functools
 from collections.abc import Callable
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
 import chunkmem
 from chunkmem.lora import apply_lora
+from chunkmem.optim import rule_for
+from chunkmem.store import planned_model_data_bytes
 from tests import zoo
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
 
@@ -87,3 +90,42 @@ def test_a_budget_below_the_nested_working_set_is_refused_with_the_bytes_and_the
                                                          rf"bytes, {need} bytes, but Config.device_memory allows"):
         chunkmem.prepare(model, ADAMW(trainable(model)),
                          chunkmem.Config(device="cpu", device_memory=need - 1, chunk_size=size))
+
+
+def test_device_memory_beyond_the_device_names_the_field_and_the_limit() -> None:
+    model, total = tiny_gpt2(layers=1), psutil.virtual_memory().total
+    with pytest.raises(ValueError, match=rf"Config.device_memory={total + 1} bytes \(.* GiB\) is more than the device "
+                                         rf"has: the CPU simulation's device \(this machine's RAM\) has {total} bytes"):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=total + 1))
+
+
+def test_an_absurd_chunk_size_names_the_field_and_the_limit_before_allocating() -> None:
+    model = tiny_gpt2(layers=1)
+    with pytest.raises(chunkmem.MemoryBudgetError,
+                       match=r"Config.chunk_size=1000000000000 elements makes chunks of 4000000000000 bytes .* more than "
+                             r"the device budget holds: \d+ bytes \(Config.device_memory=None: what is free on the "
+                             r"device\): lower chunk_size \(the largest parameter has 16384 elements\)"):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", chunk_size=10**12))
+
+
+def test_model_data_beyond_the_free_host_memory_is_refused_before_allocating(monkeypatch) -> None:
+    model = tiny_gpt2(layers=1)
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=2**20))
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"model data needs \d+ bytes \(.*\) of host memory in chunks "
+                                                         r"of 16384 elements, this machine has 1048576 \(0.00 GiB\) "
+                                                         r"available: use a lower-precision dtype, shard it over more "
+                                                         r"ranks, or lower Config.chunk_size"):
+        chunkmem.prepare(model, ADAMW(model.parameters()),
+                         chunkmem.Config(device="cpu", device_memory=2**30, chunk_size=16384))
+
+
+@pytest.mark.parametrize("dtype,make", [("fp32", ADAMW), ("bf16", ADAMW),
+                                        ("fp16", functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)),
+                                        ("bf16", functools.partial(torch.optim.SGD, lr=0.1))])
+def test_the_host_check_counts_exactly_the_model_data_prepare_allocates(dtype, make) -> None:
+    model = lora_gpt2()
+    states = len(rule_for(make(trainable(model))).states)
+    cm, _ = chunkmem.prepare(model, make(trainable(model)), chunkmem.Config(device="cpu", dtype=dtype))
+    planned = planned_model_data_bytes(model, cm.runtime.store.chunk_size, cm.runtime.config.torch_dtype, states)
+    assert planned == cm.memory_stats()["model_data_bytes"] > 0
