@@ -184,7 +184,7 @@ def test_batch_norm_trains_in_low_precision_with_fp32_running_statistics(dtype):
     losses = train(cm, opt, batches, zoo.loss)
     assert losses[-1] < losses[0] - 0.5, "training must make progress"
     if dtype == "bf16":  # fp16 skips its first step (the loss scale starts too high), so it lags fp32 by one
-        assert all(abs(a - b) / b < 0.03 for a, b in zip(losses, fp32_losses)), (losses, fp32_losses)
+        assert all(abs(a - b) <= 0.03 * b + 0.02 for a, b in zip(losses, fp32_losses)), (losses, fp32_losses)
     state = cm.state_dict()
     for name, buffer in cm.module.named_buffers():
         assert buffer.dtype == model.get_buffer(name).dtype == state[name].dtype, name

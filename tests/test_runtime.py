@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -16,7 +17,7 @@ from chunkmem.lora import apply_lora
 from chunkmem.optim import rule_for
 from chunkmem.store import planned_model_data_bytes
 from tests import zoo
-from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
+from tests.helpers import accepts, gpt2_batches, gpt2_loss, least_accepted, param_bytes, tiny_gpt2, train
 
 transformers = pytest.importorskip("transformers")
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -26,35 +27,17 @@ def trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def accepts(model: nn.Module, budget: int, **config) -> bool:
-    copied = copy.deepcopy(model)
-    try:
-        chunkmem.prepare(copied, ADAMW(trainable(copied)), chunkmem.Config(device="cpu", device_memory=budget, **config))
-    except chunkmem.MemoryBudgetError:
-        return False
-    return True
-
-
-def smallest_accepted(model: nn.Module, **config) -> int:
-    """The least device budget prepare accepts (acceptance grows with the budget: bisect it)."""
-    low, high = 1, 4 * param_bytes(model)
-    assert accepts(model, high, **config)
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if accepts(model, middle, **config) else (middle + 1, high)
-    return low
-
-
 def lora_gpt2() -> nn.Module:
     model = tiny_gpt2(layers=2)
     apply_lora(model, rank=4)  # each adapter owns parameters and calls its frozen base, in other chunks
     return model
 
 
+VIT = dataclasses.replace(zoo.by_name("vit"), kwargs=zoo.by_name("vit").kwargs | {"image_size": 32})
 NESTED: dict[str, tuple[Callable[[], nn.Module], list, Callable]] = {
-    # ViT's embeddings own the CLS and position parameters and call the patch projection; ConvNeXt's layers
-    # own the layer scale and call their convolutions.
-    "vit": (zoo.by_name("vit").build, zoo.by_name("vit").batches(5), zoo.loss),
+    # ViT's embeddings own the CLS and position parameters and call the patch projection (in another chunk
+    # at 32 x 32 pixels); ConvNeXt's layers own the layer scale and call their convolutions.
+    "vit": (VIT.build, VIT.batches(5), zoo.loss),
     "convnext": (zoo.by_name("convnext").build, zoo.by_name("convnext").batches(5), zoo.loss),
     "lora": (lora_gpt2, gpt2_batches(5), gpt2_loss),
 }
@@ -66,7 +49,7 @@ def test_every_budget_prepare_accepts_trains_bit_identically_on_nested_modules(n
     model = build()
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(trainable(ref)), batches, loss_fn)
-    least = smallest_accepted(model)
+    least = least_accepted(model, ADAMW)
     assert least < param_bytes(model), "the smallest budget must make chunks move"
     for factor in (1.0, 1.5, 2.5):  # warm-up, then planned steps, at and above the least budget
         copied = copy.deepcopy(model)
@@ -84,7 +67,7 @@ def test_a_budget_below_the_nested_working_set_is_refused_with_the_bytes_and_the
     model = lora_gpt2()
     size = 64 * 256  # elements: the MLP's base weight fills a chunk, its bias and the adapter take two more
     need = 3 * size * 4
-    assert accepts(model, need, chunk_size=size)
+    assert accepts(model, ADAMW, need, chunk_size=size)
     with pytest.raises(chunkmem.MemoryBudgetError, match=rf"module Conv1D \(transformer.h.0.mlp.c_fc.base inside "
                                                          rf"transformer.h.0.mlp.c_fc\) .*: 3 chunks of {size * 4} "
                                                          rf"bytes, {need} bytes, but Config.device_memory allows"):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-VOCAB, SEQ, BATCH, IMAGE, LABELS = 128, 12, 2, 32, 3
+VOCAB, SEQ, BATCH, IMAGE, LABELS = 128, 8, 2, 16, 3
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
@@ -38,7 +38,8 @@ class Arch:
     def batches(self, steps: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
         gen = torch.Generator().manual_seed(seed)
         if self.inputs == "image":
-            return [{"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=gen),
+            size = self.kwargs.get("image_size", IMAGE)
+            return [{"pixel_values": torch.randn(BATCH, 3, size, size, generator=gen),
                      "labels": torch.randint(0, LABELS, (BATCH,), generator=gen)} for _ in range(steps)]
         out = []
         for _ in range(steps):
@@ -104,7 +105,7 @@ ZOO: list[Arch] = [
          dict(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
               num_labels=LABELS), "image"),
     Arch("swin", "SwinForImageClassification", "SwinConfig",
-         dict(image_size=IMAGE, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+         dict(image_size=2 * IMAGE, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
               window_size=4, num_labels=LABELS, drop_path_rate=0.0, **NO_DROPOUT), "image"),
 ]
 
