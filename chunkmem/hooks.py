@@ -94,9 +94,11 @@ class Hooks:
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
+        self.forwarding = False  # inside `forward()`, the model's own forward pass
+        self.outside: tuple[nn.Module, FetchMode] | None = None  # a module running outside it, and its mode
         for sub in module.modules():
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(sub.register_forward_hook(self._post_forward))
+            self.handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
         for param, record in runtime.store.records.items():
             if param.requires_grad:
                 self.handles.append(param.register_post_accumulate_grad_hook(
@@ -106,12 +108,21 @@ class Hooks:
         self.runtime.grad_ready(record)
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        if not self.forwarding and self.outside is None:
+            # Backward re-computes a checkpointed module (or a module is called on its own): its ops need
+            # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
+            self.outside = (module, FetchMode(self.runtime))
+            self.outside[1].__enter__()
         self.runtime.emit("pre_forward", "fwd", self.names[module])
         self.runtime.acquire(self.runtime.module_records[module])
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
         self.runtime.release(self.runtime.module_records[module])
         self.runtime.emit("post_forward", "fwd", self.names[module])
+        if self.outside is not None and self.outside[0] is module:
+            mode, self.outside = self.outside[1], None
+            mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -121,6 +132,7 @@ class Hooks:
         runtime.placer.off_path = not torch.is_grad_enabled()
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
             runtime.shards.off_path = runtime.placer.off_path
+        self.forwarding = True
         try:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
@@ -128,6 +140,7 @@ class Hooks:
                     set_checkpoint_early_stop(False):
                 yield
         finally:
+            self.forwarding = False
             if runtime.shards is not None and runtime.shards.off_path:
                 # Nor may it leave gathered groups behind: the next step would find them and gather (and
                 # so access chunks) otherwise than the warm-up recorded.

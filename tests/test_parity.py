@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests import zoo
-from tests.helpers import (gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2,
-                           train)
+from tests.helpers import (gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared,
+                           tiny_gpt2, train)
 
 OPTIMIZERS = {
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
@@ -205,3 +205,30 @@ def test_a_bf16_model_trains_in_fp32_like_pytorch_after_float():
     assert train(cm, opt, batches, zoo.loss) == ref_losses
     state = cm.state_dict()
     assert all(torch.equal(state[k], v) for k, v in ref_state.items())
+
+
+class CheckpointedBatchNorm(torch.nn.Module):
+    """A convolution and BatchNorm re-computed in backward (activation checkpointing), outside forward's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.norm, self.head = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.norm(self.conv(t))), x, use_reentrant=False)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batch_norm_recomputed_in_backward_trains(dtype):
+    model, make_opt = CheckpointedBatchNorm(), OPTIMIZERS["adamw"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=gen), torch.randn(4, 2, generator=gen)) for _ in range(3)] * 2
+    ref_losses, ref_state = reference(model, make_opt, batches, mlp_loss)
+    cm, opt = prepared(model, make_opt, dtype=dtype, device_memory=least_accepted(model, make_opt, dtype=dtype))
+    losses = train(cm, opt, batches, mlp_loss)
+    if dtype == "fp32":
+        assert losses == ref_losses and all(torch.equal(cm.state_dict()[k], v) for k, v in ref_state.items())
+    else:
+        assert all(abs(a - b) <= 0.03 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)
