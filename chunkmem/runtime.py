@@ -139,13 +139,16 @@ class Runtime:
     def _check_host_budget(self, need: int, size: int) -> None:
         allowed = self.config.host_memory
         limit = int(allowed) if allowed is not None else psutil.virtual_memory().available
-        if need > limit:
-            has = f"Config.host_memory allows {limit}" if allowed is not None else \
-                f"this machine has {limit} ({_gib(limit)}) available"
-            raise MemoryBudgetError(
-                f"model data needs {need} bytes ({_gib(need)}) of host memory in chunks of {size} elements, {has}: "
-                f"{'raise host_memory, ' if allowed is not None else ''}use a lower-precision dtype, shard it over "
-                f"more ranks{', or lower Config.chunk_size (chunks are allocated whole)' if self.config.chunk_size else ''}")
+        if need <= limit:
+            return
+        fixes = ["raise host_memory"] if allowed is not None else []
+        fixes += ["use a lower-precision dtype", "shard it over more ranks"]
+        if self.config.chunk_size is not None:
+            fixes.append("lower Config.chunk_size (chunks are allocated whole)")
+        has = f"Config.host_memory allows {limit}" if allowed is not None else \
+            f"this machine has {limit} ({_gib(limit)}) available"
+        raise MemoryBudgetError(f"model data needs {need} bytes ({_gib(need)}) of host memory in chunks of {size} "
+                                f"elements, {has}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
 
     def _check_working_set(self, module: nn.Module, size: int, world: int) -> int:
         """The most parameter chunk bytes pinned on the device at once; an error if the budget cannot hold them.

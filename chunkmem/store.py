@@ -156,7 +156,8 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
             pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
 
 
-def pinned_chunks(module: nn.Module, chunk_size: int) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
+def pinned_chunks(module: nn.Module, chunk_size: int
+                  ) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
     """The parameter chunks pinned at once at most under this chunk size, as (trainable, index), and the
     modules that pin them (`pinned_at_once`)."""
     trainable, frozen = layouts(module, chunk_size)

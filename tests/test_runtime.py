@@ -85,9 +85,9 @@ def test_device_memory_beyond_the_device_names_the_field_and_the_limit() -> None
 def test_an_absurd_chunk_size_names_the_field_and_the_limit_before_allocating() -> None:
     model = tiny_gpt2(layers=1)
     with pytest.raises(chunkmem.MemoryBudgetError,
-                       match=r"Config.chunk_size=1000000000000 elements makes chunks of 4000000000000 bytes .* more than "
-                             r"the device budget holds: \d+ bytes \(Config.device_memory=None: what is free on the "
-                             r"device\): lower chunk_size \(the largest parameter has 16384 elements\)"):
+                       match=r"Config.chunk_size=1000000000000 elements makes chunks of 4000000000000 bytes .* "
+                             r"more than the device budget holds: \d+ bytes \(Config.device_memory=None: what is free "
+                             r"on the device\): lower chunk_size \(the largest parameter has 16384 elements\)"):
         chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", chunk_size=10**12))
 
 
