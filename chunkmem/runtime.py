@@ -109,13 +109,19 @@ class Runtime:
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
 
     def _check_device_memory(self) -> None:
-        """Config.device_memory is at most what the device has (in the simulation: this machine's RAM)."""
-        asked = self.config.device_memory
+        """Config.device_memory is at most what the device has (in the simulation: this machine's RAM), and
+        Config.host_memory at most the machine's RAM."""
+        asked, host = self.config.device_memory, self.config.host_memory
         total, what = _device_total_bytes(self.device.torch_device)
         if asked is not None and int(asked) > total:
             raise ValueError(f"Config.device_memory={asked} bytes ({_gib(int(asked))}) is more than the device has: "
                              f"{what} has {total} bytes ({_gib(total)}): lower device_memory to at most that, or "
                              "leave it None to use what is free")
+        ram = psutil.virtual_memory().total
+        if host is not None and int(host) > ram:
+            raise ValueError(f"Config.host_memory={host} bytes ({_gib(int(host))}) is more than this machine's RAM, "
+                             f"{ram} bytes ({_gib(ram)}): lower host_memory to at most that, or leave it None for "
+                             "what the machine can spare")
 
     def _check_budgets(self, module: nn.Module, size: int, world: int, states: int) -> int:
         """Before any chunk is allocated: one chunk, the chunks pinned at once and the model data fit their
@@ -137,16 +143,17 @@ class Runtime:
             "Config.device_memory=None: what is free on the device"
 
     def _check_host_budget(self, need: int, size: int) -> None:
-        allowed = self.config.host_memory
-        limit = int(allowed) if allowed is not None else psutil.virtual_memory().available
-        if need <= limit:
+        """The model data fits Config.host_memory and what the machine has available now."""
+        allowed, available = self.config.host_memory, psutil.virtual_memory().available
+        if allowed is not None and need > int(allowed):
+            has, fixes = f"Config.host_memory allows {allowed}", ["raise host_memory"]
+        elif need > available:
+            has, fixes = f"this machine has {available} ({_gib(available)}) available", []
+        else:
             return
-        fixes = ["raise host_memory"] if allowed is not None else []
         fixes += ["use a lower-precision dtype", "shard it over more ranks"]
         if self.config.chunk_size is not None:
             fixes.append("lower Config.chunk_size (chunks are allocated whole)")
-        has = f"Config.host_memory allows {limit}" if allowed is not None else \
-            f"this machine has {limit} ({_gib(limit)}) available"
         raise MemoryBudgetError(f"model data needs {need} bytes ({_gib(need)}) of host memory in chunks of {size} "
                                 f"elements, {has}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
 

@@ -112,3 +112,19 @@ def test_the_host_check_counts_exactly_the_model_data_prepare_allocates(dtype, m
     cm, _ = chunkmem.prepare(model, make(trainable(model)), chunkmem.Config(device="cpu", dtype=dtype))
     planned = planned_model_data_bytes(model, cm.runtime.store.chunk_size, cm.runtime.config.torch_dtype, states)
     assert planned == cm.memory_stats()["model_data_bytes"] > 0
+
+
+def test_host_memory_beyond_the_machine_names_the_field_and_the_limit() -> None:
+    model, ram = tiny_gpt2(layers=1), psutil.virtual_memory().total
+    with pytest.raises(ValueError, match=rf"Config.host_memory={ram + 1} bytes \(.* GiB\) is more than this machine's "
+                                         rf"RAM, {ram} bytes"):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", host_memory=ram + 1))
+
+
+def test_a_device_index_beyond_the_machine_names_the_field_and_the_devices(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"Config.device='cuda:2' but this machine has 2 CUDA device\(s\), cuda:0 to "
+                                         r"cuda:1"):
+        chunkmem.Config(device="cuda:2")
+    assert chunkmem.Config(device="cuda:1").device == "cuda:1"
