@@ -23,6 +23,8 @@ from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord
 
 SUPPORTED = (Adam, AdamW, SGD)
+_NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
+                 "optimizer (and its param groups) from model.parameters()")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +100,7 @@ class ChunkOptimizer(Optimizer):
         params = param_group["params"]
         for param in [params] if isinstance(params, torch.Tensor) else list(params):
             if param not in records:
-                raise ValueError("the optimizer holds a parameter that is not in the model passed to "
-                                 "chunkmem.prepare: build the optimizer (and its param groups) from model.parameters()")
+                raise ValueError(_NOT_IN_MODEL)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -115,8 +116,16 @@ class ChunkOptimizer(Optimizer):
             self.steps.setdefault(records[param], torch.tensor(0.0))
 
     def group_of(self) -> dict[ParamRecord, dict]:
+        """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
         records = self.runtime.store.records
-        return {records[p]: g for g in self.param_groups for p in g["params"]}
+        out = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param not in records:
+                    raise ValueError(_NOT_IN_MODEL)
+                out[records[param]] = group
+                self.steps.setdefault(records[param], torch.tensor(0.0))
+        return out
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

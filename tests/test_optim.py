@@ -109,3 +109,18 @@ def test_unfreezing_a_parameter_after_prepare_is_an_error_not_a_silent_no_op() -
     mlp_loss(cm, batches[1]).backward()
     with pytest.raises(ValueError, match="parameter 2.weight was frozen .* Set requires_grad before prepare"):
         opt.step()
+
+
+def test_parameters_put_into_a_param_group_by_hand_train_as_in_pytorch() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
+    assert train(cm, opt, batches[:2], mlp_loss) == train(ref, ref_opt, batches[:2], mlp_loss)
+    ref_opt.param_groups[0]["params"].append(ref[2].weight)
+    opt.param_groups[0]["params"].append(model[2].weight)
+    assert train(cm, opt, batches[2:], mlp_loss) == train(ref, ref_opt, batches[2:], mlp_loss)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError, match="not in the model passed to chunkmem.prepare"):
+        opt.step()
