@@ -62,8 +62,9 @@ def _affine_like_statistics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     the input's dtype; the cast is differentiable, so the gradient reaches the chunk in its own dtype.
     """
     positional = list(args)
+    given = positional[0] if positional else kwargs.get("input")
     statistics = positional[1] if len(positional) > 1 else kwargs.get("running_mean")
-    if statistics is None or statistics.dtype == positional[0].dtype:
+    if statistics is None or given is None or statistics.dtype == given.dtype:
         return args, kwargs
     for index, name in ((3, "weight"), (4, "bias")):
         if index < len(positional):

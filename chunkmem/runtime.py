@@ -17,7 +17,6 @@ import logging
 from collections.abc import Container, Iterable
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,12 +29,13 @@ from chunkmem.device import make_device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.layout import search_chunk_size
+from chunkmem.limits import check_budgets, check_sizes
 from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
 from chunkmem.scaler import LossScaler
 from chunkmem.state import ChunkState, TensorState
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, pinned_chunks, planned_model_data_bytes
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.collectives import agree
 from chunkmem.zero import Key, Shards, least_device_bytes
 
@@ -59,7 +59,7 @@ class Runtime:
         self.device = make_device(config.device, config.host_memory)
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
-        self._check_device_memory()
+        check_sizes(config, self.device.torch_device)
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
@@ -69,7 +69,7 @@ class Runtime:
             check_agreed(own, agreed[1:])
         state_kinds = list(state_kinds)
         size = self._chunk_size(module, world)
-        working_set = self._check_budgets(module, size, world, len(state_kinds))
+        working_set = check_budgets(module, config, size, world, len(state_kinds), self.limit)
         self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)
@@ -107,74 +107,6 @@ class Runtime:
         itemsize = self.config.torch_dtype.itemsize
         return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
-
-    def _check_device_memory(self) -> None:
-        """Config.device_memory is at most what the device has (in the simulation: this machine's RAM), and
-        Config.host_memory at most the machine's RAM."""
-        asked, host = self.config.device_memory, self.config.host_memory
-        total, what = _device_total_bytes(self.device.torch_device)
-        if asked is not None and int(asked) > total:
-            raise ValueError(f"Config.device_memory={asked} bytes ({_gib(int(asked))}) is more than the device has: "
-                             f"{what} has {total} bytes ({_gib(total)}): lower device_memory to at most that, or "
-                             "leave it None to use what is free")
-        ram = psutil.virtual_memory().total
-        if host is not None and int(host) > ram:
-            raise ValueError(f"Config.host_memory={host} bytes ({_gib(int(host))}) is more than this machine's RAM, "
-                             f"{ram} bytes ({_gib(ram)}): lower host_memory to at most that, or leave it None for "
-                             "what the machine can spare")
-
-    def _check_budgets(self, module: nn.Module, size: int, world: int, states: int) -> int:
-        """Before any chunk is allocated: one chunk, the chunks pinned at once and the model data fit their
-        budgets. Returns the working set: the most parameter chunk bytes pinned on the device at once."""
-        dtype = self.config.torch_dtype
-        chunk_bytes = size * dtype.itemsize
-        if self.config.chunk_size is not None and chunk_bytes > self.limit:
-            largest = max((p.numel() for p in module.parameters()), default=0)
-            raise MemoryBudgetError(
-                f"Config.chunk_size={size} elements makes chunks of {chunk_bytes} bytes ({_gib(chunk_bytes)} of "
-                f"{dtype}), more than the device budget holds: {self.limit} bytes ({self._limit_source()}): lower "
-                f"chunk_size (the largest parameter has {largest} elements), or leave it None to search")
-        working_set = self._check_working_set(module, size, world)
-        self._check_host_budget(planned_model_data_bytes(module, size, dtype, states, world), size)
-        return working_set
-
-    def _limit_source(self) -> str:
-        return "Config.device_memory" if self.config.device_memory is not None else \
-            "Config.device_memory=None: what is free on the device"
-
-    def _check_host_budget(self, need: int, size: int) -> None:
-        """The model data fits Config.host_memory and what the machine has available now."""
-        allowed, available = self.config.host_memory, psutil.virtual_memory().available
-        if allowed is not None and need > int(allowed):
-            has, fixes = f"Config.host_memory allows {allowed}", ["raise host_memory"]
-        elif need > available:
-            has, fixes = f"this machine has {available} ({_gib(available)}) available", []
-        else:
-            return
-        fixes += ["use a lower-precision dtype", "shard it over more ranks"]
-        if self.config.chunk_size is not None:
-            fixes.append("lower Config.chunk_size (chunks are allocated whole)")
-        raise MemoryBudgetError(f"model data needs {need} bytes ({_gib(need)}) of host memory in chunks of {size} "
-                                f"elements, {has}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
-
-    def _check_working_set(self, module: nn.Module, size: int, world: int) -> int:
-        """The most parameter chunk bytes pinned on the device at once; an error if the budget cannot hold them.
-
-        A module's chunks are pinned while it runs, and so are those of every module it runs inside
-        (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
-        """
-        chunk_bytes = size * self.config.torch_dtype.itemsize
-        chunks, chain = pinned_chunks(module, size)
-        count = min(len(chunks), 1) if world > 1 else len(chunks)
-        need = count * chunk_bytes
-        if need > self.limit:
-            where = " inside ".join(name or "the model" for name, _ in reversed(chain))
-            raise MemoryBudgetError(
-                f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks "
-                f"and those of the modules it runs inside on the device at once: {count} chunks of "
-                f"{chunk_bytes} bytes, {need} bytes, but {self._limit_source()} allows {self.limit}: raise "
-                f"device_memory to at least {need}, or lower Config.chunk_size (now {size} elements)")
-        return need
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.device.host_alloc(tensor.numel(), tensor.dtype).view(tensor.shape)
@@ -437,13 +369,3 @@ class Runtime:
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())
 
-
-def _device_total_bytes(device: torch.device) -> tuple[int, str]:
-    """All the memory of the compute device, and what it is."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)} ({device})"
-    return psutil.virtual_memory().total, "the CPU simulation's device (this machine's RAM)"
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
