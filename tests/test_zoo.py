@@ -15,7 +15,7 @@ from tests.helpers import least_accepted, param_bytes, prepared, train
 pytest.importorskip("transformers")
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 ARCHS = zoo.available()
-BF16_TOLERANCE = 0.05  # relative difference of each step's loss from fp32's
+BF16_TOLERANCE = 0.03, 0.02  # each step's loss within 3% of fp32's, plus 0.02 (small losses of vision models)
 
 
 def test_the_zoo_is_broad() -> None:
@@ -43,5 +43,6 @@ def test_architecture_trains_like_pytorch_under_a_budget_below_its_model_data(ar
     cm, opt = prepared(model, ADAMW, device_memory=least_accepted(model, ADAMW, low=budget // 2, dtype="bf16"),
                        dtype="bf16")
     losses = train(cm, opt, batches, zoo.loss)
-    assert all(abs(a - b) <= BF16_TOLERANCE * b for a, b in zip(losses, expected)), (losses, expected)
+    relative, absolute = BF16_TOLERANCE
+    assert all(abs(a - b) <= relative * b + absolute for a, b in zip(losses, expected)), (losses, expected)
     assert losses[2] < 0.98 * losses[0] and losses[3] < 0.98 * losses[1], "each batch seen again must fit better"
