@@ -198,6 +198,7 @@ class Placer:
         self.limit = limit
         self.nonmodel = nonmodel
         self.chunks = {c.name: c for c in store.chunks()}
+        self.param_chunks = [g.param for g in store.owned_groups()]  # what modules pin while they run
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
         self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
                                    tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
@@ -274,7 +275,7 @@ class Placer:
 
     def _held(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Chunks pinned on the device besides `names`: those of the modules this access runs inside."""
-        return tuple(sorted(n for n, c in self.residency.resident.items() if c.pins and n not in names))
+        return tuple(sorted(c.name for c in self.param_chunks if c.pins and c.name not in names))
 
     def _conservative_now(self, nonmodel: int, need: int = 0) -> None:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
