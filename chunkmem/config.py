@@ -66,6 +66,10 @@ class Config:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"Config.device={self.device!r} but CUDA is not available: "
                              "use device='cpu' for the CPU simulation")
+        count = torch.cuda.device_count() if self.device.startswith("cuda:") else 0
+        if count and int(self.device.removeprefix("cuda:")) >= count:
+            raise ValueError(f"Config.device={self.device!r} but this machine has {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
         object.__setattr__(self, "device_memory", parse_size("device_memory", self.device_memory))
         object.__setattr__(self, "host_memory", parse_size("host_memory", self.host_memory))
         if self.dtype not in _DTYPES:

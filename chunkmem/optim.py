@@ -23,6 +23,8 @@ from chunkmem.state import TensorState
 from chunkmem.store import ChunkGroup, ParamRecord
 
 SUPPORTED = (Adam, AdamW, SGD)
+_NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
+                 "optimizer (and its param groups) from model.parameters()")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +41,18 @@ def rule_for(optimizer: Optimizer) -> Rule:
         raise TypeError(f"chunkmem cannot drive {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
                         f"supported optimizers are {names}")
     for group in optimizer.param_groups:
-        for flag in ("amsgrad", "differentiable", "capturable"):
-            if group.get(flag):
-                raise ValueError(f"{type(optimizer).__name__}({flag}=True) is not supported by chunkmem: "
-                                 f"construct the optimizer with {flag}=False")
+        _check_flags(type(optimizer).__name__, group)
     if isinstance(optimizer, SGD):
         momentum = any(g["momentum"] for g in optimizer.param_groups)
         return Rule(("momentum_buffer",) if momentum else (), _sgd)
     return Rule(("exp_avg", "exp_avg_sq"), _adam)
+
+
+def _check_flags(name: str, group: dict) -> None:
+    for flag in ("amsgrad", "differentiable", "capturable"):
+        if group.get(flag):
+            raise ValueError(f"{name}({flag}=True) is not supported by chunkmem: construct the optimizer with "
+                             f"{flag}=False")
 
 
 def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -79,24 +85,47 @@ class ChunkOptimizer(Optimizer):
     """Drop-in for the user's optimizer; its state lives in chunks, not in `self.state`."""
 
     def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule) -> None:
-        super().__init__(optimizer.param_groups, optimizer.defaults)
         self.runtime = runtime
         self.rule = rule
         self.wrapped_type = type(optimizer)
-        records = runtime.store.records
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param not in records:
-                    raise ValueError("the optimizer holds a parameter that is not in the model passed to "
-                                     "chunkmem.prepare: build the optimizer from model.parameters()")
-        self.steps: dict[ParamRecord, torch.Tensor] = {
-            records[p]: torch.tensor(0.0) for g in self.param_groups for p in g["params"]}
+        self.steps: dict[ParamRecord, torch.Tensor] = {}  # filled by add_param_group, which __init__ calls
+        super().__init__(optimizer.param_groups, optimizer.defaults)
         self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made
 
-    def group_of(self) -> dict[ParamRecord, dict]:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, before or after prepare: every parameter of the prepared model has its chunks'
+        slots for optimizer state already (trainable ones; frozen ones get no gradient to step with)."""
         records = self.runtime.store.records
-        return {records[p]: g for g in self.param_groups for p in g["params"]}
+        params = param_group["params"]
+        for param in [params] if isinstance(params, torch.Tensor) else list(params):
+            if param not in records:
+                raise ValueError(_NOT_IN_MODEL)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_flags(self.wrapped_type.__name__, group)
+            if group.get("momentum") and "momentum_buffer" not in self.rule.states:
+                raise ValueError(f"a param group with momentum={group['momentum']} was added to an SGD optimizer "
+                                 "that chunkmem.prepare laid out without momentum buffers: give the optimizer a "
+                                 "momentum group before prepare (momentum applies per group)")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for param in group["params"]:
+            self.steps.setdefault(records[param], torch.tensor(0.0))
+
+    def group_of(self) -> dict[ParamRecord, dict]:
+        """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
+        records = self.runtime.store.records
+        out = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param not in records:
+                    raise ValueError(_NOT_IN_MODEL)
+                out[records[param]] = group
+                self.steps.setdefault(records[param], torch.tensor(0.0))
+        return out
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -105,6 +134,7 @@ class ChunkOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         runtime = self.runtime
+        self._check_still_frozen()
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
@@ -128,6 +158,16 @@ class ChunkOptimizer(Optimizer):
                 runtime.emit("post_optimizer", "optim", chunk_group.master.name)
         runtime.step_done()
         return loss
+
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would
+        train nothing, silently."""
+        for record in self.runtime.store.records.values():
+            if not record.group.trainable and record.param.requires_grad:
+                raise ValueError(f"parameter {record.name} was frozen (requires_grad=False) when chunkmem.prepare "
+                                 "laid out the chunks and requires a gradient now: chunkmem keeps no gradient or "
+                                 "optimizer state for it, so it would never change. Set requires_grad before "
+                                 "prepare (prepare a fresh copy of the model to train it)")
 
     def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                     group_of: dict[ParamRecord, dict], inv_scale: float) -> None:
@@ -190,7 +230,8 @@ class ChunkOptimizer(Optimizer):
         self.native_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.runtime.zero_grad(set_to_none)
+        """The gradients of this optimizer's parameters only, as torch.optim does (`model.zero_grad()`: all)."""
+        self.runtime.zero_grad(set_to_none, only=set(self.group_of()))
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError("a chunkmem optimizer keeps its state in chunks: save it with "

@@ -44,12 +44,15 @@ class Phase(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Event:
     """One recorded moment. kind: "use" (chunks needed together), "grad" (a gradient written to a
-    group's gradient chunk), "optim" (a group's optimizer update)."""
+    group's gradient chunk), "optim" (a group's optimizer update). `held`: chunks the modules around
+    this moment keep pinned on the device meanwhile (runtime's Note: a module's chunks stay pinned
+    while the modules it calls run)."""
 
     kind: str
     chunks: tuple[str, ...]
     group: int
     nonmodel: int
+    held: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,7 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     groups home: their optimizer runs on the device.
     """
     peak = max((e.nonmodel for e in events), default=0)
-    streaming = max((sum(sizes[c] for c in set(e.chunks)) for e in events if e.kind == "use"), default=0)
+    streaming = max((sum(sizes[c] for c in {*e.chunks, *e.held}) for e in events if e.kind == "use"), default=0)
     room = limit - peak - int(limit * SAFETY_FRACTION) - streaming
     ordered = sorted(groups, key=lambda g: -g.index)
     choices: list[set[int]] = [set()]
@@ -111,16 +114,17 @@ def _traffic(events: Sequence[Event], groups: dict[int, GroupChunks], homes: set
 
 def steady_sequence(events: Sequence[Event], groups: dict[int, GroupChunks],
                     homes: set[int]) -> tuple[list[Access], list[int]]:
-    """The device accesses of a step once homes are fixed, and the non-model bytes at each."""
+    """The device accesses of a step once homes are fixed, and the non-model bytes at each. An access
+    needs its chunks and those held around it on the device together."""
     accesses, nonmodel = [], []
     for event in events:
         if event.kind == "use":
-            accesses.append(Access(event.chunks))
+            accesses.append(Access(event.chunks + event.held))
         elif event.group in homes and event.kind == "grad":
-            accesses.append(Access((groups[event.group].grad,), frozenset([groups[event.group].grad])))
+            accesses.append(Access((groups[event.group].grad, *event.held), frozenset([groups[event.group].grad])))
         elif event.group in homes and event.kind == "optim":
             g = groups[event.group]
-            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated))),
+            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated, *event.held))),
                                    frozenset((g.param, *g.updated))))
         else:
             continue
@@ -194,6 +198,7 @@ class Placer:
         self.limit = limit
         self.nonmodel = nonmodel
         self.chunks = {c.name: c for c in store.chunks()}
+        self.param_chunks = [g.param for g in store.owned_groups()]  # what modules pin while they run
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
         self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
                                    tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
@@ -233,18 +238,19 @@ class Placer:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""
         names = tuple(c.name for c in chunks)
+        held = self._held(names)
         if self.off_path:
             self._fetch(chunks)
             return
         nonmodel = self.nonmodel() if self.phase is not Phase.FOLLOW else 0
         if self.phase is Phase.RECORD:
-            self.events.append(Event(kind, names, group, nonmodel))
+            self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:
             return
         if self.phase is Phase.FOLLOW:
-            self._check_path(names)
+            self._check_path(names + held)
         else:
-            self._conservative_now(nonmodel)
+            self._conservative_now(nonmodel, sum(self.sizes[n] for n in {*names, *held}))
         self._fetch(chunks)
         if self.phase is Phase.FOLLOW:
             self._following.cursor += 1
@@ -267,12 +273,17 @@ class Placer:
         if self.phase is not Phase.FOLLOW and not self.off_path:
             self._conservative_now(self.nonmodel())
 
-    def _conservative_now(self, nonmodel: int) -> None:
+    def _held(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Chunks pinned on the device besides `names`: those of the modules this access runs inside."""
+        return tuple(sorted(c.name for c in self.param_chunks if c.pins and c.name not in names))
+
+    def _conservative_now(self, nonmodel: int, need: int = 0) -> None:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
-        what the non-model data on the device now leaves, less the margin, but never below one module's
-        working set: chunks give way to activations as they grow, as the plan's budgets do later."""
+        what the non-model data on the device now leaves, less the margin, but never below the working
+        set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
+        to activations as they grow, as the plan's budgets do later."""
         left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
-        self.residency.limit = max(self.working_set, min(self.conservative, left))
+        self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
 
     def _fetch(self, chunks: Sequence[Chunk]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import torch
@@ -22,12 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.activations import ActivationMeter, Saved
+from chunkmem.agreement import as_agreed, check_agreed
 from chunkmem.chunk import Chunk
 from chunkmem.config import Config
 from chunkmem.device import make_device
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.layout import search_chunk_size
+from chunkmem.limits import check_budgets, check_sizes
 from chunkmem.observe import Moment, Observer, kind_of
 from chunkmem.placement import Phase, Placer
 from chunkmem.residency import LeastRecentlyUsed, Residency
@@ -51,19 +53,26 @@ class ChunkRef:
 
 
 class Runtime:
-    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None) -> None:
+    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None,
+                 fingerprints: dict[str, int] | None = None) -> None:
         self.config = config
         self.device = make_device(config.device, config.host_memory)
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
+        check_sizes(config, self.device.torch_device)
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
-        if world > 1:  # every rank decides from the same budget (zero's Note on one order)
-            self.limit = agree([self.limit], group, self.device.torch_device)[0]
-        self.store = ParamStore(module, config.torch_dtype, self.device, self._chunk_size(module, world), world, rank)
+        if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
+            own = fingerprints or {}
+            agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
+            self.limit = agreed[0]
+            check_agreed(own, agreed[1:])
+        state_kinds = list(state_kinds)
+        size = self._chunk_size(module, world)
+        working_set = check_budgets(module, config, size, world, len(state_kinds), self.limit)
+        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank)
         for kind in state_kinds:
             self.store.add_family(kind)
-        self._check_host_budget()
         self.observers: list[Observer] = []
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
@@ -79,7 +88,6 @@ class Runtime:
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
-        working_set = self._check_working_set()
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
@@ -102,27 +110,6 @@ class Runtime:
         itemsize = self.config.torch_dtype.itemsize
         return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
-
-    def _check_host_budget(self) -> None:
-        need, allowed = self.store.model_data_bytes(), self.config.host_memory
-        if allowed is not None and need > int(allowed):
-            raise MemoryBudgetError(f"model data needs {need} bytes of host memory, Config.host_memory allows "
-                                    f"{allowed}: raise host_memory, or use a lower-precision dtype")
-
-    def _check_working_set(self) -> int:
-        """The most chunk bytes one module needs at once; an error if the budget cannot hold them."""
-        most = 0
-        for module, records in self.module_records.items():
-            need = sum(c.nbytes for c in {r.group.param for r in records if r.group.owned})
-            if self.shards is not None and records:  # one chunk at a time, copied into a gathered buffer
-                need = self.store.chunk_size * self.store.dtype.itemsize
-            if need > self.limit:
-                raise MemoryBudgetError(
-                    f"module {type(module).__name__} needs its parameter chunks on the device at once: "
-                    f"{need} bytes, but Config.device_memory allows {self.limit}: raise device_memory "
-                    f"to at least {need}, or lower Config.chunk_size (now {self.store.chunk_size} elements)")
-            most = max(most, need)
-        return most
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer for a copy of `tensor` that is not model data (offloaded activations, staged gradients):
@@ -283,12 +270,26 @@ class Runtime:
         self._flush_queued = False
         self.shards.finish_backward()  # type: ignore[union-attr]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
+        """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
+        optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
+        kept = False
         for group in self.store.trainable_groups():
-            self.residency.reset(group.chunks["grad"])
+            cleared = [r for r in group.members if only is None or r in only]
+            chunk = group.chunks["grad"]
+            if len(cleared) == len(group.members):
+                self.residency.reset(chunk)
+            elif cleared and chunk.state is not ChunkState.FREE:
+                flat = self.writable(chunk, chunk.state.on_device)
+                for record in cleared:
+                    record.view(flat).zero_()
             if set_to_none:
-                for record in group.members:
+                for record in cleared:
                     record.move_grad("free")
+            kept = kept or len(cleared) < len(group.members)
+        if kept and self.scaler is not None and not self.grads_scaled:
+            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
+            torch._foreach_mul_(self.grad_views(), self.scaler.scale)
         self.grads_scaled = self.scaler is not None
 
     # -- access to values ------------------------------------------------------------------------
@@ -369,3 +370,4 @@ class Runtime:
 
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())
+

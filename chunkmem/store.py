@@ -8,7 +8,8 @@ its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunk
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -156,13 +157,63 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
             pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
 
 
-def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
-    """The most parameter chunks one module's own parameters span under this chunk size."""
+def pinned_chunks(module: nn.Module, chunk_size: int
+                  ) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
+    """The parameter chunks pinned at once at most under this chunk size, as (trainable, index), and the
+    modules that pin them (`pinned_at_once`)."""
     trainable, frozen = layouts(module, chunk_size)
     where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
     name_of = {p: n for n, p in module.named_parameters()}
-    return max((len({where[name_of[p]] for p in m.parameters(recurse=False)}) for m in module.modules()),
-               default=0)
+    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=False)})
+
+
+def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
+    """The most parameter chunks pinned at once under this chunk size (`pinned_at_once`)."""
+    return len(pinned_chunks(module, chunk_size)[0])
+
+
+def planned_model_data_bytes(module: nn.Module, chunk_size: int, dtype: torch.dtype, states: int,
+                             world: int = 1) -> int:
+    """The bytes of chunks a ParamStore of `module` holds on each rank, with `states` optimizer-state
+    families, computed before it allocates them (its `model_data_bytes()` afterwards)."""
+    trainable, frozen = layouts(module, chunk_size, world)
+    master = 4 if dtype != torch.float32 else 0
+    per_trainable = 2 * dtype.itemsize + master + 4 * states  # param, grad, fp32 master, fp32 states
+    return (trainable.num_chunks * per_trainable + frozen.num_chunks * dtype.itemsize) * chunk_size // world
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def pinned_at_once(module: nn.Module, keys: Callable[[nn.Module], set[K]]
+                   ) -> tuple[frozenset[K], list[tuple[str, nn.Module]]]:
+    """The largest set of keys (chunks, groups) pinned at once, and the modules that pin it, outermost
+    first, by qualified name ("" for `module` itself).
+
+    A module's chunks stay pinned from its pre-hook to its post-hook, and its children run in between:
+    so what is pinned while a module runs is its own and that of every module it runs inside (a module
+    that owns parameters and calls children, as ViT's embeddings or a LoRA adapter around its base do).
+    """
+    best: tuple[frozenset[K], list[tuple[str, nn.Module]]] = (frozenset(), [])
+
+    def walk(sub: nn.Module, name: str, above: frozenset[K], chain: list[tuple[str, nn.Module]]) -> None:
+        nonlocal best
+        own = keys(sub)
+        here = above | own
+        if own - above:
+            chain = chain + [(name, sub)]
+        if len(here) > len(best[0]):
+            best = (here, chain)
+        for child_name, child in sub.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, here, chain)
+
+    walk(module, "", frozenset(), [])
+    return best
+
+
+def most_pinned(module: nn.Module, keys: Callable[[nn.Module], set[K]]) -> int:
+    """The most keys pinned at once: a module's own, and those of the modules it runs inside."""
+    return len(pinned_at_once(module, keys)[0])
 
 
 def _aliases(module: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:

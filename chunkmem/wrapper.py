@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -13,8 +14,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
+from chunkmem.agreement import fingerprints
 from chunkmem.config import Config
-from chunkmem.hooks import Hooks
+from chunkmem.hooks import Hooks, already_hooked
 from chunkmem.optim import ChunkOptimizer, rule_for
 from chunkmem.runtime import Runtime
 from chunkmem.scaler import LossScaler
@@ -45,11 +47,15 @@ class ChunkedModel(nn.Module):
         super().__init__()
         self.module = module
         self.runtime = runtime
-        self.hooks = Hooks(module, runtime)
+        compute = runtime.config.torch_dtype
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
                 if buffer is not None:
-                    sub._buffers[name] = buffer.to(runtime.device.torch_device)
+                    # Buffers keep their precision (fp32 rotary frequencies and BatchNorm statistics stay fp32
+                    # under bf16; hooks._affine_like_statistics), and are raised to the compute dtype if below it.
+                    dtype = torch.promote_types(buffer.dtype, compute) if buffer.is_floating_point() else None
+                    sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
+        self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -123,14 +129,19 @@ class ChunkedModel(nn.Module):
             names = record.aliases if record is not None else ()
             return next((k for k in (name, *names) if k in state_dict), None)
 
-        missing = [k for k, t in expected.items() if given(k, t) is None]
+        keys = {name: given(name, target) for name, target in expected.items()}
+        missing = [name for name, key in keys.items() if key is None]
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
                                f"missing keys {missing}, unexpected keys {unexpected}")
+        for name, key in keys.items():  # every value checked before any is written: a failed load changes nothing
+            if key is not None and state_dict[key].shape != expected[name].shape:
+                raise ValueError(f"value for {name} has shape {tuple(state_dict[key].shape)}, "
+                                 f"expected {tuple(expected[name].shape)}")
         with torch.no_grad():
             for name, target in expected.items():
-                key = given(name, target)
+                key = keys[name]
                 if key is None:
                     continue
                 if target in records:
@@ -170,10 +181,45 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     if optimizer.state:
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
+    hooked = already_hooked(model)
+    if hooked is not None:
+        raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
+                         "are views into that call's chunks): train through the model that call returned, or "
+                         "prepare a copy made before the first call (copy.deepcopy)")
     config = config or Config()
     group = None if group == LOCAL else default_group(group, config.device)
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    runtime = Runtime(model, config, rule.states, group)
-    wrapped = ChunkedModel(model, runtime)
-    return wrapped, ChunkOptimizer(runtime, optimizer, rule)
+    before = _Snapshot.of(model)
+    wrapped: ChunkedModel | None = None
+    try:
+        runtime = Runtime(model, config, rule.states, group, fingerprints(model, config, optimizer))
+        wrapped = ChunkedModel(model, runtime)
+        return wrapped, ChunkOptimizer(runtime, optimizer, rule)
+    except BaseException:  # SPEC: a prepare that raises leaves the model as it was
+        if wrapped is not None:
+            wrapped.hooks.remove()
+        before.restore()
+        raise
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    """What prepare changes in a module (parameter data, buffers), kept to put back if prepare fails."""
+
+    data: dict[nn.Parameter, torch.Tensor]
+    buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> _Snapshot:
+        return cls({p: p.data for p in module.parameters()},
+                   {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()})
+
+    def restore(self) -> None:
+        for param, data in self.data.items():
+            if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
+                torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as store.point_views
+            else:
+                param.data = data
+        for (sub, name), buffer in self.buffers.items():
+            sub._buffers[name] = buffer

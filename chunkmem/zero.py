@@ -58,7 +58,7 @@ from chunkmem.chunk import Chunk
 from chunkmem.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
 from chunkmem.device import Device
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, working_set_chunks
+from chunkmem.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
 
 log = logging.getLogger("chunkmem")
 CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs its group again
@@ -78,14 +78,6 @@ def least_device_bytes(module: nn.Module, chunk_size: int, itemsize: int, world:
     chunks = working_set_chunks(module, chunk_size)
     own = chunks if world == 1 else 1
     return own * chunk_size * itemsize + least_transient_bytes(world, chunk_size * itemsize, chunks)
-
-
-def most_pinned(module: nn.Module, keys: Callable[[nn.Module], set[Key]]) -> int:
-    """The most groups pinned at once: a module's own, and those of the modules it runs inside."""
-    def walk(sub: nn.Module, above: frozenset[Key]) -> int:
-        here = above | keys(sub)
-        return max([len(here), *(walk(child, here) for child in sub.children())])
-    return walk(module, frozenset())
 
 
 class Order:

@@ -77,6 +77,29 @@ def prepared(model: nn.Module, make_opt: Callable, **config) -> tuple[nn.Module,
     return chunkmem.prepare(copy_, make_opt(copy_.parameters()), chunkmem.Config(device="cpu", **config))
 
 
+def accepts(model: nn.Module, make_opt: Callable, budget: int, **config) -> bool:
+    """Whether prepare accepts `budget` for (a copy of) `model`."""
+    copied = copy.deepcopy(model)
+    params = [p for p in copied.parameters() if p.requires_grad]
+    try:
+        chunkmem.prepare(copied, make_opt(params), chunkmem.Config(device="cpu", device_memory=budget, **config))
+    except chunkmem.MemoryBudgetError:
+        return False
+    return True
+
+
+def least_accepted(model: nn.Module, make_opt: Callable, low: int = 1, high: int | None = None, **config) -> int:
+    """The least device budget in [low, high] that prepare accepts (acceptance grows with the budget: bisect)."""
+    high = 4 * param_bytes(model) if high is None else high
+    if accepts(model, make_opt, low, **config):
+        return low
+    assert accepts(model, make_opt, high, **config), f"prepare refuses even {high} bytes"
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if accepts(model, make_opt, middle, **config) else (middle + 1, high)
+    return low
+
+
 def updates(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: after[k] - before[k] for k in before}
 

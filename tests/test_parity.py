@@ -8,8 +8,9 @@ import functools
 import pytest
 import torch
 
-from tests.helpers import (gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2,
-                           train)
+from tests import zoo
+from tests.helpers import (gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared,
+                           tiny_gpt2, train)
 
 OPTIMIZERS = {
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
@@ -187,3 +188,63 @@ def test_copies_landing_at_random_moments_change_nothing(monkeypatch, seed):
         state = cm.state_dict()
         for key, value in ref_state.items():
             assert torch.equal(state[key], value), (fraction, key)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_batch_norm_trains_in_low_precision_with_fp32_running_statistics(dtype):
+    # Buffers keep their precision: BatchNorm normalises a low-precision input against fp32 statistics.
+    arch = zoo.by_name("resnet")
+    model, make_opt, batches = arch.build(), functools.partial(torch.optim.AdamW, lr=3e-3), arch.batches(3) * 3
+    fp32_losses, fp32_state = reference(model, make_opt, batches, zoo.loss)
+    cm, opt = prepared(model, make_opt, dtype=dtype, device_memory=budget(model, 0.5))
+    losses = train(cm, opt, batches, zoo.loss)
+    assert losses[-1] < losses[0] - 0.5, "training must make progress"
+    if dtype == "bf16":  # fp16 skips its first step (the loss scale starts too high), so it lags fp32 by one
+        assert all(abs(a - b) <= 0.03 * b + 0.02 for a, b in zip(losses, fp32_losses)), (losses, fp32_losses)
+    state = cm.state_dict()
+    for name, buffer in cm.module.named_buffers():
+        assert buffer.dtype == model.get_buffer(name).dtype == state[name].dtype, name
+        if buffer.is_floating_point():  # updated, and in bf16 near fp32's (the weights they follow differ a little)
+            assert not torch.equal(state[name], model.get_buffer(name)), name
+            assert dtype == "fp16" or (state[name] - fp32_state[name]).norm() <= 0.15 * fp32_state[name].norm() + 0.05
+    cm.eval()
+    with torch.no_grad():
+        assert cm(batches[0]["pixel_values"]).logits.dtype == cm.runtime.config.torch_dtype
+
+
+def test_a_bf16_model_trains_in_fp32_like_pytorch_after_float():
+    # Buffers below the compute dtype are raised to it, as model.float() does, and never lowered.
+    arch = zoo.by_name("resnet")
+    model, make_opt, batches = arch.build().to(torch.bfloat16), OPTIMIZERS["adamw"], arch.batches(3)
+    ref_losses, ref_state = reference(copy.deepcopy(model).float(), make_opt, batches, zoo.loss)
+    cm, opt = prepared(model, make_opt, device_memory=budget(model, 1.0))
+    assert train(cm, opt, batches, zoo.loss) == ref_losses
+    state = cm.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref_state.items())
+
+
+class CheckpointedBatchNorm(torch.nn.Module):
+    """A convolution and BatchNorm re-computed in backward (activation checkpointing), outside forward's hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.norm, self.head = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.norm(self.conv(t))), x, use_reentrant=False)
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batch_norm_recomputed_in_backward_trains(dtype):
+    model, make_opt = CheckpointedBatchNorm(), OPTIMIZERS["adamw"]
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 8, 8, generator=gen), torch.randn(4, 2, generator=gen)) for _ in range(3)] * 2
+    ref_losses, ref_state = reference(model, make_opt, batches, mlp_loss)
+    cm, opt = prepared(model, make_opt, dtype=dtype, device_memory=least_accepted(model, make_opt, dtype=dtype))
+    losses = train(cm, opt, batches, mlp_loss)
+    if dtype == "fp32":
+        assert losses == ref_losses and all(torch.equal(cm.state_dict()[k], v) for k, v in ref_state.items())
+    else:
+        assert all(abs(a - b) <= 0.03 * b for a, b in zip(losses, ref_losses)), (losses, ref_losses)

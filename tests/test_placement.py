@@ -11,7 +11,7 @@ import torch
 
 import chunkmem
 from chunkmem.placement import Event, GroupChunks, Phase, chunk_budgets, decide_homes, steady_sequence
-from chunkmem.plan import INFINITY, Access, next_uses, simulate
+from chunkmem.plan import INFINITY, Access, build_plan, next_uses, simulate, validate
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, train
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
@@ -40,6 +40,18 @@ def test_homes_take_what_the_margin_holds_and_pay_off():
     accesses, _ = steady_sequence(events, {g.index: g for g in groups}, {1})
     assert [a.chunks for a in accesses] == [("param.0",), ("param.1",), ("param.1",), ("grad.1",), ("param.0",),
                                             ("param.1", "grad.1", "exp_avg.1")]
+
+
+def test_chunks_held_around_an_access_count_in_its_budget_and_stay_resident():
+    # An adapter's chunk stays pinned while the base it calls runs: the plan must hold both at once.
+    events = [Event("use", ("param.0",), -1, 0), Event("use", ("frozen_param.0",), -1, 0, held=("param.0",)),
+              Event("use", ("param.1",), -1, 0)]
+    sizes = {"param.0": 10, "param.1": 10, "frozen_param.0": 10}
+    accesses, nonmodel = steady_sequence(events, {}, set())
+    assert [a.chunks for a in accesses] == [("param.0",), ("frozen_param.0", "param.0"), ("param.1",)]
+    budgets = chunk_budgets(accesses, [1000] * 3, sizes, limit=100)  # activations leave nothing: the need only
+    assert budgets == [10, 20, 10]
+    assert validate(build_plan(accesses, sizes, budgets), accesses, sizes) == {"param.1"}
 
 
 def steady_run(model, batches, loss_fn, budget):

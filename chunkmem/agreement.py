@@ -1,0 +1,55 @@
+"""What the ranks of a process group must have in common at prepare, as numbers one collective compares.
+
+Ranks that prepare different models (4 layers on one, 5 on another), dtypes or chunk sizes lay out
+different chunks, and their first mismatched collective hangs until the timeout or aborts in the
+backend. So each rank hashes what must match into a few numbers; the runtime's first collective
+(`collectives.agree`, which also agrees on the device budget) takes the least and the greatest of
+each over the ranks, and where they differ every rank raises the same error before any chunk moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from chunkmem.config import Config
+
+
+def fingerprints(module: nn.Module, config: Config, optimizer: Optimizer) -> dict[str, int]:
+    """What must match on every rank, by what to tell the user, hashed to non-negative 62-bit ints."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    parts: dict[str, Any] = {
+        "the model (parameter names, shapes, dtypes, requires_grad)":
+            [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
+                remove_duplicate=False)],
+        "the Config (dtype, chunk_size, device kind)":
+            (config.dtype, config.chunk_size, config.device.split(":")[0]),
+        "the optimizer (class, param groups and their options)":
+            (type(optimizer).__qualname__, [(sorted((k, repr(v)) for k, v in g.items() if k != "params"),
+                                              [names.get(id(p)) for p in g["params"]])
+                                             for g in optimizer.param_groups]),
+    }
+    return {what: _hash(value) for what, value in parts.items()}
+
+
+def _hash(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big") >> 2
+
+
+def as_agreed(own: dict[str, int]) -> list[int]:
+    """The numbers to agree on (by the least over the ranks): each fingerprint, and its negation for the greatest."""
+    return [*own.values(), *(-v for v in own.values())]
+
+
+def check_agreed(own: dict[str, int], agreed: list[int]) -> None:
+    """Raise, the same on every rank, if the ranks' fingerprints differ; `agreed` is `as_agreed` after agreeing."""
+    count = len(own)
+    low, high = agreed[:count], [-v for v in agreed[count:2 * count]]
+    differ = [what for what, a, b in zip(own, low, high) if a != b]
+    if differ:
+        raise ValueError(f"the ranks of the process group disagree at chunkmem.prepare on {' and on '.join(differ)}: "
+                         "every rank must prepare the same model with the same Config and optimizer (Config's "
+                         "device_memory and host_memory may differ). Check what each rank builds")

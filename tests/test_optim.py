@@ -1,0 +1,126 @@
+"""The prepared optimizer behaves as torch.optim's: whose gradients zero_grad clears, param groups added later."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import chunkmem
+from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def outside_the_optimizer(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of modules 2 and 4 stay out of the optimizer: their gradients accumulate, step after step,
+    and count in the clipping norm."""
+    return [p for name, p in model.named_parameters() if name.split(".")[0] not in ("2", "4")]
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_optimizer_zero_grad_clears_only_its_parameters_as_pytorch_does(set_to_none: bool) -> None:
+    model, batches = mlp(), mlp_batches(5)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    for prepared, optimizer in ((ref, ref_opt), (cm, opt)):
+        optimizer.zero_grad = functools.partial(optimizer.zero_grad, set_to_none=set_to_none)
+    expected = train(ref, ref_opt, batches, mlp_loss, clip=0.5)
+    assert train(cm, opt, batches, mlp_loss, clip=0.5) == expected
+    state = cm.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    kept = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert set(kept) == {"2.weight", "2.bias", "4.weight", "4.bias"} | (
+        set() if set_to_none else {n for n, _ in ref.named_parameters()})
+    assert torch.equal(cm.clip_grad_norm_(1e9), torch.nn.utils.get_total_norm(list(kept.values())))
+
+
+def test_model_zero_grad_clears_every_gradient() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    for prepared, optimizer in ((ref, ref_opt), (cm, opt)):
+        optimizer.zero_grad = prepared.zero_grad
+    assert train(cm, opt, batches, mlp_loss, clip=0.5) == train(ref, ref_opt, batches, mlp_loss, clip=0.5)
+    assert cm.runtime.grad_views() == []
+
+
+def test_fp16_gradients_kept_across_a_clipped_step_keep_their_scale() -> None:
+    # Clipping unscales every gradient; those zero_grad keeps must carry the loss scale again, as the next
+    # backward's will, or they would count 1/scale of their value from then on.
+    model, batches = mlp(), mlp_batches(3)
+    ref = copy.deepcopy(model)
+    train(ref, ADAMW(outside_the_optimizer(ref)), batches, mlp_loss, clip=0.5)
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)), chunkmem.Config(device="cpu", dtype="fp16"))
+    cm.runtime.scaler.scale = 1024.0  # no overflow: every step is taken, as in fp32
+    train(cm, opt, batches, mlp_loss, clip=0.5)
+    kept = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+    assert cm.clip_grad_norm_(1e9).item() == pytest.approx(kept.item(), rel=0.02)
+
+
+def test_a_param_group_added_after_prepare_trains_as_in_pytorch() -> None:
+    model, batches = mlp(), mlp_batches(6)
+    later = [p for name, p in model.named_parameters() if name.split(".")[0] in ("2", "4")]
+    ref = copy.deepcopy(model)
+    ref_later = [p for name, p in ref.named_parameters() if name.split(".")[0] in ("2", "4")]
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    expected = train(ref, ref_opt, batches[:3], mlp_loss)
+    assert train(cm, opt, batches[:3], mlp_loss) == expected
+    ref_opt.add_param_group({"params": ref_later, "lr": 3e-2})
+    opt.add_param_group({"params": later, "lr": 3e-2})
+    assert opt.param_groups[-1]["lr"] == 3e-2 and opt.param_groups[-1]["betas"] == ref_opt.param_groups[-1]["betas"]
+    assert train(cm, opt, batches[3:], mlp_loss) == train(ref, ref_opt, batches[3:], mlp_loss)
+    state = cm.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("make,group,match", [
+    (ADAMW, {"params": [nn.Parameter(torch.ones(2))]}, "not in the model passed to chunkmem.prepare"),
+    (ADAMW, {"params": "later", "amsgrad": True}, r"AdamW\(amsgrad=True\) is not supported"),
+    (functools.partial(torch.optim.SGD, lr=0.1), {"params": "later", "momentum": 0.9},
+     "momentum=0.9 was added to an SGD optimizer that chunkmem.prepare laid out without momentum buffers"),
+])
+def test_a_param_group_chunkmem_cannot_step_is_refused_and_changes_nothing(make, group, match) -> None:
+    model = mlp()
+    _, opt = chunkmem.prepare(model, make(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
+    if group["params"] == "later":
+        group = group | {"params": list(model[2].parameters())}
+    groups = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group(group)
+    assert opt.param_groups == groups
+
+
+def test_unfreezing_a_parameter_after_prepare_is_an_error_not_a_silent_no_op() -> None:
+    model, batches = mlp(), mlp_batches(2)
+    model[2].requires_grad_(False)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, batches[:1], mlp_loss)
+    model[2].requires_grad_(True)
+    mlp_loss(cm, batches[1]).backward()
+    with pytest.raises(ValueError, match="parameter 2.weight was frozen .* Set requires_grad before prepare"):
+        opt.step()
+
+
+def test_parameters_put_into_a_param_group_by_hand_train_as_in_pytorch() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(outside_the_optimizer(ref))
+    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
+    assert train(cm, opt, batches[:2], mlp_loss) == train(ref, ref_opt, batches[:2], mlp_loss)
+    ref_opt.param_groups[0]["params"].append(ref[2].weight)
+    opt.param_groups[0]["params"].append(model[2].weight)
+    assert train(cm, opt, batches[2:], mlp_loss) == train(ref, ref_opt, batches[2:], mlp_loss)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    opt.param_groups[0]["params"].append(nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError, match="not in the model passed to chunkmem.prepare"):
+        opt.step()

@@ -1,0 +1,97 @@
+"""`chunkmem.prepare` as a contract: a call that raises changes nothing, a model is managed by one call."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import chunkmem
+from tests import zoo
+from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def hook_count(model: nn.Module) -> int:
+    modules = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return modules + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+FAILURES = {  # how prepare is made to fail, after it has started changing the model
+    "device budget, bf16": lambda m: (ADAMW(m.parameters()), chunkmem.Config(device="cpu", dtype="bf16",
+                                                                           device_memory=1000)),
+    "host budget, fp16": lambda m: (ADAMW(m.parameters()), chunkmem.Config(device="cpu", dtype="fp16",
+                                                                          host_memory=param_bytes(m))),
+    "optimizer over another model, bf16": lambda m: (ADAMW(list(m.parameters()) + [nn.Parameter(torch.ones(3))]),
+                                                      chunkmem.Config(device="cpu", dtype="bf16")),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_prepare_leaves_the_model_as_it_was(failure: str) -> None:
+    model = zoo.by_name("resnet").build()  # parameters and BatchNorm buffers
+    batch = zoo.by_name("resnet").batches(1)[0]
+    original = copy.deepcopy(model)
+    data = {name: p.data for name, p in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    optimizer, config = FAILURES[failure](model)
+    with pytest.raises((chunkmem.MemoryBudgetError, ValueError)):
+        chunkmem.prepare(model, optimizer, config)
+    for name, param in model.named_parameters():
+        assert param.data is not data[name] and param.data.data_ptr() == data[name].data_ptr(), name
+        assert param.dtype == torch.float32 and torch.equal(param, original.get_parameter(name)), name
+    assert all(model.get_buffer(name) is buffer for name, buffer in buffers.items())
+    assert hook_count(model) == 0
+    torch.testing.assert_close(model(**batch).logits, original(**batch).logits, rtol=0, atol=0)
+    # and a second try trains as PyTorch does
+    batches = zoo.by_name("resnet").batches(3)
+    expected = train(original, ADAMW(original.parameters()), batches, zoo.loss)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    assert train(cm, opt, batches, zoo.loss) == expected
+
+
+def test_a_failed_prepare_of_a_meta_model_leaves_it_on_meta() -> None:
+    with torch.device("meta"):
+        model = mlp()
+    with pytest.raises(chunkmem.MemoryBudgetError):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=1000))
+    assert all(p.device.type == "meta" and isinstance(p, nn.Parameter) for p in model.parameters())
+    assert hook_count(model) == 0
+
+
+def test_preparing_the_original_model_again_is_refused_and_the_first_keeps_training() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    for again in (model, model[2]):  # the whole model, or a part of it
+        with pytest.raises(ValueError, match=r"(module|parameter) .* is already managed by an earlier chunkmem."
+                                             r"prepare .*copy.deepcopy"):
+            chunkmem.prepare(again, ADAMW(again.parameters()), chunkmem.Config(device="cpu"))
+    shared = nn.Linear(32, 32)
+    shared.weight = model[0].weight  # a parameter of the prepared model inside another one
+    with pytest.raises(ValueError, match="parameter weight of this model is already managed"):
+        chunkmem.prepare(shared, ADAMW(shared.parameters()), chunkmem.Config(device="cpu"))
+    assert train(cm, opt, batches, mlp_loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_load_state_dict_checks_every_shape_before_writing_any() -> None:
+    model = zoo.by_name("resnet").build()
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    before = cm.state_dict()
+    bad = {k: v + 1 for k, v in before.items()}
+    last_param = list(dict(model.named_parameters()))[-1]
+    bad[last_param] = torch.zeros(5)
+    with pytest.raises(ValueError, match=rf"value for {last_param} has shape \(5,\), expected \(3,\)"):
+        cm.load_state_dict(bad)
+    running = "resnet.embedder.embedder.normalization.running_mean"
+    bad[last_param], bad[running] = before[last_param], torch.zeros(1)  # would broadcast into the buffer
+    with pytest.raises(ValueError, match=rf"value for {running} has shape \(1,\), expected \(16,\)"):
+        cm.load_state_dict(bad)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
