@@ -7,6 +7,7 @@ single-tensor all-gather and reduce-scatter, under their current names.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -40,8 +41,16 @@ def default_group(group: object, device: str) -> object | None:
         backend = backend_for(device)
         timeout = datetime.timedelta(seconds=float(os.environ.get("CHUNKMEM_TIMEOUT", "600")))
         dist.init_process_group(backend, timeout=timeout)
+        # The group is chunkmem's to end: left to interpreter teardown, gloo is destroyed after the objects
+        # that still refer to it and aborts the process ("terminate called without an active exception").
+        atexit.register(_destroy_at_exit)
         log.info("initialised a %s process group of %d ranks from the environment", backend, dist.get_world_size())
     return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def agree(values: list[int], group: Any, device: torch.device) -> list[int]:

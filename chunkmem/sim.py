@@ -29,6 +29,7 @@ cannot model a kernel running late; that is the fence's job, and every copy here
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -366,6 +367,16 @@ def ensure_checking() -> None:
     if _active is None:
         _active = HazardChecker()
         _active.__enter__()
+        atexit.register(_stop_checking, _active)
+
+
+def _stop_checking(checker: HazardChecker) -> None:
+    """At exit the checker lets go of the buffers (and collectives) its hazards keep alive, before
+    torch.distributed and the allocators are torn down."""
+    global _active
+    checker.hazards.clear()
+    if _active is checker:
+        _active = None
 
 
 @contextlib.contextmanager

@@ -69,6 +69,8 @@ def main() -> None:
     state = pipe.state_dict()  # consolidated, with the original keys, on every rank
     if torch.distributed.get_rank() == 0:
         print(f"consolidated state dict: {len(state)} tensors", flush=True)
+    torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
