@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +309,25 @@ def test_runtime_with_the_kernel_tracks_the_runtime_without_it(dtype, make_opt, 
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-4)
     for name, update in results[False][1].items():
         assert (results[True][1][name] - update).norm() <= 1e-3 * update.norm().clamp_min(1e-12), name
+
+
+def test_a_build_says_so_before_the_wait(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """Issue 15, item 8: the first prepare with the kernel paused ~40 s without a word."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    said_first = []
+
+    def build(name: str, build_directory: str, **kwargs: object) -> str:
+        """Stands in for torch's JIT build: notes whether the line came first, leaves the built library."""
+        said_first.append("building the CPU optimizer kernel" in caplog.text)
+        (Path(build_directory) / f"{name}.so").touch()
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        native._build()
+        assert said_first == [True] and "about a minute" in caplog.text and str(tmp_path) in caplog.text
+        caplog.clear()
+        native._build()  # cached: torch only loads it, quickly, and nothing is said
+    assert said_first == [True, False] and "building" not in caplog.text
