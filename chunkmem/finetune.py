@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import chunkmem
 from chunkmem import corpus, hf, lora
-from chunkmem.config import default_device, parse_size
+from chunkmem.config import DEFAULT_DTYPE, default_device, parse_size
 from chunkmem.hf import InputError
 from chunkmem.finetune_report import Traffic, memory_text, warn_over_budget
 from chunkmem.interrupt import StopOnSignal
@@ -59,7 +59,7 @@ class FinetuneConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     device: str | None = None
     device_memory: str | None = None
     host_memory: str | None = None

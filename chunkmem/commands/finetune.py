@@ -16,6 +16,8 @@ import signal
 import sys
 from typing import Any
 
+from chunkmem.config import DEFAULT_DTYPE
+
 HELP = "fine-tune a causal LM from a local Hugging Face directory or config on a local text file"
 
 
@@ -43,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--lora-alpha", type=float, default=16.0)
     how.add_argument("--seed", type=int, default=0)
     mem = parser.add_argument_group("memory")
-    mem.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    mem.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["fp32", "bf16", "fp16"],
+                     help="compute dtype (default: %(default)s, as chunkmem plan assumes)")
     mem.add_argument("--device", help="'cuda', 'cuda:N' or 'cpu' (simulation); default: cuda if available")
     mem.add_argument("--device-memory", help="most device memory for chunks and activations, e.g. 20GiB; default: "
                      "what is free (with the bundled model: its activations and a quarter of its model data)")
