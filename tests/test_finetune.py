@@ -433,3 +433,16 @@ def test_threads_default_to_one_less_than_the_cpus_and_are_put_back(tmp_path: Pa
     finetune.run(finetune.FinetuneConfig(model=tiny_config, output=str(tmp_path / "c"), steps=1, seq_len=32,
                                          batch_size=4, eval_every=0))
     assert seen == [5, 2, before] and torch.get_num_threads() == before
+
+
+def test_by_default_a_checkpoint_is_written_every_30_minutes_of_training(
+        tmp_path: Path, tiny_config: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15, item 2: --save-every defaulted to 0, so a kill at step 190 of 400 lost everything."""
+    clock = iter(range(0, 10**6, 11 * 60))  # every reading 11 minutes after the last: a slow step
+    monkeypatch.setattr(finetune.time, "perf_counter", lambda: float(next(clock)))
+    cfg = finetune.FinetuneConfig(model=tiny_config, output=str(tmp_path), steps=8, seq_len=32, batch_size=4,
+                                  eval_every=0, keep=10)
+    assert cfg.save_every == 0 and cfg.save_minutes == 30
+    finetune.run(cfg)
+    saved = RunDir(tmp_path).saved_steps()
+    assert saved[-1] == 8 and len(saved) >= 3 and all(b - a <= 3 for a, b in zip([0, *saved], saved))

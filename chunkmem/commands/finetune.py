@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"chunkmem finetune: aborted; {saved}", file=sys.stderr)
         return 128 + signal.SIGINT
     if result.stopped_by is not None:
-        print(f"chunkmem finetune: interrupted at step {result.step} of {result.total_steps}; resume with: "
-              f"{resume_command(cfg)}", file=sys.stderr)
+        after = f"resume with: {resume_command(cfg)}" if result.step else "nothing to resume: run the command again"
+        print(f"chunkmem finetune: interrupted at step {result.step} of {result.total_steps}; {after}", file=sys.stderr)
         return 128 + result.stopped_by
     print(summary(result))
     if result.step < result.total_steps:
