@@ -6,10 +6,18 @@ the non-model data the CPU simulation can see (on CUDA the allocator's reading r
 Runtime.nonmodel_bytes). With offloading on, saved tensors of at least MIN_OFFLOAD_BYTES go to host
 memory when saved and come back when backward (or recomputation under activation checkpointing,
 whose only saved tensors are the segment boundaries) needs them.
+
+[Note: no Python code when a saved tensor dies]
+Autograd drops saved tensors wherever the garbage collector runs, and a signal handler runs at
+the next Python instruction: had the release been a Python callback (weakref.finalize), a Ctrl-C
+landing in it would be printed as "Exception ignored" and training would go on. So a dying `Saved`
+only appends its weak reference to a deque (a C call, no bytecode, so no signal handler runs in
+it), and the books are settled the next time the meter is read or wraps a tensor.
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 
@@ -37,12 +45,21 @@ class Saved:
 
 class ActivationMeter:
     def __init__(self, offload: bool = False, host_alloc: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self.live = 0  # bytes of distinct device storages held by saved tensors
+        self._live = 0  # bytes of distinct device storages held by saved tensors
         self.peak = 0
         self.offload = offload
         self.offload_bytes = 0  # both ways
         self._host_alloc = host_alloc or (lambda t: torch.empty_like(t, device="cpu"))
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
+        # id(weakref to a Saved) -> (that weakref, kept alive so its callback fires; the data_ptr it holds)
+        self._holders: dict[int, tuple[weakref.ref[Saved], int]] = {}
+        self._dead: collections.deque[weakref.ref[Saved]] = collections.deque()  # see the Note above
+
+    @property
+    def live(self) -> int:
+        """Bytes of distinct device storages held by saved tensors now."""
+        self._settle()
+        return self._live
 
     def wrap(self, tensor: torch.Tensor) -> Saved:
         if self.offload and tensor.nbytes >= MIN_OFFLOAD_BYTES and tensor.is_contiguous():
@@ -55,19 +72,24 @@ class ActivationMeter:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return saved
+        self._settle()  # a storage freed since may have been reused at this address
         key = storage.data_ptr()
         entry = self._storages.get(key)
         if entry is None:
             entry = self._storages[key] = [storage.nbytes(), 0]
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
+            self._live += entry[0]
+            self.peak = max(self.peak, self._live)
         entry[1] += 1
-        weakref.finalize(saved, self._release, key)
+        ref = weakref.ref(saved, self._dead.append)
+        self._holders[id(ref)] = (ref, key)
         return saved
 
-    def _release(self, key: int) -> None:
-        entry = self._storages[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self._storages[key]
+    def _settle(self) -> None:
+        """Release the storages of saved tensors that died since the last call."""
+        while self._dead:
+            _, key = self._holders.pop(id(self._dead.popleft()))
+            entry = self._storages[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._live -= entry[0]
+                del self._storages[key]

@@ -10,6 +10,8 @@ import torch
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# One default for Config, `chunkmem finetune` and `chunkmem plan`: a plan must describe the run it plans.
+DEFAULT_DTYPE = "fp32"
 
 
 def parse_size(field: str, value: int | str | None) -> int | None:
@@ -55,7 +57,7 @@ class Config:
     device: str = dataclasses.field(default_factory=default_device)
     device_memory: int | str | None = None
     host_memory: int | str | None = None
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     chunk_size: int | None = None
     offload_activations: bool = False
     native_optimizer: bool | None = None

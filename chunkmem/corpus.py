@@ -88,6 +88,47 @@ def tokenize(documents: list[str], tokenizer: Any, vocab_size: int) -> torch.Ten
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _byte_alphabet() -> dict[int, str]:
+    """Byte -> the printable character GPT-2's byte-level tokenizers write it as (bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(BYTE_VOCAB) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(BYTE_VOCAB + i) for i, b in enumerate(others)}
+    return dict(sorted(chars.items()))
+
+
+def byte_tokenizer(config: Any) -> Any:
+    """A Hugging Face tokenizer whose ids are UTF-8 bytes, as `tokenize` reads text without a tokenizer.
+
+    Written with a model trained on bytes, so that `AutoTokenizer.from_pretrained` and `generate`
+    work on its directory. Built offline with the `tokenizers` library: a BPE model without merges
+    over GPT-2's byte alphabet is exactly one token per byte. The model's end-of-text id becomes the
+    eos (and bos) token when it is a byte (the bundled config's is 10, the newline `tokenize`
+    separates documents with).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = _byte_alphabet()
+    tokenizer = Tokenizer(models.BPE(vocab={char: byte for byte, char in alphabet.items()}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = {}
+    for role in ("eos", "bos"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and 0 <= token_id < BYTE_VOCAB:
+            special[f"{role}_token"] = alphabet[token_id]
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, model_max_length=_max_length(config), **special)
+
+
+def _max_length(config: Any) -> int:
+    for field in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2**30
+
+
 def blocks(ids: torch.Tensor, seq_len: int, held_out_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut a stream into [n, seq_len] blocks; the last `held_out_fraction` of them (at least one) are held out."""
     count = len(ids) // seq_len

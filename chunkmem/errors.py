@@ -10,3 +10,11 @@ class MemoryBudgetError(RuntimeError):
 
 class ChunkStateError(RuntimeError):
     """A chunk or tensor was asked to make a move its current state forbids (a bug, not a user error)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model and optimizer; the message names the file and key."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are unreadable, incomplete or fail their checksums (a crash, a bad disk)."""

@@ -3,7 +3,12 @@
 A run is deterministic given its settings and the step it starts from: the data order is a
 function of (seed, epoch), the learning rate a function of the step, and the random state is
 reseeded from (seed, step) before every step. So a run resumed from a checkpoint continues to the
-same weights as one that never stopped (bit for bit in fp32), and a checkpoint needs no RNG state.
+same weights as one that never stopped (bit for bit in fp32, with the same number of CPU threads:
+matrix products sum in another order on another count), and a checkpoint needs no RNG state.
+
+Work is lost to nothing but a hard kill: SIGINT/SIGTERM save a checkpoint after the step in
+progress (chunkmem/interrupt.py), and by default a checkpoint is also written every
+`save_minutes` of training, so a crash or SIGKILL costs at most that much.
 """
 
 from __future__ import annotations
@@ -15,22 +20,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from tqdm import tqdm
 
 import chunkmem
 from chunkmem import corpus, hf, lora
-from chunkmem.config import default_device, parse_size
+from chunkmem.config import DEFAULT_DTYPE, default_device, parse_size
 from chunkmem.hf import InputError
+from chunkmem.finetune_report import Traffic, memory_text, warn_over_budget
+from chunkmem.interrupt import StopOnSignal
 from chunkmem.optim import ChunkOptimizer
 from chunkmem.rundir import RunDir
+from chunkmem.threads import cpu_threads, torch_threads
 from chunkmem.wrapper import ChunkedModel
 
 log = logging.getLogger("chunkmem")
 
 DEFAULT_CONFIG = Path(__file__).parent / "data" / "tiny_gpt2.json"
 SCHEDULES = ("constant", "linear", "cosine")
+# The bundled default's chunks get this share of its model data on the device (beside what
+# activations need), so that the first command a user runs shows chunks streaming every step.
+DEFAULT_CHUNK_SHARE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +59,7 @@ class FinetuneConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     device: str | None = None
     device_memory: str | None = None
     host_memory: str | None = None
@@ -59,9 +69,12 @@ class FinetuneConfig:
     eval_every: int = 50
     eval_batches: int = 8
     held_out: float = 0.1
-    save_every: int = 0  # 0: a checkpoint only at the end
+    save_every: int = 0  # steps; 0: none by count
+    save_minutes: float = 30.0  # a checkpoint once this much training time has passed since the last; 0: off
     keep: int = 2
-    resume: bool = False
+    resume: bool = False  # continue from the newest checkpoint; an error when there is none
+    resume_or_start: bool = False  # continue if there is a checkpoint, else start (time-sliced jobs)
+    threads: int | None = None  # CPU threads for torch and the native kernel; None: see cpu_threads
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float = 16.0
     seed: int = 0
@@ -77,6 +90,13 @@ class FinetuneConfig:
         for name in ("eval_every", "save_every", "warmup_steps", "lora_rank"):
             if getattr(self, name) < 0:
                 raise InputError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected 0 or more")
+        if self.save_minutes < 0:
+            raise InputError(f"--save-minutes {self.save_minutes}: expected 0 (off) or more minutes")
+        if self.threads is not None and self.threads <= 0:
+            raise InputError(f"--threads {self.threads}: expected a positive number of CPU threads")
+        if self.resume and self.resume_or_start:
+            raise InputError("--resume and --resume-or-start together: pass one (--resume fails when there "
+                             "is no checkpoint, --resume-or-start then starts)")
         if self.lr <= 0 or (self.epochs is not None and self.epochs <= 0):
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
         if self.schedule not in SCHEDULES:
@@ -108,6 +128,10 @@ class Result:
     seconds: float
     tokens: int
     output: Path
+    traffic: Traffic = dataclasses.field(default_factory=Traffic)
+    streaming_default: bool = False  # the bundled default's budget: chunks get a share of the model data
+    stopped_by: int | None = None  # the signal that stopped the run early
+    saved_step: int | None = None  # the step of the newest checkpoint this invocation wrote
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -140,7 +164,10 @@ def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, Ch
         {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)
     try:
         device = cfg.device if cfg.device is not None else default_device()
-        config = chunkmem.Config(device=device, device_memory=cfg.device_memory, host_memory=cfg.host_memory,
+        memory: int | str | None = cfg.device_memory
+        if memory is None and cfg.model is None:
+            memory = streaming_budget(cfg, source.config, device)
+        config = chunkmem.Config(device=device, device_memory=memory, host_memory=cfg.host_memory,
                                  dtype=cfg.dtype, chunk_size=cfg.chunk_size)
     except ValueError as error:
         raise InputError(str(error).replace("Config.", "--").replace("_", "-")) from None
@@ -148,6 +175,20 @@ def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, Ch
     if source.weight_files:
         hf.load_weights(model, source.weight_files, renames, required=empty)
     return model, chunk_optimizer, renames
+
+
+def streaming_budget(cfg: FinetuneConfig, config: Any, device: str) -> int:
+    """The bundled default's device budget: what its activations need (chunkmem plan's estimate) and
+    DEFAULT_CHUNK_SHARE of its model data for chunks, so chunks stream every step."""
+    from chunkmem.placement import SAFETY_FRACTION
+    from chunkmem.trace.planner import CUDA_CONTEXT, Request, plan, spec_from_config
+
+    cuda = device != "cpu"
+    request = Request(2**50, 2**50, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.grad_ckpt,
+                      attention="fused" if cuda else "math", cuda=cuda)
+    estimate = plan(spec_from_config(config, "default"), request)
+    need = estimate.activation_bytes + (CUDA_CONTEXT if cuda else 0) + estimate.model_data_bytes * DEFAULT_CHUNK_SHARE
+    return int(need / (1 - SAFETY_FRACTION))
 
 
 def _source(cfg: FinetuneConfig) -> tuple[hf.ModelSource, Path]:
@@ -220,51 +261,75 @@ def train_step(model: ChunkedModel, optimizer: ChunkOptimizer, batches: Batches,
 
 def run(cfg: FinetuneConfig) -> Result:
     """Train as `cfg` says, write the Hugging Face directory and a final checkpoint to cfg.output."""
+    with torch_threads(cpu_threads(cfg.threads)):
+        return _run(cfg)
+
+
+def _run(cfg: FinetuneConfig) -> Result:
     source, data_path = _source(cfg)
     data = corpus.load(data_path, source.directory if source.has_tokenizer else None,
                        source.config.vocab_size, cfg.seq_len, cfg.held_out, cfg.text_field)
     batches = Batches(data.train, cfg.batch_size, cfg.seed)
     total = total_steps(cfg, len(data.train))
     out = RunDir(cfg.output)
-    out.start(cfg.invariants(), cfg.resume)
+    resuming = cfg.resume or cfg.resume_or_start
+    out.start(cfg.invariants(), resuming, required=cfg.resume)
     model, optimizer, _ = build(cfg, source)
-    first = out.resume(model, optimizer) if cfg.resume else 0
+    first = out.resume(model, optimizer) if resuming else 0
     last = total if cfg.stop_after is None else min(total, first + cfg.stop_after)
-    result = Result(model, optimizer, first, total, [], [], 0.0, 0, out.path)
-    _loop(cfg, result, batches, data.held_out, out, last)
-    if result.step == total:
-        if len(data.held_out) and (not result.evals or result.evals[-1][0] != total):
-            _evaluate(cfg, result, data.held_out, out)
-        save_outputs(cfg, result, source)
+    result = Result(model, optimizer, first, total, [], [], 0.0, 0, out.path,
+                    streaming_default=cfg.model is None and cfg.device_memory is None)
+    model.runtime.observers.append(result.traffic)
+    with StopOnSignal() as stop:
+        _loop(cfg, result, batches, data.held_out, out, last, stop)
+    result.stopped_by = stop.signal if result.step < total else None
+    if result.step < total:
+        if result.saved_step != result.step and result.step > first:  # resumable from where it stopped
+            _save(cfg, result, out)
+        return result
+    if len(data.held_out) and (not result.evals or result.evals[-1][0] != total):
+        _evaluate(cfg, result, data.held_out, out)
+    save_outputs(cfg, result, source)
     return result
 
 
 def _loop(cfg: FinetuneConfig, result: Result, batches: Batches, held_out: torch.Tensor, out: RunDir,
-          last: int) -> None:
+          last: int, stop: StopOnSignal) -> None:
     model, optimizer = result.model, result.optimizer
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     bar = tqdm(total=result.total_steps, initial=result.step, desc="fine-tuning", unit="step",
                disable=hf._quiet(), dynamic_ncols=True)
-    start = time.perf_counter()
+    start = last_save = time.perf_counter()
     model.train()
-    while result.step < last:
+    while result.step < last and stop.signal is None:
         loss = train_step(model, optimizer, batches, result.step, cfg, result.total_steps)
         result.step += 1
+        result.traffic.step_done()
         result.losses.append(loss)
         result.tokens += tokens_per_step
         result.seconds = time.perf_counter() - start
         rate = result.tokens / max(result.seconds, 1e-9)
         out.log_metrics({"step": result.step, "loss": loss, "lr": optimizer.param_groups[0]["lr"],
                          "tokens_per_s": rate})
+        if len(result.losses) == 1:
+            warn_over_budget(model)
         if len(held_out) and cfg.eval_every and result.step % cfg.eval_every == 0:
             _evaluate(cfg, result, held_out, out)
-        if cfg.save_every and result.step % cfg.save_every == 0 and result.step < result.total_steps:
-            with chunkmem.annotate("checkpoint"):
-                out.save(model, optimizer, result.step, cfg.keep)
+        due = (cfg.save_every and result.step % cfg.save_every == 0) or \
+            (cfg.save_minutes and time.perf_counter() - last_save >= 60 * cfg.save_minutes)
+        if due and result.step < result.total_steps:
+            _save(cfg, result, out)
+            last_save = time.perf_counter()
         bar.set_postfix_str(f"loss {loss:.3f}, {rate:,.0f} tok/s, {memory_text(model)}", refresh=False)
         bar.update()
     bar.close()
     result.seconds = time.perf_counter() - start
+
+
+def _save(cfg: FinetuneConfig, result: Result, out: RunDir) -> None:
+    with chunkmem.annotate("checkpoint"):
+        out.save(result.model, result.optimizer, result.step, cfg.keep)
+    result.saved_step = result.step
 
 
 def _evaluate(cfg: FinetuneConfig, result: Result, held_out: torch.Tensor, out: RunDir) -> None:
@@ -276,44 +341,11 @@ def _evaluate(cfg: FinetuneConfig, result: Result, held_out: torch.Tensor, out: 
 
 
 def save_outputs(cfg: FinetuneConfig, result: Result, source: hf.ModelSource) -> None:
-    """At the end: the final checkpoint and the Hugging Face directory (adapters folded in)."""
-    out = RunDir(cfg.output)
-    with chunkmem.annotate("checkpoint"):
-        out.save(result.model, result.optimizer, result.step, cfg.keep)
+    """At the end: the final checkpoint and the Hugging Face directory (adapters folded in), with the
+    model's tokenizer, or the byte-level one its data was read with."""
+    _save(cfg, result, RunDir(cfg.output))
     transform = lora.merged(result.model.module) if cfg.lora_rank else None
     shard_bytes = parse_size("max_shard_size", cfg.max_shard_size) or 2 * 2**30
+    tokenizer = source.directory if source.has_tokenizer else corpus.byte_tokenizer(source.config)
     with chunkmem.annotate("save_pretrained"):
-        hf.save_pretrained(result.model, out.path, cfg.dtype, source.directory if source.has_tokenizer else None,
-                           shard_bytes, transform)
-
-
-def memory_text(model: ChunkedModel) -> str:
-    """Device chunk bytes at their peak against the budget, and this process's host memory."""
-    stats = model.memory_stats()
-    host = psutil.Process().memory_info().rss
-    return (f"dev {_size(stats['device_chunk_bytes_peak'])}/{_size(stats['device_limit_bytes'])}, "
-            f"host {_size(host)}")
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f}{unit}"
-    return f"{nbytes}B"
-
-
-def summary(cfg: FinetuneConfig, result: Result) -> str:
-    """A few lines for the end of a run."""
-    stats = result.model.memory_stats()
-    lines = [f"trained steps {result.step - len(result.losses) + 1}-{result.step} of {result.total_steps} "
-             f"in {result.seconds:.1f}s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"]
-    if result.losses:
-        lines.append(f"training loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
-    if result.evals:
-        step, loss = result.evals[-1]
-        lines.append(f"held-out loss {loss:.3f}, perplexity {math.exp(min(loss, 50.0)):.2f} (step {step})")
-    lines.append(f"memory: {memory_text(result.model)}; moved h2d {_size(stats['h2d_bytes'])}, "
-                 f"d2h {_size(stats['d2h_bytes'])}; model data {_size(stats['model_data_bytes'])}")
-    where = "Hugging Face directory" if result.step == result.total_steps else "checkpoints (resume with --resume)"
-    lines.append(f"output: {result.output} ({where})")
-    return "\n".join(lines)
+        hf.save_pretrained(result.model, result.output, cfg.dtype, tokenizer, shard_bytes, transform)

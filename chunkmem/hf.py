@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from chunkmem.files import fsync_dir, fsync_file, share_like_others
 from chunkmem.wrapper import ChunkedModel
 
 if TYPE_CHECKING:
@@ -218,12 +219,13 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def save_pretrained(model: ChunkedModel, out: str | os.PathLike, dtype: str = "fp32",
-                    tokenizer_dir: Path | None = None, max_shard_bytes: int = 2 * 2**30,
+                    tokenizer: Path | Any = None, max_shard_bytes: int = 2 * 2**30,
                     transform: Callable[[list[Entry]], list[Entry]] | None = None) -> Path:
     """Write a Hugging Face directory (config, sharded safetensors with an index, tokenizer files).
 
-    Tensors are read one at a time and a shard is held only while it is written. Files go to
-    `out/.saving` first and are renamed into place, the index last.
+    tokenizer: a directory whose tokenizer files are copied, or a tokenizer (anything with
+    `save_pretrained`) to write, or None. Tensors are read one at a time and a shard is held only
+    while it is written. Files go to `out/.saving` first and are renamed into place, the index last.
     """
     out = Path(out)
     todo = transform(entries(model)) if transform else entries(model)
@@ -244,11 +246,15 @@ def save_pretrained(model: ChunkedModel, out: str | os.PathLike, dtype: str = "f
             weight_map[entry.name] = file
             bar.update()
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        share_like_others(tmp / file)
         del tensors
     bar.close()
     _write_config(model, tmp, dtype)
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    _copy_tokenizer(tokenizer_dir, tmp)
+    if isinstance(tokenizer, Path):
+        _copy_tokenizer(tokenizer, tmp)
+    elif tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
     _swap_in(tmp, out)
     return out
 
@@ -277,8 +283,8 @@ def _write_config(model: ChunkedModel, folder: Path, dtype: str) -> None:
         generation.save_pretrained(str(folder))
 
 
-def _copy_tokenizer(tokenizer_dir: Path | None, folder: Path) -> None:
-    if tokenizer_dir is None or tokenizer_dir.resolve() == folder.parent.resolve():
+def _copy_tokenizer(tokenizer_dir: Path, folder: Path) -> None:
+    if tokenizer_dir.resolve() == folder.parent.resolve():
         return
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -293,7 +299,9 @@ def _swap_in(tmp: Path, out: Path) -> None:
             old.unlink()
     names = sorted(p.name for p in tmp.iterdir())
     for name in [n for n in names if n != INDEX] + [INDEX]:
+        fsync_file(tmp / name)
         os.replace(tmp / name, out / name)
+    fsync_dir(out)
     tmp.rmdir()
 
 

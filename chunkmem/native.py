@@ -59,6 +59,14 @@ def _build_directory(name: str = "cpu_optim") -> Path:
     return root / tag / name
 
 
+def _announce_build(part: str, source: Path, build_dir: Path, name: str) -> None:
+    """One line before a build that makes the caller wait a minute; none when a current build is cached."""
+    built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
+    if not built or max(built) < source.stat().st_mtime:
+        _log.warning("chunkmem: building the %s from %s (about a minute, once: cached in %s)", part, source.name,
+                     build_dir)
+
+
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load as load_extension
 
@@ -66,6 +74,7 @@ def _build() -> ModuleType:
         raise FileNotFoundError(f"{SOURCE} is missing (chunkmem installed without its csrc/ folder)")
     build_dir = _build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
+    _announce_build(CPU_KERNEL, SOURCE, build_dir, "chunkmem_cpu_optim")
     return load_extension(name="chunkmem_cpu_optim", sources=[str(SOURCE)], extra_cflags=CFLAGS,
                           extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
 
@@ -141,6 +150,7 @@ def load_copy_engine() -> ModuleType | None:
         try:
             build_dir = _build_directory("copy_engine")
             build_dir.mkdir(parents=True, exist_ok=True)
+            _announce_build(COPY_ENGINE, COPY_ENGINE_SOURCE, build_dir, "chunkmem_copy_engine")
             return load_extension(name="chunkmem_copy_engine", sources=[str(COPY_ENGINE_SOURCE)],
                                   extra_cuda_cflags=["-O2"], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # as in load(): compiler, header and linker failures take many forms

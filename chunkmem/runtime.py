@@ -76,6 +76,7 @@ class Runtime:
         self.observers: list[Observer] = []
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
+        self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
         self.warmup = True
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
@@ -208,6 +209,8 @@ class Runtime:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
         the non-model data measured now (placement.Placer.moment)."""
         self.placer.moment()
+        self.device_bytes_peak = max(self.device_bytes_peak,
+                                     self.residency.stats.device_chunk_bytes + self.nonmodel_bytes())
         if self.observers:
             moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
             for observer in self.observers:
@@ -351,7 +354,8 @@ class Runtime:
             stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes,
                          gathered_bytes_peak=self.shards.gathered_peak, transient_bytes_peak=self.shards.live_peak,
                          transient_reserved_bytes=self.shards.reserved)
-        stats.update(device_limit_bytes=self.limit, model_data_bytes=self.store.model_data_bytes(),
+        stats.update(device_limit_bytes=self.limit, device_bytes_peak=self.device_bytes_peak,
+                     model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats
 

@@ -11,6 +11,7 @@ import torch
 
 import chunkmem
 import chunkmem.checkpoint as ckpt
+from chunkmem.errors import CheckpointDamaged, CheckpointError
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
 
 CASES = {
@@ -96,3 +97,193 @@ def test_missing_checkpoint_and_wrong_objects_are_clear_errors(tmp_path):
     other, sgd = make(mlp(), functools.partial(torch.optim.SGD, lr=0.1), "fp32")
     with pytest.raises(ValueError, match="checkpoint holds AdamW state but the optimizer is SGD"):
         chunkmem.load_checkpoint(tmp_path / "c", other, sgd)
+
+
+# -- a failed load changes nothing; damage is found and named (issue 12, items 4 and 5) -------------------
+
+def _trained(steps: int = 2):
+    model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
+    train(model, opt, mlp_batches(steps), mlp_loss)
+    return model, opt
+
+
+def _snapshot(model, opt) -> dict:
+    """Everything a load could change: values, every optimizer state, step counts, group settings."""
+    runtime = model.runtime
+    states = {f"{kind}/{r.name}": v for kind in opt.rule.states for r, v in runtime.values(kind).items()}
+    return {"model": model.state_dict(), "states": states,
+            "steps": {r.name: float(s) for r, s in opt.steps.items()},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    for part in ("model", "states"):
+        assert before[part].keys() == after[part].keys()
+        for key in before[part]:
+            assert torch.equal(before[part][key], after[part][key]), (part, key)
+    assert before["steps"] == after["steps"] and before["groups"] == after["groups"]
+
+
+def _rewrite(path, tensors=None, meta=None, checksums=True) -> None:
+    """Replace a checkpoint's files, with checksums that match (so only the change under test is wrong)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / ckpt.TENSORS) if tensors is None else tensors
+    meta = json.loads((path / ckpt.META).read_text()) if meta is None else meta
+    if checksums:
+        meta["checksums"] = {k: ckpt.checksum(v) for k, v in tensors.items()}
+    save_file(tensors, path / ckpt.TENSORS)
+    (path / ckpt.META).write_text(json.dumps(meta))
+
+
+def _saved(tmp_path, model, opt):
+    from safetensors.torch import load_file
+
+    path = chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    return path, load_file(path / ckpt.TENSORS), json.loads((path / ckpt.META).read_text())
+
+
+def _drop(mapping: dict, key: str) -> dict:
+    return {k: v for k, v in mapping.items() if k != key}
+
+
+def _damage(kind: str, tensors: dict, meta: dict) -> tuple[dict, dict, str]:
+    """One way a checkpoint can be wrong, applied to a good one; the text its error must name."""
+    last = "model/12.weight"  # the last layer: a load that writes as it checks has overwritten the rest
+    if kind == "no steps":
+        return tensors, _drop(meta, "steps"), "'steps'"
+    if kind == "no param_groups":
+        return tensors, _drop(meta, "param_groups"), "'param_groups'"
+    if kind == "step missing for one parameter":
+        return tensors, meta | {"steps": _drop(meta["steps"], "12.bias")}, "steps['12.bias']"
+    if kind == "late shape":
+        return tensors | {last: torch.zeros(4, 31)}, meta, "model/12.weight has shape (4, 31)"
+    if kind == "lr, then a bad shape":
+        groups = [g | {"lr": 0.5} for g in meta["param_groups"]]
+        return tensors | {last: torch.zeros(3, 32)}, meta | {"param_groups": groups}, "model/12.weight"
+    if kind == "exp_avg of a bias's shape":
+        return tensors | {"optim/exp_avg/0.weight": torch.zeros(32)}, meta, "'optim/exp_avg/0.weight' has shape (32,)"
+    if kind == "missing exp_avg_sq":
+        return _drop(tensors, "optim/exp_avg_sq/4.weight"), meta, "no 'optim/exp_avg_sq/4.weight'"
+    if kind == "missing buffer-free model key":
+        return _drop(tensors, "model/2.bias"), meta, "no value for model/2.bias"
+    if kind == "unknown model key":
+        return tensors | {"model/99.weight": torch.zeros(2)}, meta, "model/99.weight"
+    if kind == "another group layout":
+        groups = [meta["param_groups"][0], meta["param_groups"][0]]
+        return tensors, meta | {"param_groups": groups}, "param_groups holds 2 groups"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["no steps", "no param_groups", "step missing for one parameter", "late shape",
+                                  "lr, then a bad shape", "exp_avg of a bias's shape", "missing exp_avg_sq",
+                                  "missing buffer-free model key", "unknown model key", "another group layout"])
+def test_a_load_that_fails_changes_nothing_and_names_file_and_key(tmp_path, kind):
+    model, opt = _trained()
+    path, tensors, meta = _saved(tmp_path, model, opt)
+    train(model, opt, mlp_batches(2, seed=7), mlp_loss)  # the target now differs from the checkpoint
+    before = _snapshot(model, opt)
+    tensors, meta, names = _damage(kind, tensors, meta)
+    _rewrite(path, tensors, meta)
+    with pytest.raises(CheckpointError) as caught:
+        chunkmem.load_checkpoint(path, model, opt)
+    assert str(path) in str(caught.value) and names in str(caught.value), str(caught.value)
+    _assert_same(before, _snapshot(model, opt))
+    assert train(model, opt, mlp_batches(1, seed=8), mlp_loss)  # and it still trains
+
+
+def test_flipped_bytes_in_a_weight_fail_the_checksum(tmp_path):
+    model, opt = _trained()
+    path = chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    before = _snapshot(model, opt)
+    from safetensors import safe_open
+
+    with safe_open(str(path / ckpt.TENSORS), "pt") as handle:
+        value = handle.get_tensor("model/6.weight")
+    data = bytearray((path / ckpt.TENSORS).read_bytes())
+    at = bytes(data).find(value.contiguous().view(torch.uint8).numpy().tobytes())
+    assert at > 0
+    data[at + 17] ^= 0x40  # one bit of one weight: still a valid safetensors file
+    (path / ckpt.TENSORS).write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamaged, match=r"tensor 'model/6.weight' has checksum .* recorded"):
+        chunkmem.load_checkpoint(path, model, opt)
+    with pytest.raises(CheckpointDamaged, match="model/6.weight"):
+        ckpt.verify_checkpoint(path)
+    _assert_same(before, _snapshot(model, opt))
+
+
+@pytest.mark.parametrize("cut", ["truncated", "garbage", "empty meta"])
+def test_unreadable_files_are_named_not_a_raw_safetensors_error(tmp_path, cut):
+    model, opt = _trained()
+    path = chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    data = (path / ckpt.TENSORS).read_bytes()
+    if cut == "truncated":
+        (path / ckpt.TENSORS).write_bytes(data[:len(data) // 2])
+    elif cut == "garbage":
+        (path / ckpt.TENSORS).write_bytes(b"\x07" * 64)
+    else:
+        (path / ckpt.META).write_text("")
+    file = path / (ckpt.META if cut == "empty meta" else ckpt.TENSORS)
+    for load in (lambda: chunkmem.load_checkpoint(path, model, opt), lambda: ckpt.verify_checkpoint(path)):
+        with pytest.raises(CheckpointDamaged) as caught:
+            load()
+        assert str(file) in str(caught.value) and "earlier" in str(caught.value)
+
+
+def test_checkpoints_before_checksums_still_load(tmp_path, caplog):
+    """Format 1 (no checksums) loads with a warning, so runs saved before the upgrade resume."""
+    model, opt = _trained()
+    path, tensors, meta = _saved(tmp_path, model, opt)
+    expected = _snapshot(model, opt)
+    _rewrite(path, tensors, _drop(meta, "checksums") | {"format": ckpt.UNVERIFIED_FORMAT}, checksums=False)
+    other, other_opt = make(mlp(seed=3), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        chunkmem.load_checkpoint(path, other, other_opt)
+    assert "cannot be verified" in caplog.text
+    _assert_same(expected, _snapshot(other, other_opt))
+    _rewrite(path, tensors, _drop(meta, "checksums") | {"format": "chunkmem-checkpoint/9"}, checksums=False)
+    with pytest.raises(CheckpointError, match="has format 'chunkmem-checkpoint/9'"):
+        chunkmem.load_checkpoint(path, other, other_opt)
+
+
+def test_save_fsyncs_the_directory_after_the_renames_and_verifies_first(tmp_path, monkeypatch):
+    model, opt = _trained()
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    events = []
+    monkeypatch.setattr(ckpt, "fsync_dir", lambda p: events.append(("fsync", p, sorted(x.name for x in p.iterdir()))))
+    verify = ckpt.verify_checkpoint
+    monkeypatch.setattr(ckpt, "verify_checkpoint", lambda p: events.append(("verify", p)) or verify(p))
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    parent = [e for e in events if e[0] == "fsync" and e[1] == tmp_path]
+    assert parent and "c" in parent[-1][2] and "c.tmp" not in parent[-1][2]  # after the new one is in place
+    assert events.index(("verify", tmp_path / "c.tmp")) < events.index(parent[0])  # verified before the swap
+
+
+def test_a_save_that_does_not_read_back_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = _trained()
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    before = _snapshot(model, opt)
+    train(model, opt, mlp_batches(1, seed=5), mlp_loss)
+
+    def bad_disk(path):
+        raise CheckpointDamaged(f"{path}: read back wrong")
+
+    monkeypatch.setattr(ckpt, "verify_checkpoint", bad_disk)
+    with pytest.raises(CheckpointDamaged, match="c.tmp: read back wrong"):
+        chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    monkeypatch.undo()
+    chunkmem.load_checkpoint(tmp_path / "c", model, opt)
+    _assert_same(before, _snapshot(model, opt))
+
+
+def test_tensor_file_has_the_mode_of_the_other_files(tmp_path):
+    """Issue 15, item 6: safetensors writes 0600 whatever the umask."""
+    import os
+
+    model, opt = _trained(1)
+    old = os.umask(0o002)
+    try:
+        path = chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    finally:
+        os.umask(old)
+    assert (path / ckpt.TENSORS).stat().st_mode & 0o777 == 0o664 == (path / ckpt.META).stat().st_mode & 0o777

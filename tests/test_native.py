@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,3 +334,25 @@ def test_native_sgd_steps_param_groups_with_and_without_momentum():
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
     for name, value in results[False][1].items():
         assert torch.allclose(results[True][1][name], value, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_build_says_so_before_the_wait(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """Issue 15, item 8: the first prepare with the kernel paused ~40 s without a word."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    said_first = []
+
+    def build(name: str, build_directory: str, **kwargs: object) -> str:
+        """Stands in for torch's JIT build: notes whether the line came first, leaves the built library."""
+        said_first.append("building the CPU optimizer kernel" in caplog.text)
+        (Path(build_directory) / f"{name}.so").touch()
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        native._build()
+        assert said_first == [True] and "about a minute" in caplog.text and str(tmp_path) in caplog.text
+        caplog.clear()
+        native._build()  # cached: torch only loads it, quickly, and nothing is said
+    assert said_first == [True, False] and "building" not in caplog.text

@@ -141,3 +141,41 @@ def test_plan_simulate(capsys) -> None:
     result = json.loads(capsys.readouterr().out)
     assert abs(result["simulated"]["estimate_error"]) < 0.25
     assert result["simulated"]["model_data_bytes"] == result["model_data_bytes"]
+
+
+def test_plan_and_finetune_assume_one_dtype() -> None:
+    """Issue 15, item 9: plan defaulted to bf16 while finetune trained in fp32."""
+    import argparse
+
+    from chunkmem.commands import finetune as finetune_command
+    from chunkmem.commands import plan as plan_command
+    from chunkmem.finetune import FinetuneConfig
+
+    defaults = set()
+    for command in (plan_command, finetune_command):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        defaults.add(parser.parse_args([]).dtype)
+    defaults |= {FinetuneConfig().dtype, chunkmem.Config(device="cpu").dtype, Request(1, 1).dtype}
+    assert defaults == {"fp32"}
+
+
+def test_host_memory_is_per_machine_when_ranks_share_one(capsys) -> None:
+    """Issue 15, item 9: "shard over 2 GPUs: host 53.88 GiB" was a rank's need on a host that holds both."""
+    spec = spec_from_config(gpt2_config(48, 1600, 50257, 1024), "gpt2")
+    tight_host = Request(80 * 2**30, 40 * 2**30, batch_size=1, seq_len=128, dtype="bf16", checkpointing=True)
+    base = plan(spec, tight_host)
+    assert base.binding == "host memory" and base.host_need_per_host == base.host_need
+    two = plan(spec, dataclasses.replace(tight_host, world_size=2))  # two ranks on this machine
+    assert two.host_need < base.host_need < two.host_need_per_host == 2 * two.host_need
+    assert not [label for label, _ in fixes(spec, tight_host) if label.startswith("shard")]  # it does not help
+    two_hosts = dataclasses.replace(tight_host, ranks_per_host=1)
+    sharded = [(label, e) for label, e in fixes(spec, two_hosts) if label.startswith("shard")]
+    assert sharded and sharded[0][1].host_need_per_host == sharded[0][1].host_need < base.host_need
+    args = ["plan", "--layers", "48", "--hidden", "1600", "--device-memory", "80GiB", "--host-memory", "64GiB",
+            "--batch-size", "1", "--seq-len", "128", "--dtype", "bf16", "--grad-ckpt", "--world-size", "2"]
+    assert main(args) == 0
+    assert "per rank" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["host_need_per_host"] == 2 * result["host_need"] and result["request"]["hosted_ranks"] == 2

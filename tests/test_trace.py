@@ -186,3 +186,48 @@ def test_trace_command_under_torchrun_writes_one_file_per_rank_and_the_report_sh
                             timeout=120)
     assert report.returncode == 0, report.stderr
     assert [r["rank"] for r in build(trace)["ranks"]] == [0, 1]
+
+
+def run_trace(out: Path, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "chunkmem.cli", "trace", "--output", str(out), "--", *command],
+                          capture_output=True, text=True, timeout=180)
+
+
+TRAIN = ("import sys, torch\nm = torch.nn.Linear(4, 2)\no = torch.optim.Adam(m.parameters())\n"
+         "for _ in range(2):\n    m(torch.randn(3, 4)).sum().backward(); o.step()\n")
+
+
+def test_a_failing_command_in_a_reused_directory_says_what_happened(tmp_path: Path) -> None:
+    """Issue 15, item 7: it used to say "written to chunkmem-trace" (the old files) and keep a stale plan.json."""
+    out = tmp_path / "trace"
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    assert run_trace(out, sys.executable, str(script)).returncode == 0
+    (out / "plan.json").write_text('{"model_data_bytes": 1}')  # the plan of that run
+    failing = tmp_path / "fails.py"
+    failing.write_text("import sys\nsys.exit(3)\n")
+    done = run_trace(out, sys.executable, str(failing))
+    assert done.returncode == 3
+    assert "recorded nothing" in done.stderr and "removed an earlier trace" in done.stderr
+    assert "wrote" not in done.stdout and "written" not in done.stdout
+    assert not list(out.iterdir())  # neither the old trace nor its plan is left to be mistaken for this run
+
+
+def test_a_command_that_fails_after_training_keeps_its_trace_and_its_status(tmp_path: Path) -> None:
+    out = tmp_path / "trace"
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN + "sys.exit(5)\n")
+    done = run_trace(out, sys.executable, str(script))
+    assert done.returncode == 5
+    assert "the command failed (exit status 5)" in done.stderr and "trace.rank0.jsonl" in done.stderr
+    assert read_trace(out).ranks[0].moments
+
+
+def test_a_directory_with_other_files_is_refused_untouched(tmp_path: Path) -> None:
+    out = tmp_path / "work"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "meta.json").write_text("{}")
+    done = run_trace(out, sys.executable, "-c", "pass")
+    assert done.returncode == 2 and "notes.txt" in done.stderr and "new or empty directory" in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.txt"]

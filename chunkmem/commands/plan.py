@@ -13,6 +13,8 @@ import math
 import sys
 from typing import Any
 
+from chunkmem.config import DEFAULT_DTYPE
+
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
 
 
@@ -28,10 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks (default: %(default)s)")
     run_.add_argument("--batch-size", type=int, default=8)
     run_.add_argument("--seq-len", type=int, default=1024)
-    run_.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    run_.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["fp32", "bf16", "fp16"],
+                      help="compute dtype (default: %(default)s, as chunkmem finetune and chunkmem.Config use)")
     run_.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     run_.add_argument("--offload-activations", action="store_true")
     run_.add_argument("--world-size", type=int, default=1, help="ranks sharing model data (ZeRO)")
+    run_.add_argument("--ranks-per-host", type=int, help="ranks on one machine, sharing its --host-memory "
+                      "(default: all of --world-size, one machine)")
     run_.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                       help="cuda: keep margins for the CUDA context and host libraries (default); cpu: plan a "
                            "run in the CPU simulation (Config(device='cpu')), as --simulate does")
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from chunkmem.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
 
-    for name in ("batch_size", "seq_len", "world_size", "layers", "hidden", "vocab"):
+    for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
@@ -92,12 +97,13 @@ def run(args: argparse.Namespace) -> int:
     attention = args.attention or ("math" if args.simulate or args.device == "cpu" else "fused")
     request = Request(device_memory, host_memory, args.batch_size, args.seq_len, args.dtype, args.grad_ckpt,
                       args.offload_activations, args.world_size, args.optimizer, attention,
-                      cuda=args.device == "cuda" and not args.simulate)
+                      cuda=args.device == "cuda" and not args.simulate, ranks_per_host=args.ranks_per_host)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
                               "fixes": [{"fix": label, "verdict": e.verdict, "device_need": e.device_need,
-                                         "host_need": e.host_need} for label, e in fixes(spec, request)]}
+                                         "host_need": e.host_need, "host_need_per_host": e.host_need_per_host,
+                                         "ranks_per_host": e.request.hosted_ranks} for label, e in fixes(spec, request)]}
     if args.simulate:
         from chunkmem.trace.simulate import simulate
 
@@ -115,6 +121,13 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:8.2f} GiB" if n >= 2**30 else f"{n / 2**20:8.2f} MiB"
 
 
+def _host(per_rank: int, per_host: int, ranks: int) -> str:
+    """Host memory per rank and, when ranks share a machine, per machine: the figure to hold against RAM."""
+    if ranks == 1:
+        return _gib(per_rank)
+    return f"{_gib(per_rank).strip()} per rank, {_gib(per_host).strip()} per host ({ranks} ranks)"
+
+
 def _text(r: dict[str, Any]) -> str:
     q = r["request"]
     lines = [f"model {r['model']}: {r['trainable_chunks']} + {r['frozen_chunks']} frozen chunks of {r['chunk_size']} "
@@ -126,10 +139,13 @@ def _text(r: dict[str, Any]) -> str:
              f"  device working set   {_gib(r['working_set_bytes'])}   margins {_gib(r['margin_bytes'])}",
              f"  device need          {_gib(r['device_need'])} of {_gib(q['device_memory'])} "
              f"(all chunks resident: {_gib(r['device_all_resident'])})",
-             f"  host need            {_gib(r['host_need'])} of {_gib(q['host_memory'])} (pinned {_gib(r['pinned_bytes'])})",
+             f"  host need            {_host(r['host_need'], r['host_need_per_host'], r['request']['hosted_ranks'])}"
+             f" of {_gib(q['host_memory'])} (pinned {_gib(r['pinned_bytes']).strip()} per rank)",
              f"verdict: {r['verdict']} (binding: {r['binding']})"]
     for i, fix in enumerate(r["fixes"], 1):
-        lines.append(f"  {i}. {fix['fix']}: {fix['verdict']} (device {_gib(fix['device_need'])}, host {_gib(fix['host_need'])})")
+        host = _host(fix["host_need"], fix["host_need_per_host"], fix["ranks_per_host"]).strip()
+        lines.append(f"  {i}. {fix['fix']}: {fix['verdict']} (device {_gib(fix['device_need']).strip()} per rank, "
+                     f"host {host})")
     if "simulated" in r:
         s = r["simulated"]
         lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "

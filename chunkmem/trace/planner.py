@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chunkmem.config import DEFAULT_DTYPE
 from chunkmem.layout import search_chunk_size
 from chunkmem.placement import SAFETY_FRACTION
 from chunkmem.store import layouts, working_set_chunks
@@ -37,19 +38,28 @@ STATES = {"adam": 2, "sgd": 0, "sgd-momentum": 1}
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What the user wants to run, and with what."""
+    """What the user wants to run, and with what. device_memory is per rank (one GPU); host_memory is
+    one machine's, shared by the ranks on it (ranks_per_host; None: all of world_size, one machine)."""
 
     device_memory: int
     host_memory: int
     batch_size: int = 8
     seq_len: int = 1024
-    dtype: str = "bf16"
+    dtype: str = DEFAULT_DTYPE
     checkpointing: bool = False
     offload_activations: bool = False
     world_size: int = 1
     optimizer: str = "adam"
     attention: str = "fused"
     cuda: bool = True  # margins for a CUDA device (False: the CPU simulation)
+    ranks_per_host: int | None = None
+
+    @property
+    def hosted_ranks(self) -> int:
+        return min(self.world_size, self.ranks_per_host or self.world_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"hosted_ranks": self.hosted_ranks}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +85,15 @@ class Estimate:
     margin_bytes: int
     device_need: int  # least device memory: working set + activations + margins
     device_all_resident: int  # device memory with every chunk resident (nothing moves)
-    host_need: int
+    host_need: int  # per rank
+    host_need_per_host: int  # what the ranks on one machine need together: held against host_memory
     pinned_bytes: int
     verdict: str
     binding: str
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["request"] = dataclasses.asdict(self.request)
+        out["request"] = self.request.to_json()
         return out
 
 
@@ -127,14 +138,15 @@ def plan(spec: ModelSpec, request: Request) -> Estimate:
     total = sum(kinds.values())
     device_need = working + device_acts + margin
     host_need = total + host_acts + (HOST_OVERHEAD if request.cuda else 0)
-    ratios = {"device memory": device_need / request.device_memory, "host memory": host_need / request.host_memory}
+    per_host = host_need * request.hosted_ranks
+    ratios = {"device memory": device_need / request.device_memory, "host memory": per_host / request.host_memory}
     binding = max(ratios, key=ratios.__getitem__)
     worst = ratios[binding]
     verdict = "does not fit" if worst > 1.0 else "tight" if worst > TIGHT else "fits"
     return Estimate(request, size, trainable, frozen, total, kinds, working, device_acts, acts.forward_peak,
                     margin, device_need,
-                    total + device_acts + margin, host_need, (total + host_acts) if request.cuda else 0, verdict,
-                    binding)
+                    total + device_acts + margin, host_need, per_host, (total + host_acts) if request.cuda else 0,
+                    verdict, binding)
 
 
 def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:
@@ -152,14 +164,15 @@ def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:
                            dataclasses.replace(request, offload_activations=True)))
     if request.dtype == "fp32":
         candidates.append(("bf16 compute (--dtype bf16)", dataclasses.replace(request, dtype="bf16")))
-    candidates.append((f"shard over {request.world_size * 2} GPUs (torchrun, ZeRO)",
+    hosts = "one host" if request.ranks_per_host is None else f"hosts of {request.ranks_per_host}"
+    candidates.append((f"shard over {request.world_size * 2} GPUs on {hosts} (torchrun, ZeRO)",
                        dataclasses.replace(request, world_size=request.world_size * 2)))
     if base.binding == "host memory" and base.verdict != "fits":
-        candidates.append((f"allow {_gib(base.host_need / TIGHT)} of host memory",
-                           dataclasses.replace(request, host_memory=int(base.host_need / TIGHT) + 1)))
+        candidates.append((f"allow {_gib(base.host_need_per_host / TIGHT)} of host memory",
+                           dataclasses.replace(request, host_memory=int(base.host_need_per_host / TIGHT) + 1)))
     rank = {"fits": 0, "tight": 1, "does not fit": 2}
     scored = [(label, plan(spec, r)) for label, r in candidates]
-    need = "device_need" if base.binding == "device memory" else "host_need"
+    need = "device_need" if base.binding == "device memory" else "host_need_per_host"
     useful = [(label, e) for label, e in scored if getattr(e, need) < getattr(base, need)]
     return sorted(useful, key=lambda item: (rank[item[1].verdict], getattr(item[1], need)))
 
