@@ -15,8 +15,10 @@ step: fetches, write-backs and streamed gradients.
             within --time-limit when not proven optimal.
   bound:    the program's linear relaxation, below any schedule.
 Diagnostic columns: the optimum with chunkmem's homes (what eviction alone could save), chunkmem's
-rule replayed on the record (must equal the measured figure: the model is the runtime's), and the
-homes each chose.
+rule (Belady within the step) with the optimum's homes (what homing alone could save), and how many
+groups each homed. The JSON adds chunkmem's rule replayed on the record with its own homes (equal to
+the measured figure: the model is the runtime's), its best with the last k groups homed for any k,
+and the bytes of each split into fetched, written back and streamed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 
 import chunkmem
 from benchmarks.common import gpt2, table, write_json
-from benchmarks.optimum import lower_bound, solve
+from benchmarks.optimum import Solution, lower_bound, solve
+from benchmarks.placement_problem import Instance, replay
 from benchmarks.policies import simulate
 from benchmarks.record import Recorded, record
 
@@ -67,17 +70,42 @@ def measure(recorded: Recorded, time_limit: float) -> dict:
            "periods": {rule: ref.period for rule, ref in refs.items()}}
     cycles = {ref.period for ref in refs.values()} - {1}  # a reference that repeats every p steps
     out["optimum_per_period"] = {p: solve(instance, time_limit=time_limit, period=p).per_step for p in sorted(cycles)}
-    return out
+    return out | diagnose(instance, homes, best)
+
+
+def diagnose(instance: Instance, homes: frozenset[int], best: Solution) -> dict:
+    """Where chunkmem's plan loses: its own rule (Belady within the step) with the optimum's homes, and
+    with the best of its candidate homes (the last k groups) had its room rule allowed every k; and how
+    each splits into fetched and written-back bytes."""
+    suffixes = [frozenset(sorted(g.index for g in instance.groups)[len(instance.groups) - k:])
+                for k in range(len(instance.groups) + 1)]
+    by_suffix = {len(h): simulate(instance, "belady-step", h).bytes for h in suffixes}
+    k = min(by_suffix, key=lambda k: (by_suffix[k], -k))
+    mine = simulate(instance, "belady-step", homes)
+    theirs = simulate(instance, "belady-step", best.homes)
+    device = replay_cycle(instance, best)
+    return {"chunkmem_rule_optimum_homes": theirs.bytes, "chunkmem_rule_best_suffix": by_suffix[k],
+            "best_suffix_groups": k, "split_chunkmem_rule": {"h2d": mine.h2d, "d2h": mine.d2h, "streamed": mine.streamed},
+            "split_optimum": device}
+
+
+def replay_cycle(instance: Instance, best: Solution) -> dict:
+    """The optimum's bytes per step split into fetched, written back and streamed."""
+    once = replay(instance, best.homes, best.start, best.schedule)
+    device = replay(instance, best.homes, best.start, best.schedule, once.dirty & best.start)
+    return {"h2d": device.h2d, "d2h": device.d2h, "streamed": instance.streamed(best.homes)}
 
 
 def display(row: dict) -> dict:
-    mib = {k: f"{row[k] / MiB:.2f}" for k in ("chunkmem", "lru", "belady", "bound", "optimum_chunkmem_homes")}
+    mib = {k: f"{row[k] / MiB:.2f}" for k in ("chunkmem", "lru", "belady", "bound", "optimum_chunkmem_homes",
+                                               "chunkmem_rule_optimum_homes")}
     optimum = f"{row['optimum'] / MiB:.2f}" if row["optimum_proven"] else f"<={row['optimum'] / MiB:.2f}"
     return {"model": row["model"], "dtype": row["dtype"], "chunk": row["chunk"], "groups": row["groups"],
             "budget": f"{row['fraction']:.0%}", "chunkmem": mib["chunkmem"], "LRU": mib["lru"],
             "Belady": mib["belady"], "optimum": optimum, "bound": mib["bound"],
             "chunkmem/opt": f"{row['chunkmem'] / row['optimum']:.3f}" if row["optimum"] else "1.000",
             "opt, chunkmem's homes": mib["optimum_chunkmem_homes"],
+            "chunkmem's rule, opt's homes": mib["chunkmem_rule_optimum_homes"],
             "homes chunkmem/opt": f"{len(row['homes_chunkmem'])}/{len(row['homes_optimum'])}"}
 
 
