@@ -64,6 +64,7 @@ def measure(recorded: Recorded, time_limit: float) -> dict:
            "optimum_proven": best.optimal, "optimum_bound": best.bound, "optimum_seconds": round(best.seconds, 2),
            "bound": lower_bound(instance), "optimum_chunkmem_homes": theirs.per_step,
            "chunkmem_rule_replayed": refs["belady-step"].bytes,
+           "model_is_the_runtime": refs["belady-step"].bytes == statistics.mean(recorded.measured),
            "streamed_chunkmem": recorded.streamed, "streamed_optimum": instance.streamed(best.homes),
            "homes_chunkmem": sorted(homes), "homes_optimum": sorted(best.homes),
            "groups": len(instance.groups), "events": len(instance.accesses),
@@ -142,6 +143,9 @@ def main() -> None:
                            "activation_peak": probe.activation_peak} | measure(recorded, args.time_limit)
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in display(row).items()), flush=True)
+                    if not row["model_is_the_runtime"]:
+                        print(f"warning: chunkmem's rule replayed on the record moves {row['chunkmem_rule_replayed']} "
+                              f"bytes a step, the runtime measured {row['chunkmem_steps']}: the model misses something")
     shown = [display(r) for r in rows]
     print(table(shown, list(shown[0])))
     worst = max(rows, key=lambda r: r["chunkmem"] / r["optimum"] if r["optimum"] else 1.0)

@@ -214,7 +214,7 @@ class Device:
 
 def replay(instance: Instance, homes: Iterable[int], start: Iterable[str], schedule: Sequence[Action],
            dirty: Iterable[str] = ()) -> Device:
-    """One step of a schedule from `start`: checks every access and budget, counts the bytes."""
+    """One cycle of a schedule from `start`: checks every access and budget, counts the bytes."""
     homes = set(homes)
     device = Device(instance, start, dirty)
     before: dict[int, list[str]] = {}
@@ -238,8 +238,8 @@ def replay(instance: Instance, homes: Iterable[int], start: Iterable[str], sched
 
 
 def steady_cost(instance: Instance, homes: Iterable[int], start: Iterable[str], schedule: Sequence[Action]) -> int:
-    """Bytes per step of a cyclic schedule, which must end where it starts; dirty chunks carried across
-    the step's end are found by replaying until they repeat."""
+    """Bytes per cycle (the instance's steps) of a cyclic schedule, which must end where it starts;
+    which chunks are dirty across the cycle's end is found by replaying until it repeats."""
     homes, start = set(homes), set(start)
     dirty: set[str] = set()
     for _ in range(4):

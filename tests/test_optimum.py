@@ -122,12 +122,11 @@ def test_gradient_chunks_cost_nothing_to_create_and_are_never_written_back_at_th
 
 
 def test_the_cyclic_start_keeps_what_the_next_step_needs_first():
-    """Frozen chunks, unit sizes, room for 2: the step reads a, x, y, then b, c, a alternating with
-    nothing that fits... Read a b c y: at the step's end b (needed last next step) and ... see below.
-    Step: a, b, c, a, d. `a` opens the next step and is read twice in this one; the optimum keeps a
-    for good (across the step's end too) and rotates b, c, d through the other slot: 3 bytes.
-    Looking no further than the step's end (chunkmem's Belady), at d both a and c are "never again":
-    the tie goes to the smaller name, a is dropped and fetched again first thing: 4 bytes."""
+    """Frozen chunks, unit sizes, room for 2; the step reads a, b, c, a, d. `a` opens the next step
+    and is read twice in this one: the optimum keeps it for good (across the step's end too) and
+    rotates b, c, d through the other slot: 3 bytes. Looking no further than the step's end
+    (chunkmem's Belady), at d both a and c are "never again": the tie goes to the smaller name, a is
+    dropped and fetched again first thing: 4 bytes. Belady looking into the next step keeps a: 3."""
     case = instance([use("a"), use("b"), use("c"), use("a"), use("d")], {k: 1 for k in "abcd"}, limit=2)
     best = solve(case)
     assert best.per_step == 3 and "a" in best.start
