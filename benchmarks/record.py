@@ -1,0 +1,83 @@
+"""A real training step recorded for the optimum: chunkmem's warm-up record, and what its plan moved.
+
+chunkmem records a warm-up step (chunkmem/placement.py's Note on warm-up) and hands the record to
+`placement.plan_step`; `recording()` wraps that function for as long as it is open and keeps a copy
+of what it is given, without changing chunkmem. `record()` trains a prepared model for a few steps and
+returns the recorded instance with chunkmem's choice of homes and its bytes per steady step, measured
+from `memory_stats()`: h2d + d2h, where d2h includes the streamed gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import torch
+
+import chunkmem
+import chunkmem.placement
+from benchmarks.placement_problem import Instance
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    instance: Instance
+    homes: frozenset[int]  # the groups chunkmem homed
+    measured: tuple[int, ...]  # chunkmem's bytes in each steady step measured
+    streamed: int  # of which streamed gradients, per step
+    model_data: int
+    activation_peak: int
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple]]:
+    """While open, every (events, groups, sizes, limit) chunkmem plans from is appended to the list."""
+    seen: list[tuple] = []
+    original = chunkmem.placement.plan_step
+
+    def plan_step(events, groups, sizes, limit):  # type: ignore[no-untyped-def]
+        seen.append((list(events), list(groups), dict(sizes), limit))
+        return original(events, groups, sizes, limit)
+
+    chunkmem.placement.plan_step = plan_step  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        chunkmem.placement.plan_step = original
+
+
+def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], config: chunkmem.Config,
+           steady_steps: int = 3) -> Recorded:
+    """Prepare a copy of `model` (AdamW), train 2 + `steady_steps` steps of `step(model) -> loss`."""
+    module = copy.deepcopy(model)
+    cm, opt = chunkmem.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-4), config)
+
+    def train() -> None:
+        step(cm).backward()
+        opt.step()
+        opt.zero_grad()
+
+    keys = ("h2d_bytes", "d2h_bytes", "grad_stream_bytes")
+    with recording() as seen:
+        train()  # warm-up: recorded, then planned
+        train()  # the first step on the plan settles what is resident at a step's start
+        measured, streamed = [], 0
+        for _ in range(steady_steps):
+            before = cm.memory_stats()
+            train()
+            after = cm.memory_stats()
+            measured.append(after["h2d_bytes"] + after["d2h_bytes"] - before["h2d_bytes"] - before["d2h_bytes"])
+            streamed = after["grad_stream_bytes"] - before["grad_stream_bytes"]
+    placer = cm.runtime.placer
+    if len(seen) != 1 or placer.phase is not chunkmem.placement.Phase.FOLLOW:
+        raise RuntimeError(f"chunkmem planned {len(seen)} times (re-recorded a step?): the steps measured "
+                           "are not steady ones")
+    events, groups, sizes, limit = seen[0]
+    store = cm.runtime.store
+    per_group = {g.index: sum(r.param.numel() for r in g.members) * store.dtype.itemsize
+                 for g in store.trainable_groups()}
+    instance = Instance.from_events(events, sizes, groups, limit, streamed=per_group)
+    return Recorded(instance, frozenset(placer.homes), tuple(measured), streamed,
+                    cm.memory_stats()["model_data_bytes"], cm.runtime.activations.peak)
