@@ -6,7 +6,7 @@ Precisions: "fp32" (fp32 grads, no low-precision copy) and "bf16" (bf16 grads in
 updated master out, as mixed-precision training needs). Contenders, alternated within each repeat so
 that drift on a shared machine hits all of them alike:
 
-  chunkmem        chunkmem.native.adam_step: one pass, the casts included
+  chunkmem        chunkmem.memory.native.adam_step: one pass, the casts included
   fused+casts     torch.optim.AdamW(fused=True), plus (bf16) grad.copy_(grad_bf16) before and
                   param_bf16.copy_(master) after: the same work done with stock PyTorch
   single+casts    torch.optim.AdamW(foreach=False), with the same casts
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import table, write_json
-from chunkmem import native
+from chunkmem.memory import native
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 BYTES_PER_PARAM = {"fp32": 28, "bf16": 28}

@@ -36,11 +36,11 @@ from torch import nn
 
 import chunkmem
 from benchmarks.common import table, write_json
-from chunkmem import hf
-from chunkmem.activations import ActivationMeter, Saved
+from chunkmem.finetune import hf
+from chunkmem.runtime.activations import ActivationMeter, Saved
 from chunkmem.config import parse_size
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.observe import Moment, Move
+from chunkmem.chunks.observe import Moment, Move
 from chunkmem.trace.planner import ModelSpec, Request, meta_module, plan, shape_of
 
 WIDTHS = "128,192,256,320,384,448,512,576,640,768,1024,1280,1600,2048,2560,3072,4096,5120,6144,8192"

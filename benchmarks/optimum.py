@@ -1,6 +1,6 @@
 """The fewest bytes one steady training step can move, as an integer program: a reference for the planner.
 
-chunkmem's plan (chunkmem/placement.py) is a heuristic: Belady's rule, homes chosen among a few
+chunkmem's plan (chunkmem/chunks/placement.py) is a heuristic: Belady's rule, homes chosen among a few
 candidates. This module says what the best plan moves, written apart from chunkmem's code so that it
 can judge it: it reads only the raw record of a warm-up step, never chunkmem's planning functions.
 The problem (one recorded step, homes, budgets, costs, the cyclic steady state) is written down in

@@ -1,6 +1,6 @@
 """One recorded training step as a placement problem, and what a schedule of chunk moves costs on it.
 
-Written apart from chunkmem's planner (chunkmem/placement.py, chunkmem/plan.py) so that it can judge
+Written apart from chunkmem's planner (chunkmem/chunks/placement.py, chunkmem/chunks/plan.py) so that it can judge
 it: it reads only the raw record of a warm-up step. `benchmarks/optimum.py` finds the best schedule,
 `benchmarks/policies.py` replays LRU and Belady, `benchmarks/record.py` records real steps; all count
 bytes with `Device` here.
@@ -43,14 +43,14 @@ from typing import Protocol
 MARGIN_FRACTION = 0.05  # of the limit, kept free of chunks (the README's "less a 5% margin")
 
 
-class RecordedEvent(Protocol):  # chunkmem.placement.Event has this shape
+class RecordedEvent(Protocol):  # chunkmem.chunks.placement.Event has this shape
     kind: str
     chunks: tuple[str, ...]
     group: int
     nonmodel: int
 
 
-class RecordedGroup(Protocol):  # chunkmem.placement.GroupChunks has this shape
+class RecordedGroup(Protocol):  # chunkmem.chunks.placement.GroupChunks has this shape
     index: int
     param: str
     grad: str

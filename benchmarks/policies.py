@@ -1,6 +1,6 @@
 """Reference eviction policies, replayed on a recorded step under the optimum's rules and costs.
 
-Written apart from chunkmem/plan.py: on-demand fetches, an eviction rule when the next access does
+Written apart from chunkmem/chunks/plan.py: on-demand fetches, an eviction rule when the next access does
 not fit its budget, and the accounting of `optimum.Device` (write-backs of dirty chunks, free empty
 gradient chunks, host-rewritten chunks dropped, gradients freed at the step's end) plus the streamed
 gradients of groups not homed. A policy's steady state is found by running steps from an empty

@@ -1,6 +1,6 @@
 """A real training step recorded for the optimum: chunkmem's warm-up record, and what its plan moved.
 
-chunkmem records a warm-up step (chunkmem/placement.py's Note on warm-up) and hands the record to
+chunkmem records a warm-up step (chunkmem/chunks/placement.py's Note on warm-up) and hands the record to
 `placement.plan_step`; `recording()` wraps that function for as long as it is open and keeps a copy
 of what it is given, without changing chunkmem. `record()` trains a prepared model for a few steps and
 returns the recorded instance with chunkmem's choice of homes and its bytes per steady step, measured
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import chunkmem
-import chunkmem.placement
+import chunkmem.chunks.placement
 from benchmarks.placement_problem import Instance
 
 
@@ -35,17 +35,17 @@ class Recorded:
 def recording() -> Iterator[list[tuple]]:
     """While open, every (events, groups, sizes, limit) chunkmem plans from is appended to the list."""
     seen: list[tuple] = []
-    original = chunkmem.placement.plan_step
+    original = chunkmem.chunks.placement.plan_step
 
     def plan_step(events, groups, sizes, limit):  # type: ignore[no-untyped-def]
         seen.append((list(events), list(groups), dict(sizes), limit))
         return original(events, groups, sizes, limit)
 
-    chunkmem.placement.plan_step = plan_step  # type: ignore[assignment]
+    chunkmem.chunks.placement.plan_step = plan_step  # type: ignore[assignment]
     try:
         yield seen
     finally:
-        chunkmem.placement.plan_step = original
+        chunkmem.chunks.placement.plan_step = original
 
 
 def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], config: chunkmem.Config,
@@ -71,7 +71,7 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
             measured.append(after["h2d_bytes"] + after["d2h_bytes"] - before["h2d_bytes"] - before["d2h_bytes"])
             streamed = after["grad_stream_bytes"] - before["grad_stream_bytes"]
     placer = cm.runtime.placer
-    if len(seen) != 1 or placer.phase is not chunkmem.placement.Phase.FOLLOW:
+    if len(seen) != 1 or placer.phase is not chunkmem.chunks.placement.Phase.FOLLOW:
         raise RuntimeError(f"chunkmem planned {len(seen)} times (re-recorded a step?): the steps measured "
                            "are not steady ones")
     events, groups, sizes, limit = seen[0]

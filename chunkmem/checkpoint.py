@@ -34,9 +34,9 @@ from safetensors.torch import load_file, save_file
 
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
-from chunkmem.optim import ChunkOptimizer
-from chunkmem.state import TensorState
-from chunkmem.store import ParamRecord
+from chunkmem.runtime.optim import ChunkOptimizer
+from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.store import ParamRecord
 from chunkmem.wrapper import ChunkedModel
 
 log = logging.getLogger("chunkmem")

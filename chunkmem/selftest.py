@@ -70,7 +70,7 @@ def model_data_bytes(model: nn.Module) -> int:
 
 def check_simulation() -> Row:
     """The strict simulation (late copies at random moments, the happens-before checker) against PyTorch."""
-    from chunkmem import sim
+    from chunkmem.memory import sim
 
     data, reference = batches(64, 8, 4), mlp(64, 6)
     ref = copy.deepcopy(reference)
@@ -116,7 +116,7 @@ def _time(fn: Callable[[], Any], repeats: int = 5) -> float:
 def check_bandwidth(sizes_mib: tuple[int, ...] = (4, 16, 64, 256)) -> Row:
     """Pinned copies both ways and both at once: the copy engine against plain cudaMemcpyAsync (torch's
     non-blocking copy on a side stream)."""
-    from chunkmem.device import CudaDevice
+    from chunkmem.memory.device import CudaDevice
 
     device = CudaDevice("cuda")
     engine = device.engine
@@ -245,7 +245,7 @@ def nccl_worker(rank: int = 0, world: int = 1, port: int = 0) -> dict[str, Any]:
     """One rank of an NCCL group: the collectives chunkmem uses, then ZeRO training (world > 1)."""
     import torch.distributed as dist
 
-    from chunkmem.collectives import ALL_GATHER, REDUCE_SCATTER, single_tensor_collectives
+    from chunkmem.zero.collectives import ALL_GATHER, REDUCE_SCATTER, single_tensor_collectives
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

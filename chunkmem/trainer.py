@@ -11,7 +11,7 @@ The Trainer builds its optimizer as usual; `create_optimizer` then hands model a
   (that would pull every parameter onto the device at once): device placement is turned off, and
   the prepared model moves each batch to its device.
 - Gradients live in chunks (`p.grad` is None), so clipping calls `model.clip_grad_norm_`.
-- Saving writes a Hugging Face directory parameter by parameter (chunkmem.hf), and the optimizer
+- Saving writes a Hugging Face directory parameter by parameter (chunkmem.finetune.hf), and the optimizer
   state goes into a chunkmem checkpoint inside the Trainer's checkpoint folder.
 """
 
@@ -25,8 +25,8 @@ import torch
 from transformers import Trainer
 
 import chunkmem
-from chunkmem import hf
-from chunkmem.optim import ChunkOptimizer
+from chunkmem.finetune import hf
+from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.wrapper import ChunkedModel
 
 OPTIMIZER_DIR = "chunkmem_optimizer"

@@ -14,13 +14,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-from chunkmem.agreement import fingerprints
+from chunkmem.zero.agreement import fingerprints
 from chunkmem.config import Config
-from chunkmem.hooks import Hooks, already_hooked
-from chunkmem.optim import ChunkOptimizer, rule_for
-from chunkmem.runtime import Runtime
-from chunkmem.scaler import LossScaler
-from chunkmem.collectives import default_group
+from chunkmem.runtime.hooks import Hooks, already_hooked
+from chunkmem.runtime.optim import ChunkOptimizer, rule_for
+from chunkmem.runtime.runtime import Runtime
+from chunkmem.runtime.scaler import LossScaler
+from chunkmem.zero.collectives import default_group
 
 
 class _ScaleGrad(torch.autograd.Function):

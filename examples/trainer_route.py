@@ -16,7 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: F401
 
 import chunkmem
-from chunkmem.corpus import BUNDLED_TEXT
+from chunkmem.finetune.corpus import BUNDLED_TEXT
 from chunkmem.trainer import ChunkmemTrainer
 
 

@@ -1,4 +1,4 @@
-"""Every test runs against the strict simulation (chunkmem/sim.py): copies land only when someone learns
+"""Every test runs against the strict simulation (chunkmem/memory/sim.py): copies land only when someone learns
 they have, and the happens-before checker raises on any access that a missing fence would leave racing
 on a GPU. Processes the tests start (torchrun, spawned ranks, the CLI) check too, through the environment."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from chunkmem import sim
+from chunkmem.memory import sim
 
 os.environ.setdefault("CHUNKMEM_SIM_CHECK", "1")  # "0" runs the suite without the checker, to time it
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests

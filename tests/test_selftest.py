@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunkmem import cli, selftest
-from chunkmem.chunk import Chunk
+from chunkmem.chunks.chunk import Chunk
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the selftest itself")
 

@@ -1,4 +1,4 @@
-"""`chunkmem finetune`: the command-line face of chunkmem/finetune.py.
+"""`chunkmem finetune`: the command-line face of chunkmem/finetune/train.py.
 
 With no arguments it trains the bundled tiny GPT-2 on the bundled text on whatever device there
 is, with a device budget that makes its chunks stream every step, so the first command a new user
@@ -71,11 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `chunkmem --help` does not pay for torch and transformers.
-    from chunkmem import finetune
+    from chunkmem.finetune import train as finetune
     from chunkmem.errors import CheckpointError, MemoryBudgetError
-    from chunkmem.finetune_report import summary
-    from chunkmem.hf import InputError
-    from chunkmem.rundir import RunDir
+    from chunkmem.finetune.report import summary
+    from chunkmem.finetune.hf import InputError
+    from chunkmem.finetune.rundir import RunDir
 
     names = {f.name for f in finetune.dataclasses.fields(finetune.FinetuneConfig)}
     try:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def resume_command(cfg: Any) -> str:
     """The command line that continues the run of `cfg`: its settings that differ from the defaults, and --resume."""
-    from chunkmem import finetune
+    from chunkmem.finetune import train as finetune
 
     words = ["chunkmem", "finetune"]
     for field in finetune.dataclasses.fields(cfg):

@@ -66,7 +66,7 @@ def _budget(field: str, value: str | None) -> int:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from chunkmem.hf import resolve
+    from chunkmem.finetune.hf import resolve
     from chunkmem.trace.planner import gpt2_config
 
     if args.model:
@@ -81,7 +81,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from chunkmem.hf import InputError
+    from chunkmem.finetune.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
 
     for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab"):

@@ -30,14 +30,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
-from chunkmem.device import use_device
-from chunkmem.optim import ChunkOptimizer
-from chunkmem.state import TensorState
+from chunkmem.memory.device import use_device
+from chunkmem.runtime.optim import ChunkOptimizer
+from chunkmem.chunks.state import TensorState
 from chunkmem.pipeline import balance as balancing
 from chunkmem.pipeline.schedule import Action, Kind
 from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, StageBody, layers_of, recv_shape, send_shape
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
-from chunkmem.collectives import default_group
+from chunkmem.zero.collectives import default_group
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

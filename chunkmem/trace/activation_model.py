@@ -2,7 +2,7 @@
 
 [Note: where the GPT-2 numbers come from]
 Counted, per token, from the tensors Hugging Face's GPT-2 saves for backward (unique storages, as
-chunkmem.activations counts them; weights excluded, they are chunk views), e = compute dtype bytes:
+chunkmem.runtime.activations counts them; weights excluded, they are chunk views), e = compute dtype bytes:
   per layer, attention with dropout (PyTorch's "math" scaled-dot-product path, which the CPU and
   eager attention take; it computes in fp32): 27*h*e + 3*h*4 (q, k, v upcast) + 3*heads*s*4
   (probabilities, dropout mask, dropped probabilities) + 4*e (two layer norms' mean and rstd);

@@ -4,7 +4,7 @@ The runtime of a prepared model announces its moments itself; a plain model does
 module installs the same points with PyTorch's public hooks: module pre/post forward, a
 gradient landing in `.grad`, and the optimizer's step pre/post hooks (a step ends after the
 optimizer). On a CPU run the non-model data is what autograd saves for backward, counted once per
-storage by the same meter the runtime uses (chunkmem.activations); a saved-tensor hook installed by
+storage by the same meter the runtime uses (chunkmem.runtime.activations); a saved-tensor hook installed by
 the user's code inside the forward (activation checkpointing) takes precedence over it there.
 """
 
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.activations import ActivationMeter, Saved
-from chunkmem.observe import Moment, Observer
+from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.chunks.observe import Moment, Observer
 
 
 class PlainWatcher:

@@ -1,12 +1,12 @@
 """`chunkmem plan`: will a model train within a device and host budget, and if not, what to change.
 
 Model data is not estimated but computed: the model is built on the meta device (no memory) and
-the runtime's own chunk-size search and layout (chunkmem.layout, chunkmem.store) give the chunk
+the runtime's own chunk-size search and layout (chunkmem.chunks.layout, chunkmem.chunks.store) give the chunk
 count, so the figure equals `memory_stats()["model_data_bytes"]` of the prepared model. Non-model
 data is chunkmem/trace/activation_model.py's estimate plus fixed margins:
   CUDA_CONTEXT  what the CUDA context and kernels take before any tensor (typical, not measured)
   FRAGMENTATION a share of the device budget the caching allocator cannot hand out (the same share
-                the runtime's placement keeps free, chunkmem.placement.SAFETY_FRACTION)
+                the runtime's placement keeps free, chunkmem.chunks.placement.SAFETY_FRACTION)
   HOST_OVERHEAD the resident memory of torch and the CUDA libraries in the host process
 Constraints: the device must hold one module's chunks (the working set) with the activation peak
 and margins; the host must hold all model data (chunkmem keeps every chunk's host copy) and the
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from chunkmem.config import DEFAULT_DTYPE
-from chunkmem.layout import search_chunk_size
-from chunkmem.placement import SAFETY_FRACTION
-from chunkmem.store import layouts, working_set_chunks
-from chunkmem.zero import least_device_bytes
+from chunkmem.chunks.layout import search_chunk_size
+from chunkmem.chunks.placement import SAFETY_FRACTION
+from chunkmem.chunks.store import layouts, working_set_chunks
+from chunkmem.zero.shards import least_device_bytes
 from chunkmem.trace.activation_model import Shape, estimate
 
 CUDA_CONTEXT = 512 * 2**20

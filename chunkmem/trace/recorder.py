@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import torch
 
-from chunkmem.observe import Moment, Move
+from chunkmem.chunks.observe import Moment, Move
 from chunkmem.trace.schema import SCHEMA, layout_file, total, trace_file
 from chunkmem.trace.sources import Source, host_readings, kinds_of
 
@@ -68,7 +68,7 @@ class _Step:
 
 
 class Recorder:
-    """Observer (chunkmem.observe.Observer) that turns moments and moves into trace records."""
+    """Observer (chunkmem.chunks.observe.Observer) that turns moments and moves into trace records."""
 
     def __init__(self, directory: Path, rank: int, source: Source, level: str = "counters",
                  retention: Retention = Retention()) -> None:

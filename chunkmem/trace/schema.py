@@ -27,7 +27,7 @@ SCHEMA = "chunkmem.trace/1"
 META_FILE = "meta.json"
 PLAN_FILE = "plan.json"  # written by `chunkmem plan --json` into a trace dir: the report compares
 
-# Model data, in the order charts stack them (the chunk families of chunkmem.store).
+# Model data, in the order charts stack them (the chunk families of chunkmem.chunks.store).
 MODEL_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "momentum_buffer", "optim_other")
 # Per side, besides model data: see docs/glossary.md for what each means and how it is read.
 DEVICE_FIELDS = MODEL_KINDS + ("nonmodel", "allocated", "reserved", "peak_allocated")

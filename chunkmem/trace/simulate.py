@@ -4,7 +4,7 @@ The model is built for real (random weights) and prepared with Config(device="cp
 device_memory=...), so the chunk-size search, the placement and every chunk copy are the
 runtime's own. What is measured:
   activation peak  the most bytes of distinct storages autograd held for backward at once, read
-                   from the runtime's activation meter (chunkmem.activations). This is the quantity
+                   from the runtime's activation meter (chunkmem.runtime.activations). This is the quantity
                    the runtime places chunks around, it is exact and deterministic; process RSS or
                    tracemalloc would mix in allocator caching, the Python heap and the other work
                    on a shared machine (tracemalloc does not even see PyTorch's allocations).

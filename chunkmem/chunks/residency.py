@@ -1,0 +1,202 @@
+"""Which chunks are on the device: the budget, evictions and the bytes that move.
+
+The manager is the only place that moves chunks between host and device, so its counters are the
+truth for `memory_stats()`. Which chunk to evict is a policy's choice (`EvictionPolicy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.memory.device import Device
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.chunks.observe import Move, Observer, kind_of
+from chunkmem.chunks.state import ChunkState
+
+log = logging.getLogger("chunkmem")
+
+
+class EvictionPolicy(Protocol):
+    def accessed(self, chunk: Chunk) -> None: ...
+    def victim(self, candidates: list[Chunk]) -> Chunk: ...
+
+
+class LeastRecentlyUsed:
+    """Evict the resident chunk whose last access is oldest."""
+
+    def __init__(self) -> None:
+        self._clock = itertools.count()
+        self._last: dict[str, int] = {}
+
+    def accessed(self, chunk: Chunk) -> None:
+        self._last[chunk.name] = next(self._clock)
+
+    def victim(self, candidates: list[Chunk]) -> Chunk:
+        return min(candidates, key=lambda c: self._last.get(c.name, -1))
+
+
+@dataclasses.dataclass
+class TrafficStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    device_chunk_bytes: int = 0
+    device_chunk_bytes_peak: int = 0
+    uploads: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
+    oom_fallbacks: int = 0
+
+
+class Residency:
+    """Keeps the device's chunk bytes within `limit`, evicting by `policy` when a chunk must come in.
+
+    `on_move(chunk)` is called whenever a chunk's device payload appears or goes, so parameter
+    views can follow it.
+    """
+
+    def __init__(self, device: Device, limit: int, policy: EvictionPolicy,
+                 on_move: Callable[[Chunk], None], observers: list[Observer] | None = None) -> None:
+        self.device = device
+        self.limit = limit
+        self.policy = policy
+        self.on_move = on_move
+        self.observers = observers if observers is not None else []
+        self.stats = TrafficStats()
+        self.resident: dict[str, Chunk] = {}
+        self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
+
+    def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
+        """Make `chunk` resident (evicting others if needed) and return its device payload."""
+        self.policy.accessed(chunk)
+        if not chunk.state.on_device:
+            self._make_room(chunk)
+            try:
+                self._bring(chunk, reason)
+            except torch.OutOfMemoryError as error:
+                # The budget was right for chunks but the device is full (non-model data grew beyond the
+                # warm-up's record).
+                log.warning("device out of memory bringing %s (%s): evicting every chunk not in use and "
+                            "retrying; if this repeats, lower Config.device_memory", chunk.name, error)
+                self.evict_unpinned()
+                self._bring(chunk, reason)
+            self._added(chunk)
+        # A prefetch overlaps what runs now: compute waits for it where the chunk is used (Chunk.device).
+        return (chunk.device_unfenced if reason == "prefetch" else chunk.device)  # type: ignore[return-value]
+
+    def _bring(self, chunk: Chunk, reason: str) -> None:
+        if chunk.state is ChunkState.FREE:
+            chunk.materialize_device(self.device)
+            return
+        start = time.perf_counter()
+        chunk.upload(self.device)
+        self.stats.h2d_bytes += chunk.nbytes
+        self.stats.uploads += 1
+        self.stats.prefetches += reason == "prefetch"
+        self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
+
+    def to_host(self, chunk: Chunk, reason: str = "optimizer") -> torch.Tensor:
+        """Bring the host payload up to date (the device copy, if any, stays) and return it."""
+        self._write_back(chunk, reason)
+        return chunk.host
+
+    def _write_back(self, chunk: Chunk, reason: str) -> None:
+        """Start bringing the host payload up to date; whoever reads `chunk.host` next waits for it."""
+        if chunk.state is ChunkState.DEVICE_DIRTY:
+            start = time.perf_counter()
+            chunk.download(self.device)
+            self.stats.d2h_bytes += chunk.nbytes
+            self.report(chunk, "device", "host", chunk.nbytes, time.perf_counter() - start, reason)
+        elif chunk.state is ChunkState.FREE:
+            chunk.materialize_host()
+
+    def report(self, chunk: Chunk, src: str, dst: str, nbytes: int, seconds: float, reason: str) -> None:
+        for observer in self.observers:
+            observer.moved(Move(chunk.name, kind_of(chunk.name), src, dst, nbytes, seconds, reason))
+
+    def host_for_write(self, chunk: Chunk) -> torch.Tensor:
+        """The host payload, made the only copy, for code that is about to change it on the host."""
+        self.claim_host(chunk)
+        return chunk.host
+
+    def claim_host(self, chunk: Chunk) -> None:
+        """Make the host payload the only copy (a write-back, if any, still landing), for code that will
+        change it on the host."""
+        self._write_back(chunk, "optimizer")
+        if chunk.state.on_device:
+            self._drop(chunk)
+        chunk.write_host()
+
+    def evict_unpinned(self) -> None:
+        """The most conservative placement, after an out-of-memory error: no chunk on the device that
+        no tensor is using right now."""
+        self.stats.oom_fallbacks += 1
+        for chunk in [c for c in self.resident.values() if not c.pins]:
+            self.evict(chunk)
+
+    def evict(self, chunk: Chunk) -> None:
+        if chunk.state.on_device:
+            self._write_back(chunk, "evict")  # not waited for: the copy overlaps what runs next
+            self._drop(chunk)
+
+    def reset(self, chunk: Chunk) -> None:
+        """Forget the chunk's contents: it reads as zeros again (gradients at zero_grad)."""
+        if chunk.state.on_device:
+            self._removed(chunk)
+        chunk.reset()
+        self.on_move(chunk)
+
+    def fits(self, chunks: Iterable[Chunk]) -> bool:
+        """Whether these chunks could all be resident at once, together with the pinned ones."""
+        pinned = sum(c.nbytes for c in self.resident.values() if c.pins)
+        extra = sum(c.nbytes for c in set(chunks) if not c.pins)
+        return pinned + extra <= self.limit
+
+    def shrink(self) -> None:
+        """After the limit was lowered: evict chunks nothing uses until the resident ones fit, if they can."""
+        self._evict_down_to(self.limit)
+
+    def _make_room(self, chunk: Chunk) -> None:
+        if not self._evict_down_to(self.limit - chunk.nbytes):
+            pinned = ", ".join(c.name for c in self.resident.values())
+            raise MemoryBudgetError(
+                f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device but "
+                f"{self.stats.device_chunk_bytes} of the {self.limit} allowed are held by chunks "
+                f"in use ({pinned}): raise Config.device_memory or lower Config.chunk_size")
+
+    def _evict_down_to(self, target: int) -> bool:
+        """Evict chunks nothing uses, the policy's victims first, until at most `target` bytes are
+        resident; False when the chunks in use alone hold more."""
+        while self.stats.device_chunk_bytes > target:
+            candidates = [c for c in self.resident.values() if not c.pins]
+            if not candidates:
+                return False
+            self.evict(self.policy.victim(candidates))
+            self.stats.evictions += 1
+        return True
+
+    def _drop(self, chunk: Chunk) -> None:
+        self._removed(chunk)
+        chunk.drop_device()
+        self.on_move(chunk)
+
+    def _added(self, chunk: Chunk) -> None:
+        self.resident[chunk.name] = chunk
+        self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()] = chunk  # type: ignore[union-attr]
+        self.stats.device_chunk_bytes += chunk.nbytes
+        self.stats.device_chunk_bytes_peak = max(self.stats.device_chunk_bytes_peak,
+                                                 self.stats.device_chunk_bytes)
+        self.on_move(chunk)
+
+    def _removed(self, chunk: Chunk) -> None:
+        del self.resident[chunk.name]
+        del self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+        self.stats.device_chunk_bytes -= chunk.nbytes

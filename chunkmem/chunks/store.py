@@ -1,0 +1,223 @@
+"""Parameters as views into chunks: the records, the chunk groups, and the views that follow moves.
+
+Trainable and frozen parameters are packed into separate chunk lists, so frozen chunks carry no
+gradient, master or optimizer storage. Chunk group `i` is chunk `i` of every family of one list:
+its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunks share one layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.memory.device import Device
+from chunkmem.chunks.layout import Layout, Slot, pack
+from chunkmem.chunks.state import TensorState, next_tensor_state
+
+
+@dataclasses.dataclass(eq=False)
+class ParamRecord:
+    """One managed parameter: where it lives and the states of its value and its gradient."""
+
+    name: str
+    aliases: tuple[str, ...]  # every name it has in the module (tied weights have several)
+    param: nn.Parameter
+    shape: torch.Size
+    slot: Slot
+    group: ChunkGroup
+    state: TensorState = TensorState.HOLD
+    uses: int = 0  # nested COMPUTE uses (a module called inside another that shares the weight)
+    grad_state: TensorState = TensorState.FREE
+
+    def move(self, move: str) -> None:
+        self.state = next_tensor_state(self.state, move, f"parameter {self.name}")
+
+    def move_grad(self, move: str) -> None:
+        self.grad_state = next_tensor_state(self.grad_state, move, f"gradient of {self.name}")
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's slice of a chunk payload, in its shape."""
+        return flat[self.slot.offset:self.slot.offset + self.slot.numel].view(self.shape)
+
+
+@dataclasses.dataclass(eq=False)
+class ChunkGroup:
+    """Chunk `index` of every family of one chunk list, and the parameters packed into it."""
+
+    index: int
+    trainable: bool
+    chunks: dict[str, Chunk]  # family -> chunk: "param", "grad", "master", "exp_avg", ...
+    members: list[ParamRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def param(self) -> Chunk:
+        return self.chunks["param"]
+
+    @property
+    def owned(self) -> bool:
+        return bool(self.chunks)
+
+    @property
+    def master(self) -> Chunk:
+        """The fp32 copy the optimizer updates (the parameter chunk itself in fp32)."""
+        return self.chunks.get("master", self.chunks["param"])
+
+
+class ParamStore:
+    """All chunk groups of one model and the parameters in them."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device, chunk_size: int,
+                 world: int = 1, rank: int = 0) -> None:
+        self.dtype = dtype
+        self.device = device
+        self.chunk_size = chunk_size
+        self.world, self.rank = world, rank
+        self.groups: list[ChunkGroup] = []
+        self.records: dict[nn.Parameter, ParamRecord] = {}
+        aliases = _aliases(module)
+        params = dict(module.named_parameters())
+        for layout, is_trainable in zip(layouts(module, chunk_size, world), (True, False)):
+            self._add_groups(layout, params, is_trainable, aliases)
+        self._group_of_param_chunk = {g.param.name: g for g in self.owned_groups()}
+
+    def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
+                    aliases: dict[nn.Parameter, tuple[str, ...]]) -> None:
+        prefix = "" if trainable else "frozen_"
+        for index in range(layout.num_chunks):
+            families = ["param", "grad"] + (["master"] if self.dtype != torch.float32 else [])
+            owned = index % self.world == self.rank  # other ranks' chunks have records but no storage here
+            group = ChunkGroup(index, trainable, {
+                kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype)
+                for kind in (families if trainable else ["param"]) if owned})
+            for slot in layout.members(index):
+                param = params[slot.name]
+                record = ParamRecord(slot.name, aliases[param], param, param.shape, slot, group)
+                group.members.append(record)
+                self.records[param] = record
+            self.groups.append(group)
+
+    def _chunk(self, name: str, dtype: torch.dtype) -> Chunk:
+        return Chunk(name, self.chunk_size, dtype, self.device)
+
+    def add_family(self, kind: str) -> None:
+        """Give every trainable group a zeroed fp32 chunk of `kind` (an optimizer state)."""
+        for group in self.trainable_groups():
+            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32)
+
+    def owned_groups(self) -> Iterator[ChunkGroup]:
+        """Groups whose chunks this rank stores (all of them without sharding)."""
+        return (g for g in self.groups if g.chunks)
+
+    def trainable_groups(self) -> Iterator[ChunkGroup]:
+        return (g for g in self.owned_groups() if g.trainable)
+
+    def chunks(self) -> Iterator[Chunk]:
+        return (c for g in self.groups for c in g.chunks.values())
+
+    def load_initial_values(self) -> None:
+        """Copy each parameter's current value into its chunks (skipped for meta tensors)."""
+        for group in self.owned_groups():
+            for kind in ("param", "master"):
+                if kind in group.chunks:
+                    group.chunks[kind].materialize_host()
+            for record in group.members:
+                if record.param.device.type != "meta":
+                    record.view(group.param.host).copy_(record.param.detach())
+                    if "master" in group.chunks:
+                        record.view(group.master.host).copy_(record.param.detach())
+
+    def point_views(self, chunk: Chunk) -> None:
+        """Point parameters at their chunk's device payload when resident, else at the host one."""
+        group = self._group_of_param_chunk.get(chunk.name)
+        if group is None:
+            return
+        # Pointing views moves no bytes: compute waits for an upload where it uses the chunk (Chunk's Note).
+        flat = chunk.device_unfenced if chunk.device_unfenced is not None else chunk.host_unfenced
+        for record in group.members:
+            if record.param.device.type == "meta":
+                # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
+                # object (the optimizer's and the records' key) and gives it the chunk view once.
+                torch.utils.swap_tensors(record.param, nn.Parameter(record.view(flat), record.param.requires_grad))
+            else:
+                record.param.data = record.view(flat)
+
+    def model_data_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks())
+
+
+def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[Layout, Layout]:
+    """The layouts of the trainable and of the frozen parameters, each in module order."""
+    named = list(module.named_parameters())
+    return (pack([(n, p.numel()) for n, p in named if p.requires_grad], chunk_size, multiple_of),
+            pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
+
+
+def pinned_chunks(module: nn.Module, chunk_size: int
+                  ) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
+    """The parameter chunks pinned at once at most under this chunk size, as (trainable, index), and the
+    modules that pin them (`pinned_at_once`)."""
+    trainable, frozen = layouts(module, chunk_size)
+    where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
+    name_of = {p: n for n, p in module.named_parameters()}
+    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=False)})
+
+
+def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
+    """The most parameter chunks pinned at once under this chunk size (`pinned_at_once`)."""
+    return len(pinned_chunks(module, chunk_size)[0])
+
+
+def planned_model_data_bytes(module: nn.Module, chunk_size: int, dtype: torch.dtype, states: int,
+                             world: int = 1) -> int:
+    """The bytes of chunks a ParamStore of `module` holds on each rank, with `states` optimizer-state
+    families, computed before it allocates them (its `model_data_bytes()` afterwards)."""
+    trainable, frozen = layouts(module, chunk_size, world)
+    master = 4 if dtype != torch.float32 else 0
+    per_trainable = 2 * dtype.itemsize + master + 4 * states  # param, grad, fp32 master, fp32 states
+    return (trainable.num_chunks * per_trainable + frozen.num_chunks * dtype.itemsize) * chunk_size // world
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def pinned_at_once(module: nn.Module, keys: Callable[[nn.Module], set[K]]
+                   ) -> tuple[frozenset[K], list[tuple[str, nn.Module]]]:
+    """The largest set of keys (chunks, groups) pinned at once, and the modules that pin it, outermost
+    first, by qualified name ("" for `module` itself).
+
+    A module's chunks stay pinned from its pre-hook to its post-hook, and its children run in between:
+    so what is pinned while a module runs is its own and that of every module it runs inside (a module
+    that owns parameters and calls children, as ViT's embeddings or a LoRA adapter around its base do).
+    """
+    best: tuple[frozenset[K], list[tuple[str, nn.Module]]] = (frozenset(), [])
+
+    def walk(sub: nn.Module, name: str, above: frozenset[K], chain: list[tuple[str, nn.Module]]) -> None:
+        nonlocal best
+        own = keys(sub)
+        here = above | own
+        if own - above:
+            chain = chain + [(name, sub)]
+        if len(here) > len(best[0]):
+            best = (here, chain)
+        for child_name, child in sub.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, here, chain)
+
+    walk(module, "", frozenset(), [])
+    return best
+
+
+def most_pinned(module: nn.Module, keys: Callable[[nn.Module], set[K]]) -> int:
+    """The most keys pinned at once: a module's own, and those of the modules it runs inside."""
+    return len(pinned_at_once(module, keys)[0])
+
+
+def _aliases(module: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
+    names: dict[nn.Parameter, tuple[str, ...]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names[param] = names.get(param, ()) + (name,)
+    return names

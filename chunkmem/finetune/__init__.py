@@ -1,0 +1,1 @@
+"""`chunkmem finetune`: fine-tuning a Hugging Face causal LM in chunks, and its parts."""

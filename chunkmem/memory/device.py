@@ -1,0 +1,234 @@
+"""The compute device behind one small interface: CUDA, or the CPU simulation of one (chunkmem/memory/sim.py).
+
+Everything above this interface runs unchanged in the simulation, which holds copies to CUDA's
+ordering rules, so CudaDevice is the only code CI cannot run: it is kept to the calls that have no
+CPU twin (streams, events, the caching allocator), each mirroring a method of SimulatedDevice.
+Host payloads come from a `HostPool` (chunkmem/memory/hostpool.py) on both: pinned on CUDA, its twin in
+simulation, with the same reuse, cap and fallback.
+
+[Note: tokens]
+`upload`, `download` and `collective` start work that ends later and return a token. Compute
+waits for it with `wait` (on CUDA the compute stream waits; the host does not block); the host
+with `wait_host`. Every copy is fenced after the work compute has queued when it is issued, on
+every stream, the legacy default stream included.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from chunkmem.memory import native
+from chunkmem.config import parse_size
+from chunkmem.memory.gpu_memory import allocator_fraction
+from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
+from chunkmem.memory.sim import SimulatedDevice
+
+
+class Device(Protocol):
+    torch_device: torch.device
+    host_pool: HostPool  # where host_alloc's buffers come from; its stats() go into memory_stats()
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> object:
+        """Start a host-to-device copy; returns a token for `wait`."""
+        ...
+
+    def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> object:
+        """Start a device-to-host copy; returns a token for `wait_host`."""
+        ...
+
+    def collective(self, issue: Callable[[], Any], writes: Sequence[torch.Tensor] = (),
+                   reads: Sequence[torch.Tensor] = (), label: str = "") -> object:
+        """Start the asynchronous collective `issue()` (it returns a torch.distributed Work) after the
+        work compute has queued; returns a token for `wait`. `writes`/`reads`: the tensors it fills and reads."""
+        ...
+
+    def wait(self, token: object) -> None:
+        """Make compute wait for the work behind `token`, without blocking the host."""
+        ...
+
+    def wait_host(self, token: object) -> None:
+        """Block the host until the work behind `token` is done."""
+        ...
+
+    def discard(self, token: object) -> None:
+        """Nothing will read what the copy behind `token` writes (a prefetch dropped unused), so a host write
+        into its source races with nothing that matters. Only the simulation's checker cares."""
+        ...
+
+    def limit_memory(self, owner: object, limit: int, outside: int) -> None:
+        """Hold everything `owner` (a runtime) takes from the device within `limit` bytes, of which `outside`
+        are already held outside the allocator (gpu_memory's Note on the budget)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until everything issued on the device is done."""
+        ...
+
+    def free_bytes(self) -> int: ...
+    def total_bytes(self) -> int: ...
+
+
+def cuda_index(name: str, environ: dict[str, str] | os._Environ = os.environ, count: int | None = None) -> int:
+    """The CUDA device `name` means: "cuda:N" is N; under torchrun "cuda" is LOCAL_RANK's device (ranks of
+    one node must not all land on GPU 0), else the current device."""
+    device = torch.device(name)
+    if device.index is not None:
+        return device.index
+    count = torch.cuda.device_count() if count is None else count
+    local = environ.get("LOCAL_RANK")
+    if local is None or count == 1:  # one visible GPU per process (a scheduler set CUDA_VISIBLE_DEVICES)
+        return torch.cuda.current_device() if count != 1 else 0
+    if not local.isdigit() or int(local) >= count:
+        raise ValueError(f"Config.device='cuda' under torchrun means cuda:LOCAL_RANK, but LOCAL_RANK={local!r} and "
+                         f"{count} CUDA devices are visible: pass device='cuda:N', or run at most {count} processes "
+                         "per node")
+    return int(local)
+
+
+def use_device(name: str) -> torch.device:
+    """The torch.device a Config.device string means (see `cuda_index`). A CUDA device is made current, so
+    that what uses the current device (NCCL, object collectives, allocator defaults) uses this one and
+    no rank creates a context on GPU 0."""
+    if name == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", cuda_index(name))
+    torch.cuda.set_device(device)
+    return device
+
+
+class CudaDevice:
+    """A CUDA device: pinned host payloads and copy streams fenced against the compute stream.
+
+    Uploads and downloads run on their own streams, so an eviction's copy overlaps with compute and
+    with the next upload; events are the tokens. With the copy engine built (chunkmem/memory/native.py)
+    copies go through it, into cudaHostAlloc'd host memory. Without it, the same with PyTorch.
+    """
+
+    def __init__(self, name: str, host_memory: int | None = None) -> None:
+        self.torch_device = use_device(name)
+        module = native.load_copy_engine()
+        self.engine: Any = None  # the device's CopyEngine when the extension is built
+        self.h2d_stream: torch.cuda.Stream  # uploads
+        self.d2h_stream: torch.cuda.Stream  # downloads
+        allocator: HostAllocator
+        if module is not None:
+            self.engine = native.copy_engine(self.torch_device.index)
+            allocator = EngineAllocator(module)
+            # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
+            self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
+            self.d2h_stream = torch.cuda.ExternalStream(self.engine.d2h_stream, device=self.torch_device)
+        else:
+            allocator = RegisteredAllocator()
+            self.h2d_stream = torch.cuda.Stream(self.torch_device)
+            self.d2h_stream = torch.cuda.Stream(self.torch_device)
+        self.comm_stream = torch.cuda.Stream(self.torch_device)  # ZeRO's collectives
+        self.host_pool = HostPool(allocator, host_memory, before_free=self.synchronize)
+
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_pool.tensor(numel, dtype)
+
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> object:
+        return self._copy(device, host, self.h2d_stream, device)
+
+    def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> object:
+        return self._copy(host, device.contiguous(), self.d2h_stream, device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+              device_buffer: torch.Tensor) -> object:
+        """`dst.copy_(src)` on `stream` (the engine picks its own by direction) after what compute has
+        queued: a new device buffer was allocated there, an evicted one last written there. Returns an
+        event that marks the copy's end. record_stream keeps the caching allocator from handing
+        `device_buffer` out again before the copy is done with it."""
+        compute = torch.cuda.current_stream(self.torch_device)
+        if self.engine is not None:
+            # The fence holds on every stream: cuda_stream is 0 on the legacy default stream, which is a
+            # stream like any other to the engine.
+            done = self.engine.copy([dst], [src], compute.cuda_stream)
+        else:
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+        device_buffer.record_stream(stream)
+        if src is not device_buffer and src.is_cuda:
+            src.record_stream(stream)  # the contiguous copy of a strided source
+        return done
+
+    def collective(self, issue: Callable[[], Any], writes: Sequence[torch.Tensor] = (),
+                   reads: Sequence[torch.Tensor] = (), label: str = "") -> object:
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.torch_device))
+        with torch.cuda.stream(self.comm_stream):
+            return _Collective(issue())
+
+    def wait(self, token: object) -> None:
+        compute = torch.cuda.current_stream(self.torch_device)
+        if isinstance(token, _Collective):
+            token.work.wait()  # NCCL: the current stream waits
+        elif isinstance(token, torch.cuda.Event):
+            compute.wait_event(token)
+        else:
+            token.wait(compute.cuda_stream)  # type: ignore[attr-defined]  # the engine's event
+
+    def wait_host(self, token: object) -> None:
+        if isinstance(token, _Collective):
+            token.work.wait()
+            torch.cuda.current_stream(self.torch_device).synchronize()
+        else:
+            token.synchronize()  # type: ignore[attr-defined]
+
+    def discard(self, token: object) -> None:
+        pass  # record_stream keeps the dropped buffer from reuse until the copy is done
+
+    def limit_memory(self, owner: object, limit: int, outside: int) -> None:
+        """Cap what PyTorch's caching allocator may reserve on this device (gpu_memory's Note on the budget),
+        until `owner` is gone."""
+        index = self.torch_device.index
+        budgets = _BUDGETS.setdefault(index, weakref.WeakKeyDictionary())
+        budgets[owner] = (limit, outside)
+        _apply_cap(index, self.total_bytes())
+        weakref.finalize(owner, _apply_cap, index, self.total_bytes())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.torch_device)[0]
+
+    def total_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.torch_device)[1]
+
+
+class _Collective:
+    """The token of a collective issued on the comm stream."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+
+_BUDGETS: dict[int, weakref.WeakKeyDictionary] = {}  # CUDA index -> {runtime: (device budget, bytes outside)}
+
+
+def _apply_cap(index: int, total: int) -> None:
+    """Cap the allocator on device `index` at its live runtimes' budgets; no cap once none is left."""
+    budgets = list(_BUDGETS.get(index, {}).values())
+    fraction = allocator_fraction([b for b, _ in budgets], max(o for _, o in budgets), total) if budgets else 1.0
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+
+
+def make_device(name: str, host_memory: int | str | None = None) -> Device:
+    """The device `name` ("cpu" is the simulation) pinning at most `host_memory` bytes of host buffers."""
+    limit = parse_size("host_memory", host_memory)
+    device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
+    native.report_missing(cuda=name != "cpu")
+    return device

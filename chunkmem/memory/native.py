@@ -1,0 +1,287 @@
+"""The native CPU optimizer kernel (csrc/cpu_optim.cpp): loading it, and typed wrappers around it.
+
+Why: with optimizer state on the host, the step is bound by memory bandwidth, and torch.optim makes
+several passes over each chunk (plus two cast passes in mixed precision). The kernel makes one.
+
+The extension is optional. `load()` prefers `chunkmem._C` when setup.py built it, else compiles
+csrc/cpu_optim.cpp once with torch.utils.cpp_extension into ~/.cache/chunkmem (about a minute; later
+imports reuse the build). When neither works, or CHUNKMEM_NO_NATIVE=1, it returns None and logs one
+warning: callers then use torch.optim. The wrappers check their inputs and raise ValueError naming the
+offending tensor, because the C++ side only has a terse backstop.
+
+CHUNKMEM_ISA=scalar|avx2|avx512 forces a code path (default: the widest the CPU runs), for tests and
+for comparing paths.
+
+The CUDA copy engine (csrc/copy_engine.cu: copy streams, events, batched copies, cudaHostAlloc) is
+built the same way by `load_copy_engine()`, only when torch has CUDA and nvcc is found; CudaDevice
+uses it when it loads and pure PyTorch otherwise. `report_missing()`, called when a device is made
+(at the first prepare), logs one line naming the parts that are missing and why; each part is
+reported once per process, by whichever of it and the loaders speaks first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["load", "adam_step", "sgd_step", "supported_isas", "SOURCE", "CFLAGS", "LDFLAGS", "COPY_ENGINE_SOURCE",
+           "load_copy_engine", "copy_engine", "copy_engine_nvcc_flags", "missing", "report_missing"]
+
+_log = logging.getLogger("chunkmem")
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_optim.cpp"
+COPY_ENGINE_SOURCE = SOURCE.with_name("copy_engine.cu")
+CPU_KERNEL, COPY_ENGINE = "CPU optimizer kernel", "CUDA copy engine"
+# -ffp-contract=off: the kernel fuses a multiply-add exactly where ATen does, and nowhere else, so that
+# it rounds like torch.optim. -march is deliberately absent: the file picks AVX2/AVX-512 at run time.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+
+_LOWP = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, *_LOWP)
+_missing: dict[str, str] = {}  # part -> why it is unavailable, once a loader has found out
+_reported: set[str] = set()  # parts whose absence has been logged
+
+
+def _build_directory(name: str = "cpu_optim") -> Path:
+    """One cache folder per (Python, torch) pair: an extension built against another torch won't load."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "chunkmem"
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return root / tag / name
+
+
+def _announce_build(part: str, source: Path, build_dir: Path, name: str) -> None:
+    """One line before a build that makes the caller wait a minute; none when a current build is cached."""
+    built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
+    if not built or max(built) < source.stat().st_mtime:
+        _log.warning("chunkmem: building the %s from %s (about a minute, once: cached in %s)", part, source.name,
+                     build_dir)
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"{SOURCE} is missing (chunkmem installed without its csrc/ folder)")
+    build_dir = _build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _announce_build(CPU_KERNEL, SOURCE, build_dir, "chunkmem_cpu_optim")
+    return load_extension(name="chunkmem_cpu_optim", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                          extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None (after one warning) when it is disabled or cannot be built."""
+    if os.environ.get("CHUNKMEM_NO_NATIVE") == "1":
+        _give_up(CPU_KERNEL, "disabled by CHUNKMEM_NO_NATIVE=1")
+        _log.warning("chunkmem: native CPU optimizer disabled by CHUNKMEM_NO_NATIVE=1; using torch.optim")
+        return None
+    try:
+        from chunkmem import _C  # type: ignore[attr-defined]
+
+        return _C
+    except ImportError:
+        pass
+    try:
+        return _build()
+    except Exception as exc:  # a missing compiler or header shows up as many exception types
+        _give_up(CPU_KERNEL, f"build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}")
+        _log.warning("chunkmem: could not build the native CPU optimizer (%s: %s); using torch.optim, "
+                     "which is slower. Install g++ with OpenMP and Python headers, or set "
+                     "CHUNKMEM_NO_NATIVE=1 to silence this.", type(exc).__name__, str(exc).strip()[-500:])
+        return None
+
+
+def _give_up(part: str, why: str) -> None:
+    """Record that `part` is unavailable; the caller logs it, so report_missing() will not repeat it."""
+    _missing[part] = why
+    _reported.add(part)
+
+
+# ---- the CUDA copy engine -------------------------------------------------------------------------------
+
+def _nvcc() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidate = Path(CUDA_HOME) / "bin" / "nvcc" if CUDA_HOME else None
+    return str(candidate) if candidate is not None and candidate.is_file() else shutil.which("nvcc")
+
+
+def _copy_engine_blocker() -> str | None:
+    """Why the copy engine cannot be built here, or None when it can (cheap: builds nothing)."""
+    if os.environ.get("CHUNKMEM_NO_NATIVE") == "1":
+        return "disabled by CHUNKMEM_NO_NATIVE=1"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    if _nvcc() is None:
+        return "nvcc not found: install the CUDA toolkit, or set CUDA_HOME to it"
+    return None
+
+
+def copy_engine_nvcc_flags() -> list[str]:
+    """nvcc flags that compile csrc/copy_engine.cu with its binding as the JIT build does (CI's check)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    # C++20: what torch.utils.cpp_extension compiles torch 2.13's headers with.
+    return ["-std=c++20", "-O2", "-DTORCH_EXTENSION_NAME=chunkmem_copy_engine", *COMMON_NVCC_FLAGS,
+            *(f"-I{path}" for path in includes)]
+
+
+@functools.cache
+def load_copy_engine() -> ModuleType | None:
+    """The compiled copy engine (built on first call, about a minute), or None when it cannot be."""
+    why = _copy_engine_blocker()
+    if why is None:
+        from torch.utils.cpp_extension import load as load_extension
+
+        try:
+            build_dir = _build_directory("copy_engine")
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _announce_build(COPY_ENGINE, COPY_ENGINE_SOURCE, build_dir, "chunkmem_copy_engine")
+            return load_extension(name="chunkmem_copy_engine", sources=[str(COPY_ENGINE_SOURCE)],
+                                  extra_cuda_cflags=["-O2"], build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # as in load(): compiler, header and linker failures take many forms
+            why = f"build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
+    _missing[COPY_ENGINE] = why
+    return None
+
+
+@functools.cache
+def copy_engine(device: int) -> Any:
+    """The copy engine of CUDA device `device`, or None; one per process: its streams outlive runtimes."""
+    module = load_copy_engine()
+    return None if module is None else module.CopyEngine(device)
+
+
+# ---- saying what is missing, once ---------------------------------------------------------------------
+
+def _cpu_kernel_blocker() -> str | None:
+    """Why the CPU kernel is unavailable: load()'s answer if it ran, else a cheap guess (builds nothing)."""
+    if load.cache_info().currsize:
+        return _missing.get(CPU_KERNEL)
+    if os.environ.get("CHUNKMEM_NO_NATIVE") == "1":
+        return "disabled by CHUNKMEM_NO_NATIVE=1"
+    if importlib.util.find_spec("chunkmem._C") is not None:
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    return None if shutil.which(compiler) else f"no C++ compiler {compiler!r} on PATH to build {SOURCE.name}"
+
+
+def missing() -> dict[str, str]:
+    """The native parts known to be unavailable, with why (parts not tried yet are absent)."""
+    return dict(_missing)
+
+
+def report_missing(cuda: bool) -> None:
+    """Log one line naming the native parts that are missing and why, each part once per process.
+
+    cuda: whether this run computes on CUDA. Then a missing copy engine costs speed and is a warning;
+    on the CPU simulation it is irrelevant and only informational.
+    """
+    found = {CPU_KERNEL: _cpu_kernel_blocker(), COPY_ENGINE: _missing.get(COPY_ENGINE) or _copy_engine_blocker()}
+    new = {part: why for part, why in found.items() if why is not None and part not in _reported}
+    if not new:
+        return
+    _reported.update(new)
+    # A part this run could use, and that the user did not turn off, is worth a warning; the rest is news.
+    relevant = [why for part, why in new.items() if part == CPU_KERNEL or cuda]
+    serious = any(not why.startswith("disabled") for why in relevant)
+    _log.log(logging.WARNING if serious else logging.INFO,
+             "chunkmem: running on pure PyTorch without %s",
+             "; ".join(f"the {part} ({why})" for part, why in new.items()))
+
+
+def _module() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError("chunkmem's native CPU optimizer is unavailable (see the warning logged by "
+                           "chunkmem.memory.native.load()); check `load() is not None` before calling it")
+    return module
+
+
+def supported_isas() -> list[str]:
+    """Code paths this CPU runs, narrowest first, e.g. ['scalar', 'avx2']; [] without the extension."""
+    module = load()
+    return list(module.supported_isas()) if module is not None else []
+
+
+def _isa(isa: str | None) -> str:
+    chosen = isa or os.environ.get("CHUNKMEM_ISA", "auto")
+    if chosen not in ("auto", "scalar", "avx2", "avx512"):
+        raise ValueError(f"isa={chosen!r} is not a code path; use 'auto', 'scalar', 'avx2' or 'avx512'")
+    return chosen
+
+
+def _check(name: str, t: torch.Tensor, numel: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the CPU optimizer needs host tensors")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} has shape {tuple(t.shape)} and strides {t.stride()}; pass a contiguous "
+                         f"1-D chunk (e.g. t.contiguous().view(-1))")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} is {t.dtype}; expected one of {', '.join(map(str, dtypes))}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements but master has {numel}; all must cover one chunk")
+
+
+def _check_common(master: torch.Tensor, grad: torch.Tensor, param_out: torch.Tensor | None) -> None:
+    _check("master", master, master.numel(), (torch.float32,))
+    _check("grad", grad, master.numel(), _GRAD_DTYPES)
+    if param_out is not None:
+        _check("param_out", param_out, master.numel(), _LOWP)
+
+
+def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              param_out: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float, decoupled: bool, step: int, grad_scale_inv: float = 1.0,
+              maximize: bool = False, isa: str | None = None) -> bool:
+    """One Adam (decoupled=False) or AdamW (decoupled=True) step over a chunk, in place.
+
+    master, exp_avg, exp_avg_sq: fp32; grad: fp32, bf16 or fp16, multiplied by grad_scale_inv first;
+    param_out: optional bf16/fp16 copy of the updated master. `step` counts this step (1 on the first).
+    Returns True if any scaled gradient was inf or nan; the update has been applied regardless, with
+    the non-finite values propagated as torch.optim would.
+    """
+    _check_common(master, grad, param_out)
+    _check("exp_avg", exp_avg, master.numel(), (torch.float32,))
+    _check("exp_avg_sq", exp_avg_sq, master.numel(), (torch.float32,))
+    if step < 1:
+        raise ValueError(f"step={step}; it counts steps taken including this one, so it starts at 1")
+    return bool(_module().adam_step(master, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps,
+                                    weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa)))
+
+
+def sgd_step(master: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,
+             param_out: torch.Tensor | None, *, lr: float, momentum: float, dampening: float,
+             weight_decay: float, nesterov: bool, maximize: bool, first_step: bool,
+             grad_scale_inv: float = 1.0, isa: str | None = None) -> bool:
+    """One torch.optim.SGD step over a chunk, in place; returns True if a scaled grad was inf or nan.
+
+    momentum_buf (fp32) is required exactly when momentum != 0. On first_step it is overwritten with the
+    gradient, undampened, as torch does when it creates the buffer.
+    """
+    _check_common(master, grad, param_out)
+    if (momentum_buf is None) != (momentum == 0):
+        raise ValueError(f"momentum={momentum} but momentum_buf is "
+                         f"{'missing' if momentum_buf is None else 'given'}; pass a buffer exactly "
+                         f"when momentum != 0")
+    if momentum_buf is not None:
+        _check("momentum_buf", momentum_buf, master.numel(), (torch.float32,))
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"nesterov needs momentum > 0 and dampening == 0, got momentum={momentum}, "
+                         f"dampening={dampening} (as torch.optim.SGD requires)")
+    return bool(_module().sgd_step(master, grad, momentum_buf, param_out, lr, momentum, dampening,
+                                   weight_decay, nesterov, maximize, first_step, grad_scale_inv, _isa(isa)))

@@ -1,0 +1,393 @@
+"""The CPU simulation of a compute device, held to CUDA's rules, so that CI (which has no GPU) can judge
+everything above the `Device` interface.
+
+On a GPU a copy issued on a copy stream lands at some unknown time later, and code knows it has
+landed only through an event: compute learns it by waiting on the event (`Device.wait`), the host by
+synchronising with it (`Device.wait_host`), or either through a later copy that was fenced after such
+a wait. The simulation keeps exactly that knowledge and no more:
+
+- Copies land late. A copy lands when someone learns that it has (in stream order: an upload that
+  is known to have landed implies every earlier upload has). With `CHUNKMEM_SIM_LANDING=random:SEED`
+  copies may also land at random earlier moments, still in stream order. A device buffer is NaN until
+  its upload lands (`alloc` poisons it) and a host buffer keeps its old bytes until its download
+  lands, so code that reads without waiting computes on garbage and the parity tests fail.
+- A happens-before checker (`checking()`, on for the whole test suite and, through
+  CHUNKMEM_SIM_CHECK=1, in the processes tests start) watches every ATen op. An op that touches a
+  buffer a copy may still be writing, or changes one a copy may still be reading, before the side
+  that runs the op (compute for device buffers, the host for host buffers) has learned that the copy
+  landed, raises `HazardError` naming the buffer, the copy and the op.
+
+[Note: what "knows" means]
+Copies on one stream complete in order, so knowledge is a vector: per stream, the newest copy known
+to have landed. A copy is fenced after the compute queued before it (the copy engine's fence), so
+it carries the compute knowledge of its issue time; learning of the copy teaches that too. Compute
+and the host learn separately: compute waiting on an upload tells the host nothing, which is why a
+host write into a host buffer an upload reads needs the host to have synchronised (directly, or with
+a later download fenced after compute's wait). The simulation's compute is the host's thread, so it
+cannot model a kernel running late; that is the fence's job, and every copy here carries one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import psutil
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from chunkmem.memory.hostpool import HostPool, PlainAllocator
+
+log = logging.getLogger("chunkmem")
+STREAMS = ("h2d", "d2h", "comm")
+Knowledge = dict[str, int]  # stream -> id of the newest copy known to have landed
+
+
+class HazardError(RuntimeError):
+    """An access the simulation proves would race with an asynchronous copy on a GPU (a missing fence)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Copy:
+    """An asynchronous copy (or collective) in flight, and the token `Device.wait`/`wait_host` take."""
+
+    id: int
+    stream: str
+    what: str  # "upload of param.3"
+    deps: Knowledge  # compute's knowledge when it was issued (the fence)
+    land: Callable[[], Any] | None  # moves the bytes; None once landed (or for a collective)
+    work: Any = None  # a torch.distributed Work to wait for (collectives)
+
+
+class SimulatedDevice:
+    """A device simulated in CPU memory: separate buffers, real copies, CUDA's ordering rules.
+
+    `fail_allocations` makes the next that many allocations raise torch.OutOfMemoryError, as a
+    full GPU would, so the fallback path is tested without one.
+    """
+
+    torch_device = torch.device("cpu")
+
+    def __init__(self, host_memory: int | None = None, landing: str | None = None) -> None:
+        self.fail_allocations = 0
+        self.memory_limit: int | None = None  # what limit_memory was told
+        self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
+        self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
+        self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
+        self._ids = itertools.count(1)
+        self._in_flight: list[Copy] = []  # not landed yet, oldest first
+        self._random = _landing_rng(landing if landing is not None else os.environ.get("CHUNKMEM_SIM_LANDING", "wait"))
+        if os.environ.get("CHUNKMEM_SIM_CHECK") == "1":
+            ensure_checking()
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self._tick()
+        if self.fail_allocations > 0:
+            self.fail_allocations -= 1
+            raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
+        # Fresh device memory holds garbage; NaN makes a read before the upload lands show in every result.
+        return torch.full((numel,), float("nan"), dtype=dtype) if dtype.is_floating_point else \
+            torch.empty(numel, dtype=dtype)
+
+    def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.host_pool.tensor(numel, dtype)
+
+    def free_bytes(self) -> int:
+        return psutil.virtual_memory().available
+
+    def limit_memory(self, owner: object, limit: int, outside: int) -> None:
+        """CudaDevice caps its caching allocator here; CPU memory has none, so this only records the cap."""
+        self.memory_limit = limit - outside
+
+    def total_bytes(self) -> int:
+        return psutil.virtual_memory().total
+
+    # -- copies ---------------------------------------------------------------------------------------
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> Copy:
+        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.copy_(host))
+        guard(self, copy, device, "device", write_only=False)
+        guard(self, copy, host, "host", write_only=True)
+        return copy
+
+    def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
+        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.copy_(device))
+        guard(self, copy, device, "device", write_only=True)
+        guard(self, copy, host, "host", write_only=False)
+        return copy
+
+    def collective(self, issue: Callable[[], Any], writes: Sequence[torch.Tensor] = (),
+                   reads: Sequence[torch.Tensor] = (), label: str = "") -> Copy:
+        """Start an asynchronous collective (`issue()` returns its Work); `wait` makes compute wait for it."""
+        copy = Copy(next(self._ids), "comm", label or "a collective", self._fence(), None, issue())
+        for tensor in writes:
+            guard(self, copy, tensor, "device", write_only=False)
+        for tensor in reads:
+            guard(self, copy, tensor, "device", write_only=True)
+        return copy
+
+    def wait(self, token: object) -> None:
+        """Compute waits for the copy behind `token` (the host does not learn of it)."""
+        self._finish(token)
+        self._learn(self.compute_knows, _copy(token))
+
+    def wait_host(self, token: object) -> None:
+        """The host waits until the copy behind `token` has landed."""
+        self._finish(token)
+        self._learn(self.host_knows, _copy(token))
+
+    def _finish(self, token: object) -> None:
+        work = _copy(token).work
+        if work is not None:
+            with paused():  # gloo may copy results into the outputs as part of the wait
+                work.wait()
+
+    def discard(self, token: object) -> None:
+        """The copy's result will not be read: it lands whenever it lands, and no access races with it."""
+        copy = _copy(token)
+        if _active is not None:
+            _active.forget(lambda hazard: hazard.copy is copy)
+
+    def synchronize(self) -> None:
+        """Everything issued so far has landed, and both sides know it."""
+        issued = next(self._ids)
+        everything = Copy(issued, "comm", "synchronize", dict.fromkeys(STREAMS, issued), None)
+        self._learn(self.host_knows, everything)
+        self._learn(self.compute_knows, everything)
+
+    def _fence(self) -> Knowledge:
+        """What a copy issued now is ordered after: compute's work so far, and what the host knows
+        (work issued after the host learned of a copy runs after it)."""
+        return {s: max(self.compute_knows[s], self.host_knows[s]) for s in STREAMS}
+
+    def _issue(self, stream: str, what: str, land: Callable[[], Any]) -> Copy:
+        self._tick()
+        copy = Copy(next(self._ids), stream, what, self._fence(), land)
+        self._in_flight.append(copy)
+        return copy
+
+    def _learn(self, knows: Knowledge, copy: Copy) -> None:
+        for stream in STREAMS:
+            knows[stream] = max(knows[stream], copy.deps[stream])
+        knows[copy.stream] = max(knows[copy.stream], copy.id)
+        known = self._fence()
+        self._land([c for c in self._in_flight if c.id <= known[c.stream]])
+        if _active is not None:
+            _active.forget_known(self)
+
+    def _tick(self) -> None:
+        """With random landing, some of the oldest copies of each stream land now."""
+        if self._random is None or not self._in_flight:
+            return
+        landing = []
+        for stream in STREAMS:
+            for copy in (c for c in self._in_flight if c.stream == stream):
+                if self._random.random() < 0.5:
+                    break
+                landing.append(copy)
+        self._land(landing)
+
+    def _land(self, copies: list[Copy]) -> None:
+        if not copies:
+            return
+        with paused():
+            for copy in sorted(copies, key=lambda c: c.id):
+                if copy.land is not None:
+                    copy.land()
+                    copy.land = None
+        self._in_flight = [c for c in self._in_flight if c.land is not None]
+
+    def knows(self, copy: Copy, side: str) -> bool:
+        """Whether `side` ("device": compute, which also learns what the host learns; "host") knows
+        that `copy` has landed."""
+        if self.host_knows[copy.stream] >= copy.id:
+            return True
+        return side == "device" and self.compute_knows[copy.stream] >= copy.id
+
+
+def _copy(token: object) -> Copy:
+    if not isinstance(token, Copy):
+        raise TypeError(f"expected a token of the simulated device, got {type(token).__name__}")
+    return token
+
+
+def _landing_rng(landing: str) -> random.Random | None:
+    if landing == "wait":
+        return None
+    kind, _, seed = landing.partition(":")
+    if kind != "random" or not seed.isdigit():
+        raise ValueError(f"CHUNKMEM_SIM_LANDING={landing!r}: expected 'wait' or 'random:SEED' (SEED an integer)")
+    return random.Random(int(seed))
+
+
+# -- the happens-before checker ------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class Hazard:
+    """Bytes [start, end) of a storage that a copy in flight writes (any access races) or reads
+    (only writes race), until `side` knows the copy landed."""
+
+    device: SimulatedDevice
+    copy: Copy
+    tensor: torch.Tensor  # kept alive, as record_stream keeps a GPU buffer a copy uses
+    storage: int
+    start: int
+    end: int
+    side: str  # "device" | "host"
+    write_only: bool
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the bytes a tensor can touch; None without storage."""
+    try:
+        storage = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if storage == 0 or tensor.numel() == 0:
+        return None
+    size = tensor.element_size()
+    start = int(tensor.storage_offset()) * size
+    extent = 1 + sum((int(n) - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride()))
+    return storage, start, start + extent * size
+
+
+class HazardChecker(TorchDispatchMode):
+    """Raises HazardError when an ATen op touches bytes an asynchronous copy may still be using."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hazards: dict[int, list[Hazard]] = {}  # storage address -> hazards on it
+        self.paused = 0
+        self._writes: dict[Any, tuple[tuple[str, bool], ...]] = {}  # op -> (argument, written) per argument
+
+    def add(self, hazard: Hazard) -> None:
+        self.hazards.setdefault(hazard.storage, []).append(hazard)
+
+    def forget_known(self, device: SimulatedDevice) -> None:
+        """Drop the hazards whose copies `device` now knows have landed."""
+        self.forget(lambda h: h.device is device and device.knows(h.copy, h.side))
+
+    def forget(self, done: Callable[[Hazard], bool]) -> None:
+        for storage in list(self.hazards):
+            left = [h for h in self.hazards[storage] if not done(h)]
+            if left:
+                self.hazards[storage] = left
+            else:
+                del self.hazards[storage]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.hazards and not self.paused:
+            self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _arguments(self, func: Any) -> tuple[tuple[str, bool], ...]:
+        """(name, written) of the op's arguments; none for views and metadata ops, which touch no bytes."""
+        if func not in self._writes:
+            touches = not func.is_view and func not in _METADATA
+            self._writes[func] = tuple((a.name, a.alias_info is not None and a.alias_info.is_write)
+                                       for a in func._schema.arguments) if touches else ()
+        return self._writes[func]
+
+    def _check(self, func: Any, args: tuple, kwargs: dict) -> None:
+        for index, (name, written) in enumerate(self._arguments(func)):
+            value = args[index] if index < len(args) else kwargs.get(name)
+            tensors = value if isinstance(value, (list, tuple)) else (value,)
+            for tensor in tensors:
+                if isinstance(tensor, torch.Tensor):
+                    self._check_tensor(func, tensor, written)
+
+    def _check_tensor(self, func: Any, tensor: torch.Tensor, written: bool) -> None:
+        span = _span(tensor)
+        if span is None or span[0] not in self.hazards:
+            return
+        storage, start, end = span
+        for hazard in self.hazards[storage]:
+            if start >= hazard.end or hazard.start >= end or (hazard.write_only and not written):
+                continue
+            if hazard.device.knows(hazard.copy, hazard.side):
+                continue
+            raise HazardError(_describe(func, written, hazard))
+
+
+def _describe(func: Any, written: bool, hazard: Hazard) -> str:
+    copy = hazard.copy
+    who = "compute" if hazard.side == "device" else "the host"
+    how = {("device", "h2d"): "compute must wait for the upload (Device.wait on its token) before it touches the buffer",
+           ("device", "d2h"): "compute may change a buffer a download reads only after waiting for the download",
+           ("device", "comm"): "compute must wait for the collective (Device.wait on its token) first",
+           ("host", "d2h"): "the host must wait for the download (Device.wait_host) before it touches the buffer",
+           ("host", "h2d"): "the host may change a buffer an upload reads only once it knows the upload landed "
+                            "(Device.wait_host on its token, or on a later copy fenced after it)"}
+    return (f"chunkmem simulation: {who} op {func} {'writes' if written else 'reads'} bytes "
+            f"[{hazard.start}, {hazard.end}) of a {hazard.side} buffer while the {copy.what} (copy #{copy.id} on "
+            f"the {copy.stream} stream) may still be in flight: {how.get((hazard.side, copy.stream), 'wait first')}")
+
+
+_METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default,
+             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default, torch.ops.aten.set_.source_Tensor}
+_active: HazardChecker | None = None  # the checker in force in this process, if any
+
+
+def guard(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, side: str, write_only: bool) -> None:
+    """Register the bytes of `tensor` as in use by `copy` with the active checker (if one is on)."""
+    if _active is None:
+        return
+    span = _span(tensor)
+    if span is not None:
+        _active.add(Hazard(device, copy, tensor, *span, side, write_only))
+
+
+@contextlib.contextmanager
+def checking() -> Iterator[HazardChecker]:
+    """Check every ATen op against the copies in flight for the duration (re-entrant)."""
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    checker = HazardChecker()
+    _active = checker
+    try:
+        with checker:
+            yield checker
+    finally:
+        _active = None
+
+
+def ensure_checking() -> None:
+    """Turn the checker on for the rest of this process (CHUNKMEM_SIM_CHECK=1 in a process tests start)."""
+    global _active
+    if _active is None:
+        _active = HazardChecker()
+        _active.__enter__()
+        atexit.register(_stop_checking, _active)
+
+
+def _stop_checking(checker: HazardChecker) -> None:
+    """At exit the checker lets go of the buffers (and collectives) its hazards keep alive, before
+    torch.distributed and the allocators are torn down."""
+    global _active
+    checker.hazards.clear()
+    if _active is checker:
+        _active = None
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """The simulation's own copies are not accesses by compute or host."""
+    checker = _active
+    if checker is None:
+        yield
+        return
+    checker.paused += 1
+    try:
+        yield
+    finally:
+        checker.paused -= 1

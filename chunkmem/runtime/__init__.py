@@ -1,0 +1,1 @@
+"""One prepared model's runtime: hooks into its execution, the optimizer, activations, limits."""

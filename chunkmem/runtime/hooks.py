@@ -1,0 +1,173 @@
+"""The hooks that connect a model's execution to the runtime (see runtime's Note on parameters).
+
+Installing them is the only change made to the user's modules; `remove()` takes them all off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.hooks import RemovableHandle
+
+from chunkmem.runtime.runtime import Runtime
+from chunkmem.chunks.store import ParamRecord
+
+
+_DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
+
+
+class FetchMode(TorchFunctionMode):
+    """Brings a managed parameter to the device when a torch function receives it unannounced, and
+    retries a forward op that ran out of device memory once chunks not in use have left."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
+        # parameters its module's hook already acquired; it pays one scan of its arguments.
+        params = _parameters(args, kwargs) if type(func) is not _DESCRIPTOR_CALL else None
+        records = self.runtime.unannounced(params) if params else None
+        if records:
+            self.runtime.acquire(records)
+        if func is F.batch_norm:
+            args, kwargs = _affine_like_statistics(args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            # Activations outgrew the warm-up's record: make room with the chunks nobody uses and run
+            # the op again (forward ops only: backward's kernels do not pass through this mode).
+            self.runtime.placer.out_of_memory(error)
+            return func(*args, **kwargs)
+        finally:
+            if records:
+                self.runtime.release(records)
+
+
+def _affine_like_statistics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """BatchNorm's weight and bias in the dtype of its running statistics.
+
+    Buffers keep their precision (ChunkedModel), so under a bf16/fp16 compute dtype BatchNorm gets a
+    low-precision input and weight beside fp32 running statistics. PyTorch's mixed-precision kernel
+    takes a low-precision input with fp32 statistics, weight and bias, normalises in fp32 and returns
+    the input's dtype; the cast is differentiable, so the gradient reaches the chunk in its own dtype.
+    """
+    positional = list(args)
+    given = positional[0] if positional else kwargs.get("input")
+    statistics = positional[1] if len(positional) > 1 else kwargs.get("running_mean")
+    if statistics is None or given is None or statistics.dtype == given.dtype:
+        return args, kwargs
+    for index, name in ((3, "weight"), (4, "bias")):
+        if index < len(positional):
+            positional[index] = _cast(positional[index], statistics.dtype)
+        elif name in kwargs:
+            kwargs = kwargs | {name: _cast(kwargs[name], statistics.dtype)}
+    return tuple(positional), kwargs
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
+    found = []
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, nn.Parameter):
+            found.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            found.extend(item for item in arg if isinstance(item, nn.Parameter))
+    return found
+
+
+class Hooks:
+    """Module, gradient and saved-tensor hooks of one prepared model."""
+
+    def __init__(self, module: nn.Module, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.handles: list[RemovableHandle] = []
+        self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
+        self.forwarding = False  # inside `forward()`, the model's own forward pass
+        self.outside: tuple[nn.Module, FetchMode] | None = None  # a module running outside it, and its mode
+        for sub in module.modules():
+            self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
+        for param, record in runtime.store.records.items():
+            if param.requires_grad:
+                self.handles.append(param.register_post_accumulate_grad_hook(
+                    functools.partial(self._grad_ready, record)))
+
+    def _grad_ready(self, record: ParamRecord, _param: nn.Parameter) -> None:
+        self.runtime.grad_ready(record)
+
+    def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        if not self.forwarding and self.outside is None:
+            # Backward re-computes a checkpointed module (or a module is called on its own): its ops need
+            # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
+            self.outside = (module, FetchMode(self.runtime))
+            self.outside[1].__enter__()
+        self.runtime.emit("pre_forward", "fwd", self.names[module])
+        self.runtime.acquire(self.runtime.module_records[module])
+
+    def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
+        """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
+        self.runtime.release(self.runtime.module_records[module])
+        self.runtime.emit("post_forward", "fwd", self.names[module])
+        if self.outside is not None and self.outside[0] is module:
+            mode, self.outside = self.outside[1], None
+            mode.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """The context of one forward pass of the whole model."""
+        runtime = self.runtime
+        # A forward without gradients (evaluation) is not part of the training step the plan follows.
+        runtime.placer.off_path = not torch.is_grad_enabled()
+        if runtime.shards is not None:  # nor of the order of gathers the next step follows
+            runtime.shards.off_path = runtime.placer.off_path
+        self.forwarding = True
+        try:
+            # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
+            # skips the post-forward hooks that release parameters, leaving their chunks pinned.
+            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime), \
+                    set_checkpoint_early_stop(False):
+                yield
+        finally:
+            self.forwarding = False
+            if runtime.shards is not None and runtime.shards.off_path:
+                # Nor may it leave gathered groups behind: the next step would find them and gather (and
+                # so access chunks) otherwise than the warm-up recorded.
+                runtime.shards.drop_all()
+                runtime.shards.off_path = False
+            runtime.placer.off_path = False
+            runtime.release_all()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def already_hooked(module: nn.Module) -> str | None:
+    """The name of the first submodule or parameter of `module` that another prepared model's hooks
+    manage (its parameters are views into that model's chunks), or None."""
+    def ours(hook: Any) -> bool:
+        bound = hook.func if isinstance(hook, functools.partial) else hook
+        return isinstance(getattr(bound, "__self__", None), Hooks)
+
+    for name, sub in module.named_modules():
+        if any(ours(h) for h in sub._forward_pre_hooks.values()):
+            return f"module {name or type(module).__name__}"
+    for name, param in module.named_parameters():
+        if any(ours(h) for h in (param._post_accumulate_grad_hooks or {}).values()):
+            return f"parameter {name}"
+    return None

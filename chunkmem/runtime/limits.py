@@ -1,0 +1,99 @@
+"""What prepare checks before it allocates a chunk: that the sizes asked for exist and the budgets hold.
+
+The checks work on numbers and layouts, not on chunks, so a prepare that fails has allocated
+nothing; each error names the field, the bytes needed and the limit, and what to change.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+from torch import nn
+
+from chunkmem.config import Config
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.chunks.store import pinned_chunks, planned_model_data_bytes
+
+
+def check_sizes(config: Config, device: torch.device) -> None:
+    """Config.device_memory is at most what the device has (in the simulation: this machine's RAM), and
+    Config.host_memory at most the machine's RAM."""
+    asked, host = config.device_memory, config.host_memory
+    total, what = device_total_bytes(device)
+    if asked is not None and int(asked) > total:
+        raise ValueError(f"Config.device_memory={asked} bytes ({gib(int(asked))}) is more than the device has: "
+                         f"{what} has {total} bytes ({gib(total)}): lower device_memory to at most that, or "
+                         "leave it None to use what is free")
+    ram = psutil.virtual_memory().total
+    if host is not None and int(host) > ram:
+        raise ValueError(f"Config.host_memory={host} bytes ({gib(int(host))}) is more than this machine's RAM, "
+                         f"{ram} bytes ({gib(ram)}): lower host_memory to at most that, or leave it None for "
+                         "what the machine can spare")
+
+
+def check_budgets(module: nn.Module, config: Config, size: int, world: int, states: int, limit: int) -> int:
+    """One chunk of `size` elements, the chunks pinned at once and the model data (with `states` optimizer
+    state families) fit their budgets, `limit` bytes on the device. Returns the working set: the most
+    parameter chunk bytes pinned on the device at once."""
+    chunk_bytes = size * config.torch_dtype.itemsize
+    if config.chunk_size is not None and chunk_bytes > limit:
+        largest = max((p.numel() for p in module.parameters()), default=0)
+        raise MemoryBudgetError(
+            f"Config.chunk_size={size} elements makes chunks of {chunk_bytes} bytes ({gib(chunk_bytes)} of "
+            f"{config.torch_dtype}), more than the device budget holds: {limit} bytes ({_limit_source(config)}): "
+            f"lower chunk_size (the largest parameter has {largest} elements), or leave it None to search")
+    working_set = _check_working_set(module, config, size, world, limit)
+    _check_host(config, planned_model_data_bytes(module, size, config.torch_dtype, states, world), size)
+    return working_set
+
+
+def _check_working_set(module: nn.Module, config: Config, size: int, world: int, limit: int) -> int:
+    """The most parameter chunk bytes pinned on the device at once; an error if `limit` cannot hold them.
+
+    A module's chunks are pinned while it runs, and so are those of every module it runs inside
+    (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
+    """
+    chunk_bytes = size * config.torch_dtype.itemsize
+    chunks, chain = pinned_chunks(module, size)
+    count = min(len(chunks), 1) if world > 1 else len(chunks)
+    need = count * chunk_bytes
+    if need > limit:
+        where = " inside ".join(name or "the model" for name, _ in reversed(chain))
+        raise MemoryBudgetError(
+            f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
+            f"it runs inside on the device at once: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
+            f"{_limit_source(config)} allows {limit}: raise device_memory to at least {need}, or lower "
+            f"Config.chunk_size (now {size} elements)")
+    return need
+
+
+def _check_host(config: Config, need: int, size: int) -> None:
+    """The model data fits Config.host_memory and what the machine has available now."""
+    allowed, available = config.host_memory, psutil.virtual_memory().available
+    if allowed is not None and need > int(allowed):
+        has, fixes = f"Config.host_memory allows {allowed}", ["raise host_memory"]
+    elif need > available:
+        has, fixes = f"this machine has {available} ({gib(available)}) available", []
+    else:
+        return
+    fixes += ["use a lower-precision dtype", "shard it over more ranks"]
+    if config.chunk_size is not None:
+        fixes.append("lower Config.chunk_size (chunks are allocated whole)")
+    raise MemoryBudgetError(f"model data needs {need} bytes ({gib(need)}) of host memory in chunks of {size} "
+                            f"elements, {has}: {', '.join(fixes[:-1])}, or {fixes[-1]}")
+
+
+def _limit_source(config: Config) -> str:
+    return "Config.device_memory" if config.device_memory is not None else \
+        "Config.device_memory=None: what is free on the device"
+
+
+def device_total_bytes(device: torch.device) -> tuple[int, str]:
+    """All the memory of the compute device, and what it is."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)} ({device})"
+    return psutil.virtual_memory().total, "the CPU simulation's device (this machine's RAM)"
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

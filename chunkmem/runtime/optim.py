@@ -1,0 +1,241 @@
+"""The optimizer of a prepared model: torch.optim's own update rules, applied chunk group by group.
+
+The update of each chunk group runs where its fp32 master lives (device or host), by calling
+torch.optim's functional Adam/AdamW/SGD on views into the master, gradient and state chunks. So the
+arithmetic is PyTorch's: in fp32 the result is bit-identical to the plain optimizer on that device.
+`param_groups` are the user's own dicts, so LR schedulers and manual edits take effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim.adam import adam as adam_update
+from torch.optim.sgd import sgd as sgd_update
+
+from chunkmem.memory import native
+from chunkmem.runtime.runtime import Runtime
+from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.store import ChunkGroup, ParamRecord
+
+SUPPORTED = (Adam, AdamW, SGD)
+_NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
+                 "optimizer (and its param groups) from model.parameters()")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """What an optimizer keeps per parameter and how it updates a list of them."""
+
+    states: tuple[str, ...]
+    update: Callable[[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list[torch.Tensor]], None]
+
+
+def rule_for(optimizer: Optimizer) -> Rule:
+    if type(optimizer) not in SUPPORTED:
+        names = ", ".join(f"torch.optim.{t.__name__}" for t in SUPPORTED)
+        raise TypeError(f"chunkmem cannot drive {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
+                        f"supported optimizers are {names}")
+    for group in optimizer.param_groups:
+        _check_flags(type(optimizer).__name__, group)
+    if isinstance(optimizer, SGD):
+        momentum = any(g["momentum"] for g in optimizer.param_groups)
+        return Rule(("momentum_buffer",) if momentum else (), _sgd)
+    return Rule(("exp_avg", "exp_avg_sq"), _adam)
+
+
+def _check_flags(name: str, group: dict) -> None:
+    for flag in ("amsgrad", "differentiable", "capturable"):
+        if group.get(flag):
+            raise ValueError(f"{name}({flag}=True) is not supported by chunkmem: construct the optimizer with "
+                             f"{flag}=False")
+
+
+def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
+          states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    beta1, beta2 = group["betas"]
+    adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps,
+                foreach=group.get("foreach"), fused=group.get("fused"),
+                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
+         states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    # torch.optim.SGD starts a momentum buffer as a copy of the first gradient: pass None until then.
+    buffers = states.get("momentum_buffer")
+    given: list[torch.Tensor | None] = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] \
+        if buffers else [None] * len(params)
+    sgd_update(params, grads, given, foreach=group.get("foreach"), fused=group.get("fused"),
+               weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+               dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+    for buffer, new in zip(buffers or [], given):
+        if new is not None and new.data_ptr() != buffer.data_ptr():
+            buffer.copy_(new)
+    for step in steps:
+        step += 1
+
+
+class ChunkOptimizer(Optimizer):
+    """Drop-in for the user's optimizer; its state lives in chunks, not in `self.state`."""
+
+    def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule) -> None:
+        self.runtime = runtime
+        self.rule = rule
+        self.wrapped_type = type(optimizer)
+        self.steps: dict[ParamRecord, torch.Tensor] = {}  # filled by add_param_group, which __init__ calls
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.native = native.load() if runtime.config.uses_native_optimizer else None
+        self.native_steps = 0  # chunk-group updates the native kernel made
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, before or after prepare: every parameter of the prepared model has its chunks'
+        slots for optimizer state already (trainable ones; frozen ones get no gradient to step with)."""
+        records = self.runtime.store.records
+        params = param_group["params"]
+        for param in [params] if isinstance(params, torch.Tensor) else list(params):
+            if param not in records:
+                raise ValueError(_NOT_IN_MODEL)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_flags(self.wrapped_type.__name__, group)
+            if group.get("momentum") and "momentum_buffer" not in self.rule.states:
+                raise ValueError(f"a param group with momentum={group['momentum']} was added to an SGD optimizer "
+                                 "that chunkmem.prepare laid out without momentum buffers: give the optimizer a "
+                                 "momentum group before prepare (momentum applies per group)")
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for param in group["params"]:
+            self.steps.setdefault(records[param], torch.tensor(0.0))
+
+    def group_of(self) -> dict[ParamRecord, dict]:
+        """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
+        records = self.runtime.store.records
+        out = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param not in records:
+                    raise ValueError(_NOT_IN_MODEL)
+                out[records[param]] = group
+                self.steps.setdefault(records[param], torch.tensor(0.0))
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        runtime = self.runtime
+        self._check_still_frozen()
+        inv_scale = 1.0
+        if runtime.scaler is not None:
+            scale = runtime.scaler.scale  # the factor backward put into the gradients
+            found_inf = not all(torch.isfinite(runtime.read(g.chunks["grad"])).all().item()
+                                for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
+            if runtime.shards is not None:  # every rank must skip the same steps
+                found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
+            runtime.scaler.update(found_inf)
+            if found_inf:
+                runtime.step_done()
+                return loss
+            inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
+        group_of = self.group_of()
+        for chunk_group in runtime.groups():
+            members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
+            if members:
+                runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
+                self._step_group(chunk_group, members, group_of, inv_scale)
+                if not runtime.placer.homed(chunk_group.index):
+                    runtime.placer.updated_on_host(chunk_group.param)
+                runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+        runtime.step_done()
+        return loss
+
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would
+        train nothing, silently."""
+        for record in self.runtime.store.records.values():
+            if not record.group.trainable and record.param.requires_grad:
+                raise ValueError(f"parameter {record.name} was frozen (requires_grad=False) when chunkmem.prepare "
+                                 "laid out the chunks and requires a gradient now: chunkmem keeps no gradient or "
+                                 "optimizer state for it, so it would never change. Set requires_grad before "
+                                 "prepare (prepare a fresh copy of the model to train it)")
+
+    def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
+                    group_of: dict[ParamRecord, dict], inv_scale: float) -> None:
+        runtime, on_device = self.runtime, self.runtime.placer.homed(chunk_group.index)
+        needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
+                                *(chunk_group.chunks[k] for k in self.rule.states)])
+        runtime.placer.access(list(needed), "optim", chunk_group.index)
+        uniform = self._uniform(chunk_group, members, group_of)
+        if self.native is not None and not on_device and uniform is not None:
+            self._native_step(chunk_group, members, uniform, inv_scale)
+            return
+        lowp = "master" in chunk_group.chunks
+        grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
+            chunk_group.chunks["grad"])
+        if lowp:
+            grad = grad.float().mul_(inv_scale) if inv_scale != 1.0 else grad.float()
+        master = runtime.writable(chunk_group.master, on_device)
+        states = {k: runtime.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
+        for group in {id(group_of[r]): group_of[r] for r in members}.values():
+            subset = [r for r in members if group_of[r] is group]
+            self.rule.update(group, [r.view(master) for r in subset], [r.view(grad) for r in subset],
+                             {k: [r.view(flat) for r in subset] for k, flat in states.items()},
+                             [self.steps[r] for r in subset])
+        if lowp:
+            runtime.writable(chunk_group.param, on_device).copy_(master)
+
+    def _uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
+                 group_of: dict[ParamRecord, dict]) -> dict | None:
+        """The one param group of a chunk whose parameters all step now, at one step count; else None."""
+        groups = {id(group_of[r]) for r in members}
+        steps = {self.steps[r].item() for r in members}
+        if len(members) != len(chunk_group.members) or len(groups) != 1 or len(steps) != 1:
+            return None
+        return group_of[members[0]]
+
+    def _native_step(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict,
+                     inv_scale: float) -> None:
+        """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy."""
+        runtime = self.runtime
+        grad = runtime.residency.to_host(chunk_group.chunks["grad"])
+        master = runtime.writable(chunk_group.master, False)
+        states = {k: runtime.writable(chunk_group.chunks[k], False) for k in self.rule.states}
+        param_out = runtime.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
+        step = int(self.steps[members[0]].item()) + 1
+        common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
+                      grad_scale_inv=inv_scale)
+        if self.rule.update is _adam:
+            beta1, beta2 = group["betas"]
+            native.adam_step(master, grad, states["exp_avg"], states["exp_avg_sq"], param_out, beta1=beta1,
+                             beta2=beta2, eps=group["eps"], decoupled=group.get("decoupled_weight_decay", False),
+                             step=step, **common)
+        else:
+            # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
+            buffer = states.get("momentum_buffer") if group["momentum"] else None
+            native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
+                            dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
+                            **common)
+        for record in members:
+            self.steps[record] += 1
+        self.native_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradients of this optimizer's parameters only, as torch.optim does (`model.zero_grad()`: all)."""
+        self.runtime.zero_grad(set_to_none, only=set(self.group_of()))
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("a chunkmem optimizer keeps its state in chunks: save it with "
+                                  "chunkmem.save_checkpoint(path, model, optimizer)")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError("load a chunkmem optimizer's state with chunkmem.load_checkpoint(path, model, optimizer)")

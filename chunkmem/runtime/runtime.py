@@ -1,0 +1,377 @@
+"""The chunk runtime of one model: parameters in chunks, the budget, and what hooks call into.
+
+[Note: how parameters reach the device]
+Forward: a module's pre-hook acquires its own parameters (their chunks come to the device and are
+pinned) and its post-hook releases them. A parameter used outside its module (tied weights,
+`F.linear(x, other.weight)`) is caught by `FetchMode` and held for the one op that receives it.
+Backward: autograd's saved tensors that are views into a device chunk are packed as (chunk,
+offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
+chunk may leave the device between forward and backward. An unpacked view keeps the old device
+buffer alive until the op that asked for it finishes: at most the few chunks one op reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Container, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.zero.agreement import as_agreed, check_agreed
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.config import Config
+from chunkmem.memory.device import make_device
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
+from chunkmem.chunks.layout import search_chunk_size
+from chunkmem.runtime.limits import check_budgets, check_sizes
+from chunkmem.chunks.observe import Moment, Observer, kind_of
+from chunkmem.chunks.placement import Phase, Placer
+from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
+from chunkmem.runtime.scaler import LossScaler
+from chunkmem.chunks.state import ChunkState, TensorState
+from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.zero.collectives import agree
+from chunkmem.zero.shards import Key, Shards, least_device_bytes
+
+log = logging.getLogger("chunkmem")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRef:
+    """A saved tensor that is a view into a chunk (or a gathered group), kept by address, not buffer."""
+
+    source: Chunk | Key
+    offset: int
+    size: torch.Size
+    stride: tuple[int, ...]
+
+
+class Runtime:
+    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None,
+                 fingerprints: dict[str, int] | None = None) -> None:
+        self.config = config
+        self.device = make_device(config.device, config.host_memory)
+        self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
+            if self.device.torch_device.type == "cuda" else None
+        check_sizes(config, self.device.torch_device)
+        self.limit = int(config.device_memory or self.device.free_bytes())
+        world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+        if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
+            own = fingerprints or {}
+            agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
+            self.limit = agreed[0]
+            check_agreed(own, agreed[1:])
+        state_kinds = list(state_kinds)
+        size = self._chunk_size(module, world)
+        working_set = check_budgets(module, config, size, world, len(state_kinds), self.limit)
+        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank)
+        for kind in state_kinds:
+            self.store.add_family(kind)
+        self.observers: list[Observer] = []
+        self.step_count = 0  # optimizer steps taken
+        self.moment_index = 0  # moments since the last step
+        self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
+        self.warmup = True
+        self.shards: Shards | None = None
+        self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
+                                   self.observers)
+        self.store.load_initial_values()
+        for chunk_group in self.store.owned_groups():
+            self.store.point_views(chunk_group.param)
+        self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share) \
+            if world > 1 else None
+        self._flush_queued = False
+        self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
+                               for m in module.modules()}
+        # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
+        self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
+        self.activations = ActivationMeter(config.offload_activations, self._host_like)
+        self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
+        if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
+            for chunk in self.store.chunks():
+                self.residency.to_device(chunk)
+        self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
+        self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
+        if config.device_memory is not None:  # the budget holds for what the process takes (gpu_memory's Note)
+            outside = self.gpu_memory.outside_allocator() if self.gpu_memory is not None else 0
+            self.device.limit_memory(self, self.limit, outside)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _chunk_size(self, module: nn.Module, world: int) -> int:
+        """The configured size, or the least wasteful one whose per-module working set (and, under ZeRO,
+        the fewest transient buffers) fits the budget."""
+        if self.config.chunk_size is not None:
+            return self.config.chunk_size
+        itemsize = self.config.torch_dtype.itemsize
+        return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
+                                 fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
+
+    def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host buffer for a copy of `tensor` that is not model data (offloaded activations, staged gradients):
+        tagged apart from chunk payloads in the pool (HostPool.tensor says why)."""
+        return self.device.host_pool.tensor(tensor.numel(), tensor.dtype, tag="transient").view(tensor.shape)
+
+    def nonmodel_bytes(self) -> int:
+        """Device bytes that are not chunks: allocator and driver readings on CUDA (gpu_memory.py), saved
+        activations in the simulation."""
+        if self.gpu_memory is not None:
+            transient = self.shards.live if self.shards is not None else 0  # reserved apart: not non-model data
+            return self.gpu_memory.nonmodel(self.residency.stats.device_chunk_bytes + transient)
+        return self.activations.live
+
+    # -- forward -------------------------------------------------------------------------------
+    def acquire(self, records: Iterable[ParamRecord]) -> None:
+        records = list(records)
+        for record in records:
+            record.move("acquire")
+            if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
+                record.group.param.pins += 1
+            record.uses += 1
+        if self.shards is not None:
+            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+                self.shards.pin(key)
+        else:
+            self.placer.access(list({r.group.param: None for r in records}))
+
+    def release(self, records: Iterable[ParamRecord]) -> None:
+        records = list(records)
+        for record in records:
+            record.uses -= 1
+            if record.uses == 0:
+                record.move("release")
+                if record.group.owned and self.shards is None:
+                    record.group.param.pins -= 1
+        if self.shards is not None:
+            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+                self.shards.unpin(key)
+
+    def _chunk_moved(self, chunk: Chunk) -> None:
+        """Parameters follow their chunk's payload; under ZeRO, not while they view a gathered copy."""
+        if self.shards is not None:
+            self.shards.chunk_moved(chunk)
+        else:
+            self.store.point_views(chunk)
+
+    def _bring_param(self, chunk_group: ChunkGroup, ahead: bool) -> torch.Tensor:
+        """This rank's parameter chunk of a group on the device, for a gather. A gather ahead of need is not
+        in the placer's record (zero's Note on overlap): its chunk goes to the residency directly."""
+        chunk = chunk_group.param
+        if ahead:
+            self.residency.to_device(chunk, "prefetch")
+        else:
+            self.placer.access([chunk])
+        return chunk.device  # type: ignore[return-value]  # the collective reads it: fenced
+
+    def unannounced(self, params: Iterable[nn.Parameter]) -> list[ParamRecord]:
+        """The managed parameters among `params` that no running module has acquired."""
+        records = (self.store.records.get(p) for p in params)
+        return [r for r in records if r is not None and r.state is TensorState.HOLD]
+
+    def release_all(self) -> None:
+        """After a forward, or a forward that raised: nothing stays in COMPUTE."""
+        for record in self.store.records.values():
+            if record.uses:
+                record.uses = 1
+                self.release([record])
+
+    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef:
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
+            return self.activations.wrap(tensor)
+        source: Chunk | Key | None = self.residency.by_storage.get(ptr)
+        if source is None and self.shards is not None:
+            source = self.shards.by_storage.get(ptr)
+        if source is None or tensor.dtype != self.config.torch_dtype:
+            return self.activations.wrap(tensor)
+        return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
+
+    def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
+        if not isinstance(saved, ChunkRef):
+            return saved.get(self.activations)
+        if isinstance(saved.source, Chunk):
+            self.emit("backward", "bwd", saved.source.name)
+            self.placer.access([saved.source])
+            flat = saved.source.device
+        else:
+            self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
+            flat = self.shards.gather(saved.source)  # type: ignore[union-attr]
+        return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
+
+    # -- moments ----------------------------------------------------------------------------------
+    def emit(self, name: str, stage: str, where: str) -> None:
+        """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
+        the non-model data measured now (placement.Placer.moment)."""
+        self.placer.moment()
+        self.device_bytes_peak = max(self.device_bytes_peak,
+                                     self.residency.stats.device_chunk_bytes + self.nonmodel_bytes())
+        if self.observers:
+            moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
+            for observer in self.observers:
+                observer.moment(moment)
+        self.moment_index += 1
+
+    def step_done(self) -> None:
+        if self.shards is not None:
+            self.shards.step_done()
+        self.placer.step_done()
+        self.warmup = self.placer.phase is not Phase.FOLLOW
+        self.step_count += 1
+        self.moment_index = 0
+
+    # -- backward ------------------------------------------------------------------------------
+    def grad_ready(self, record: ParamRecord) -> None:
+        """Move a fresh `param.grad` into the gradient chunk, accumulating as autograd would."""
+        grad = record.param.grad
+        record.param.grad = None
+        if grad is None:
+            return
+        if self.shards is not None:
+            record.move_grad("write")
+            self.shards.add_grad(record, grad)
+            if not self._flush_queued:  # reduce-scatters in flight finish at the end of this backward
+                self._flush_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            return
+        self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE)
+        record.move_grad("write")
+
+    def _write_grad(self, group: ChunkGroup, grad: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
+                    accumulate: bool) -> None:
+        """Write (or add) `grad` into `part` of the group's gradient chunk: on the device for groups homed
+        there, else straight to the host, where the optimizer steps: a download that backward does not
+        wait for, fenced like every copy (it lands before the host next reads the chunk)."""
+        chunk = group.chunks["grad"]
+        self.emit("grad", "bwd", chunk.name)
+        self.placer.access([chunk], "grad", group.index)
+        if self.placer.homed(group.index):
+            view = part(self.residency.to_device(chunk))
+            chunk.write_device()
+            view.add_(grad) if accumulate else view.copy_(grad)
+            return
+        self.residency.claim_host(chunk)
+        chunk.receive(self.device, grad, part, self._host_like(grad) if accumulate else None)
+        self.residency.stats.d2h_bytes += grad.nbytes
+        self.residency.stats.grad_stream_bytes += grad.nbytes
+        self.residency.report(chunk, "device", "host", grad.nbytes, 0.0, "evict")
+
+    def _add_share(self, key: Key, share: torch.Tensor) -> None:
+        """Add this rank's reduce-scattered share of a gradient group to its gradient chunk."""
+        owned = self.shards.owned(key)  # type: ignore[union-attr]
+        if owned.trainable:
+            grad = owned.chunks["grad"]
+            self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
+
+    def _flush(self) -> None:
+        """End of backward: every gradient group reduced and added to its owner's chunk."""
+        self._flush_queued = False
+        self.shards.finish_backward()  # type: ignore[union-attr]
+
+    def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
+        """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
+        optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
+        kept = False
+        for group in self.store.trainable_groups():
+            cleared = [r for r in group.members if only is None or r in only]
+            chunk = group.chunks["grad"]
+            if len(cleared) == len(group.members):
+                self.residency.reset(chunk)
+            elif cleared and chunk.state is not ChunkState.FREE:
+                flat = self.writable(chunk, chunk.state.on_device)
+                for record in cleared:
+                    record.view(flat).zero_()
+            if set_to_none:
+                for record in cleared:
+                    record.move_grad("free")
+            kept = kept or len(cleared) < len(group.members)
+        if kept and self.scaler is not None and not self.grads_scaled:
+            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
+            torch._foreach_mul_(self.grad_views(), self.scaler.scale)
+        self.grads_scaled = self.scaler is not None
+
+    # -- access to values ------------------------------------------------------------------------
+    def read(self, chunk: Chunk) -> torch.Tensor:
+        """The freshest payload of a chunk, for reading."""
+        return chunk.payload()
+
+    def writable(self, chunk: Chunk, on_device: bool) -> torch.Tensor:
+        """A payload to change in place: on the device (marked dirty) or on the host (the only copy)."""
+        if on_device:
+            flat = self.residency.to_device(chunk)
+            chunk.write_device()
+            return flat
+        return self.residency.host_for_write(chunk)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Gradient views of this rank's parameters that have one, in model order (norms, clipping)."""
+        return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
+                for r in self.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned]
+
+    def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
+        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""
+        out = {}
+        for group in self.store.groups:
+            if group.owned and (kind == "master" or group.trainable):
+                chunk = group.master if kind == "master" else group.chunks[kind]
+                flat = self.read(chunk).detach().to("cpu", torch.float32)
+                out.update({r: r.view(flat).clone() for r in group.members})
+        if self.shards is None:
+            return out
+        for key, groups in sorted(self.shards.members.items()):
+            owned = self.shards.owned(key)
+            if kind != "master" and not owned.trainable:
+                continue
+            chunk = owned.master if kind == "master" else owned.chunks[kind]
+            full = self.shards.all_gather_flat(self.read(chunk).detach().to("cpu", torch.float32))
+            size = self.store.chunk_size
+            for position, group in enumerate(groups):
+                out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
+        return out
+
+    def fp32_value(self, record: ParamRecord) -> torch.Tensor:
+        return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
+
+    def set_value(self, record: ParamRecord, value: torch.Tensor) -> None:
+        if value.shape != record.shape:
+            raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(record.shape)}")
+        for kind in ("master", "param"):  # another rank's parameter has no chunk here: nothing to do
+            chunk = record.group.chunks.get(kind)
+            if chunk is not None:
+                record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = dataclasses.asdict(self.residency.stats)
+        stats["activation_offload_bytes"] = self.activations.offload_bytes
+        stats.update(self.device.host_pool.stats())
+        if self.shards is not None:
+            stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes,
+                         gathered_bytes_peak=self.shards.gathered_peak, transient_bytes_peak=self.shards.live_peak,
+                         transient_reserved_bytes=self.shards.reserved)
+        stats.update(device_limit_bytes=self.limit, device_bytes_peak=self.device_bytes_peak,
+                     model_data_bytes=self.store.model_data_bytes(),
+                     chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
+        return stats
+
+    def model_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device and host.
+
+        Every chunk keeps a host payload (the device copy is a cache), so the host side is constant.
+        """
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+        for chunk in self.store.chunks():
+            kind = kind_of(chunk.name)
+            out["host"][kind] = out["host"].get(kind, 0) + chunk.nbytes
+            if chunk.state.on_device:
+                out["device"][kind] = out["device"].get(kind, 0) + chunk.nbytes
+        return out
+
+    def groups(self) -> list[ChunkGroup]:
+        return list(self.store.trainable_groups())
+

@@ -1,0 +1,204 @@
+"""The CUDA path on a real device: parity with plain PyTorch, the budget against what the process really
+reserves, and the copy fences on the default and on a non-default stream. Skipped without CUDA.
+
+`chunkmem selftest` runs the same checks and more (bandwidth, the sanitizer, overlap) in one command.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
+
+import chunkmem
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+
+
+@pytest.fixture
+def deterministic():
+    """Atomics-free kernels, so two runs of the same math agree bit for bit."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def _plain_cuda(batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    plain = tiny_gpt2().cuda()
+    losses = train(plain, adamw(plain.parameters()), [b.cuda() for b in batches], gpt2_loss)
+    return losses, {k: v.cpu() for k, v in plain.state_dict().items()}
+
+
+def test_everything_on_the_device_is_bit_identical_to_plain_pytorch_on_cuda(deterministic):
+    batches = gpt2_batches(4)
+    ref_losses, ref_state = _plain_cuda(batches)
+    model = tiny_gpt2()
+    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cuda", native_optimizer=False))
+    assert train(cm, opt, batches, gpt2_loss) == ref_losses
+    state = cm.state_dict()
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+def test_streaming_tracks_plain_cuda_and_the_simulation(deterministic, fraction):
+    # Streamed groups step on the host (CPU kernels): close to the GPU's update, not bit for bit.
+    batches = gpt2_batches(4)
+    ref_losses, ref_state = _plain_cuda(batches)
+    results = {}
+    for device in ("cuda", "cpu"):
+        model = tiny_gpt2()
+        cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(
+            device=device, device_memory=int(param_bytes(model) * fraction), native_optimizer=False))
+        results[device] = (train(cm, opt, batches, gpt2_loss), cm.state_dict(), cm.memory_stats())
+    for device, (losses, state, stats) in results.items():
+        assert losses == pytest.approx(ref_losses, rel=1e-5), device
+        for key, value in ref_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{device} {key}: {m}")
+        assert stats["h2d_bytes"] > 0 and stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
+def test_what_the_process_reserves_stays_within_the_budget(fraction):
+    # The budget caps the caching allocator (gpu_memory's Note): reserved memory, cached and fragmented
+    # blocks included, plus what the process holds outside the allocator, stays within device_memory.
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    model = tiny_gpt2(layers=8)
+    probe, _ = chunkmem.prepare(tiny_gpt2(layers=8), adamw(model.parameters()), chunkmem.Config(device="cpu"))
+    budget = int(probe.memory_stats()["model_data_bytes"] * fraction) + (8 << 20)  # + activations
+    del probe
+    torch.cuda.reset_peak_memory_stats()
+    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cuda", device_memory=budget))
+    train(cm, opt, gpt2_batches(4), gpt2_loss)
+    outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory else 0
+    assert torch.cuda.max_memory_reserved() - before + outside <= budget
+    assert all(c.host_unfenced.is_pinned() for c in cm.runtime.store.chunks())
+    del cm, opt
+    gc.collect()
+    beyond = torch.empty(budget + (64 << 20), dtype=torch.uint8, device="cuda")  # the cap went with the runtime
+    assert beyond.numel() > budget
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default stream", "side stream"])
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "torch"])
+def test_a_download_waits_for_kernels_queued_before_it(side_stream, engine):
+    # A slow kernel writes the buffer, then the download starts: it must see what the kernel wrote, on
+    # the legacy default stream (cuda_stream 0) as on any other.
+    from chunkmem.memory.device import CudaDevice
+
+    device = CudaDevice("cuda")
+    if not engine:
+        device.engine = None
+    elif device.engine is None:
+        pytest.skip("the copy engine is not built here")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        buffer = torch.zeros(1 << 24, device="cuda")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued before the write
+        buffer.fill_(7.0)
+        host = device.host_alloc(buffer.numel(), buffer.dtype)
+        token = device.download(buffer, host)
+    device.wait_host(token)
+    assert torch.equal(host, torch.full_like(host, 7.0))
+
+
+def test_cuda_means_this_ranks_device_and_makes_it_current():
+    from chunkmem.memory.device import CudaDevice
+
+    last = torch.cuda.device_count() - 1
+    device = CudaDevice(f"cuda:{last}")
+    assert device.torch_device.index == last == torch.cuda.current_device()
+
+
+def test_copy_engine_batched_round_trip_and_pinned_pool():
+    from chunkmem.memory import native
+    from chunkmem.memory.hostpool import EngineAllocator, HostPool, RegisteredAllocator
+
+    engine = native.copy_engine(torch.cuda.current_device())
+    if engine is None:
+        pytest.skip(f"the CUDA copy engine is not built here: {native.missing().get(native.COPY_ENGINE)}")
+    pool = HostPool(EngineAllocator(native.load_copy_engine()))
+    sizes = [1, 1000, 1 << 20, 3 * (1 << 20) + 7]  # odd sizes too: copies are byte-exact, not rounded
+    hosts = [pool.tensor(n, torch.float32).copy_(torch.randn(n)) for n in sizes]
+    assert all(h.is_pinned() for h in hosts)
+    assert pool.stats()["host_pinned_bytes"] == 4 * sum(sizes)
+    compute = torch.cuda.current_stream()
+    devices = [torch.empty(n, device="cuda") for n in sizes]
+    uploaded = engine.copy(devices, hosts, compute.cuda_stream)  # one call for the whole list
+    uploaded.wait(compute.cuda_stream)  # compute reads the chunks only after the copies
+    doubled = [d * 2 for d in devices]
+    backs = [pool.tensor(n, torch.float32) for n in sizes]
+    downloaded = engine.copy(backs, doubled, compute.cuda_stream)
+    downloaded.synchronize()
+    assert downloaded.query()
+    for host, back in zip(hosts, backs):
+        assert torch.equal(back, host * 2)
+    address = hosts[2].data_ptr()
+    del hosts
+    assert pool.tensor(1 << 20, torch.float32).data_ptr() == address  # the freed block, same size
+    with pytest.raises(RuntimeError, match="direction"):
+        engine.copy([devices[0]], [devices[0]], compute.cuda_stream)
+    with pytest.raises(RuntimeError, match="bytes"):
+        engine.copy([devices[0]], [backs[1]], compute.cuda_stream)
+
+    registered = HostPool(RegisteredAllocator())  # the route without the extension: cudaHostRegister
+    small = [registered.tensor(100, torch.float32) for _ in range(3)]  # would share pages if not page-aligned
+    buffer = registered.tensor(1000, torch.float32).copy_(torch.arange(1000.0))
+    assert buffer.is_pinned() and all(s.is_pinned() for s in small)
+    assert torch.equal(buffer.cuda(non_blocking=True).cpu(), torch.arange(1000.0))
+    torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind for the next kernel launch to report
+
+
+def test_training_under_the_cuda_sanitizer_reports_no_race(tmp_path):
+    # PyTorch's CUDA sanitizer checks every stream access torch sees; the copy engine's own copies are
+    # invisible to it, so this run takes the torch route for copies (CHUNKMEM_NO_NATIVE=1).
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, chunkmem\n"
+        "from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train\n"
+        "for fraction in (None, 0.5, 0.25):\n"
+        "    model = tiny_gpt2()\n"
+        "    budget = None if fraction is None else int(param_bytes(model) * fraction)\n"
+        "    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),\n"
+        "                               chunkmem.Config(device='cuda', device_memory=budget))\n"
+        "    train(cm, opt, gpt2_batches(3), gpt2_loss)\n"
+        "    cm.state_dict()\n"
+        "torch.cuda.synchronize()\n")
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", CHUNKMEM_NO_NATIVE="1",
+               PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "CSAN" not in done.stderr, done.stderr[-4000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_process_on_its_own_gpu_creates_no_context_on_gpu_0(tmp_path):
+    # A guard that restores "device 0" by cudaSetDevice creates a context there (about half a GiB) for every
+    # rank on another GPU; the copy engine uses torch's guard, which does not.
+    pytest.importorskip("pynvml")
+    script = tmp_path / "other_gpu.py"
+    script.write_text(
+        "import os, pynvml, torch, chunkmem\n"
+        "from chunkmem.memory.gpu_memory import nvml_uuid\n"
+        "from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train\n"
+        "model = tiny_gpt2()\n"
+        "cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(\n"
+        "    device='cuda:1', device_memory=param_bytes(model) * 2))\n"
+        "train(cm, opt, gpt2_batches(2), gpt2_loss)\n"
+        "torch.cuda.synchronize('cuda:1')\n"
+        "pynvml.nvmlInit()\n"
+        "handle = pynvml.nvmlDeviceGetHandleByUUID(nvml_uuid(torch.device('cuda', 0)))\n"
+        "pids = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]\n"
+        "print('context on gpu 0' if os.getpid() in pids else 'clean')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("clean"), done.stdout + done.stderr[-3000:]

@@ -1,0 +1,34 @@
+"""Which device a Config names, and the device layer's parts that run without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkmem.memory.device import cuda_index, make_device, use_device
+from chunkmem.memory.sim import SimulatedDevice
+
+
+@pytest.mark.parametrize("name,env,count,expected", [
+    ("cuda:5", {"LOCAL_RANK": "1"}, 8, 5),  # an explicit index wins
+    ("cuda", {"LOCAL_RANK": "3"}, 8, 3),  # under torchrun each rank of a node gets its own GPU
+    ("cuda", {"LOCAL_RANK": "3"}, 1, 0),  # a scheduler left one GPU visible to this process
+])
+def test_cuda_means_the_local_ranks_gpu_under_torchrun(name, env, count, expected):
+    assert cuda_index(name, env, count) == expected
+
+
+def test_cuda_without_torchrun_is_the_current_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert cuda_index("cuda", {}, 4) == 2
+
+
+def test_more_ranks_per_node_than_gpus_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='4' and 4 CUDA devices are visible: pass device='cuda:N'"):
+        cuda_index("cuda", {"LOCAL_RANK": "4"}, 4)
+
+
+def test_cpu_is_the_simulation():
+    assert use_device("cpu") == torch.device("cpu")
+    device = make_device("cpu", "1GiB")
+    assert isinstance(device, SimulatedDevice) and device.host_pool.limit == 2**30

@@ -1,0 +1,107 @@
+"""The CUDA non-model reading, with the allocator and NVML replaced by fakes (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from chunkmem.memory import gpu_memory
+from chunkmem.memory.gpu_memory import DeviceMemory
+
+MiB = 2**20
+
+
+UUIDS = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]  # NVML's order: the machine's
+VISIBLE = [2, 0]  # CUDA_VISIBLE_DEVICES=2,0: torch's cuda:0 is NVML's device 2
+
+
+class FakeNvml:
+    """pynvml's calls that DeviceMemory makes. This process uses `used` bytes on NVML device `ours` only
+    (`used=None`: NVML does not list it), so reading the wrong device reads nothing."""
+
+    def __init__(self, used: int | None, fail: bool = False, ours: int = VISIBLE[0]) -> None:
+        self.used, self.fail, self.ours, self.queries = used, fail, ours, 0
+
+    def nvmlInit(self) -> None:
+        if self.fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> int:
+        return UUIDS.index(uuid)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # NVML's numbering, not CUDA_VISIBLE_DEVICES'
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
+        self.queries += 1
+        others = [types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=999 * MiB)]
+        mine = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)] \
+            if self.used is not None and handle == self.ours else []
+        return others + mine
+
+
+@pytest.fixture
+def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    readings = {"allocated": 700 * MiB, "reserved": 900 * MiB}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: readings["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: readings["reserved"])
+    # torch reports UUIDs without NVML's "GPU-" prefix, numbered as CUDA_VISIBLE_DEVICES renumbers devices.
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: types.SimpleNamespace(uuid=UUIDS[VISIBLE[index]].removeprefix("GPU-")))
+    return readings
+
+
+def test_nonmodel_is_allocated_minus_chunks_plus_memory_outside_the_allocator(allocator: dict[str, int]) -> None:
+    nvml = FakeNvml(used=1400 * MiB)  # 500 MiB beyond what PyTorch reserved: context and workspaces
+    memory = DeviceMemory(torch.device("cuda", 0), nvml)
+    assert memory.nonmodel(chunk_bytes=200 * MiB) == (700 - 200) * MiB + 500 * MiB
+
+
+def test_without_nvml_only_the_allocator_counts(allocator: dict[str, int]) -> None:
+    assert DeviceMemory(torch.device("cuda", 0), None).nonmodel(chunk_bytes=200 * MiB) == 500 * MiB
+
+
+def test_the_driver_reading_is_refreshed_at_most_every_refresh_interval(allocator: dict[str, int],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(gpu_memory.time, "monotonic", lambda: clock[0])
+    nvml = FakeNvml(used=1000 * MiB)
+    memory = DeviceMemory(torch.device("cuda", 0), nvml)
+    assert memory.outside_allocator() == 100 * MiB
+    nvml.used = 1300 * MiB
+    allocator["allocated"] = 800 * MiB  # the allocator is read every time
+    assert memory.nonmodel(0) == 800 * MiB + 100 * MiB and nvml.queries == 1
+    clock[0] += gpu_memory.REFRESH_S
+    assert memory.outside_allocator() == 400 * MiB and nvml.queries == 2
+
+
+def test_an_nvml_failure_falls_back_to_the_allocator_with_a_log_line(allocator: dict[str, int],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None, fail=True))
+    with caplog.at_level("INFO", logger="chunkmem"):
+        assert memory.nonmodel(chunk_bytes=0) == 700 * MiB
+    assert memory.nvml is None and "NVML cannot read" in caplog.text
+
+
+def test_a_process_nvml_does_not_list_counts_nothing_outside(allocator: dict[str, int]) -> None:
+    # In a container with its own PID namespace NVML lists host PIDs: ours is absent.
+    memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None))
+    assert memory.outside_allocator() == 0 and memory.nvml is not None
+
+
+def test_nvml_reads_the_device_torch_means_under_cuda_visible_devices(allocator: dict[str, int]) -> None:
+    # torch's cuda:0 is NVML's device 2 here; reading NVML's device 0 (its own numbering) sees nothing of ours.
+    assert DeviceMemory(torch.device("cuda", 0), FakeNvml(used=1400 * MiB)).outside_allocator() == 500 * MiB
+    assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB, ours=0)).outside_allocator() == 500 * MiB
+    assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB)).outside_allocator() == 0
+
+
+def test_the_allocator_cap_is_the_budgets_less_memory_outside_the_allocator() -> None:
+    assert gpu_memory.allocator_fraction([40 * MiB], 8 * MiB, 80 * MiB) == pytest.approx(0.4)
+    assert gpu_memory.allocator_fraction([40 * MiB, 30 * MiB], 0, 80 * MiB) == pytest.approx(70 / 80)
+    assert gpu_memory.allocator_fraction([100 * MiB], 0, 80 * MiB) == 1.0
+    with pytest.raises(ValueError, match=r"device budget \(8388608 bytes\) is less than the 16777216 bytes"):
+        gpu_memory.allocator_fraction([8 * MiB], 16 * MiB, 80 * MiB)

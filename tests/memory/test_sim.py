@@ -1,0 +1,131 @@
+"""The simulated device holds copies to CUDA's rules: they land late, and an access that a missing fence
+would leave racing on a GPU raises, naming the buffer, the copy and the op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkmem.memory import sim
+from chunkmem.memory.sim import HazardError, SimulatedDevice
+
+
+def pair(dev: SimulatedDevice, value: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    host = dev.host_alloc(8, torch.float32).fill_(value)
+    return host, dev.alloc(8, torch.float32)
+
+
+def test_an_upload_lands_only_when_compute_waits_for_it():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    token = dev.upload(host, device, "param.0")
+    with sim.paused():
+        assert device.isnan().all(), "fresh device memory is poison until the upload lands"
+    dev.wait(token)
+    assert torch.equal(device, host)
+
+
+@pytest.mark.parametrize("op", [lambda d: d.sum(), lambda d: d.add_(1)], ids=["read", "write"])
+def test_compute_touching_an_upload_it_did_not_wait_for_raises(op):
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    dev.upload(host, device, "param.3")
+    with pytest.raises(HazardError, match=r"compute op aten\.\S+ (reads|writes) .* upload of param\.3 .*Device\.wait"):
+        op(device)
+
+
+def test_views_and_metadata_are_not_accesses():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    dev.upload(host, device)
+    view = device[2:6].view(2, 2)  # pointing parameters at a chunk moves no bytes
+    assert view.shape == (2, 2) and view.is_pinned() is False
+
+
+def test_the_host_may_not_change_an_upload_source_until_it_knows_the_upload_landed():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    token = dev.upload(host, device, "master.1")
+    host.sum()  # reading is fine: the copy only reads too
+    dev.wait(token)  # compute knows; the host does not
+    with pytest.raises(HazardError, match=r"host op .* writes .* upload of master\.1"):
+        host.fill_(0.0)
+    dev.wait_host(token)
+    host.fill_(0.0)
+
+
+def test_the_host_learns_of_an_upload_through_a_later_download_fenced_after_compute_waited():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    up = dev.upload(host, device)
+    dev.wait(up)
+    out_host, out_device = dev.host_alloc(8, torch.float32), device * 2
+    down = dev.download(out_device, out_host)  # ordered after compute, which waited for the upload
+    dev.wait_host(down)
+    host.fill_(0.0)  # so the upload has landed: no hazard
+    assert torch.equal(out_host, torch.full((8,), 6.0))
+
+
+def test_a_download_lands_when_the_host_waits_and_guards_both_ends():
+    dev = SimulatedDevice()
+    host = dev.host_alloc(8, torch.float32).zero_()
+    device = dev.alloc(8, torch.float32).fill_(5.0)
+    token = dev.download(device, host, "grad.2")
+    device.sum()  # compute may read what a download reads
+    with pytest.raises(HazardError, match=r"compute op .* writes .* download of grad\.2"):
+        device.fill_(1.0)
+    with pytest.raises(HazardError, match=r"host op .* reads .* download of grad\.2 .*wait_host"):
+        host.sum()
+    dev.wait_host(token)
+    assert torch.equal(host, torch.full((8,), 5.0))
+    device.fill_(1.0)
+
+
+def test_only_overlapping_bytes_conflict():
+    dev = SimulatedDevice()
+    host = dev.host_alloc(16, torch.float32).zero_()
+    device = dev.alloc(8, torch.float32).fill_(1.0)
+    dev.download(device, host[8:])  # a gradient landing in the second half of a chunk
+    host[:8].add_(2.0)  # the first half is free to use
+    with pytest.raises(HazardError):
+        host[4:12].sum()
+
+
+def test_discarding_a_prefetch_lets_the_host_rewrite_its_source():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    token = dev.upload(host, device)
+    dev.discard(token)  # dropped before use: whatever it copies is never read
+    host.fill_(0.0)
+
+
+def test_random_landing_lands_copies_in_stream_order_and_never_changes_results():
+    dev = SimulatedDevice(landing="random:7")
+    hosts = [dev.host_alloc(4, torch.float32).fill_(float(i)) for i in range(20)]
+    devices = [dev.alloc(4, torch.float32) for _ in hosts]
+    tokens = [dev.upload(h, d) for h, d in zip(hosts, devices)]
+    with sim.paused():
+        landed = [not d.isnan().any().item() for d in devices]
+    assert any(landed) and not all(landed), "some copies land early, some later"
+    assert landed == sorted(landed, reverse=True), "in stream order: a landed copy's predecessors landed"
+    for token, host, device in zip(tokens, hosts, devices):
+        dev.wait(token)
+        assert torch.equal(device, host)
+
+
+def test_a_bad_landing_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"CHUNKMEM_SIM_LANDING='soon': expected 'wait' or 'random:SEED'"):
+        SimulatedDevice(landing="soon")
+
+
+def test_synchronize_lands_everything_and_both_sides_know():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    dev.upload(host, device)
+    dev.synchronize()
+    host.fill_(1.0)
+    assert torch.equal(device, torch.full((8,), 3.0))
+    later_host, later_device = pair(dev, 9.0)
+    dev.upload(later_host, later_device)  # issued after the synchronize: not known yet
+    with pytest.raises(HazardError):
+        later_device.sum()

@@ -1,0 +1,181 @@
+"""The planner (chunkmem/trace/planner.py): exact model data, activations against the simulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import chunkmem
+from chunkmem.cli import main
+from chunkmem.chunks.placement import SAFETY_FRACTION
+from chunkmem.trace.planner import Request, fixes, gpt2_config, plan, spec_from_config
+from chunkmem.trace.simulate import simulate
+from tests.multiproc import run_workers
+
+MiB = 2**20
+LLAMA = Path(__file__).resolve().parents[2] / "examples" / "llama_config.json"
+
+
+def sharded_stats(rank: int, world: int, config: Any, dtype: str, budget: int) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(config)
+    prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                                   chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
+    return prepared.memory_stats()
+
+
+@pytest.mark.parametrize("dtype,world,budget", [("fp32", 1, 2 * MiB), ("bf16", 1, 600_000), ("bf16", 2, 4 * MiB)])
+def test_model_data_matches_a_prepared_model(dtype: str, world: int, budget: int) -> None:
+    from transformers import GPT2LMHeadModel
+
+    # 3 layers under ZeRO: a size that counts the world size's padding and ZeRO's buffers differs there.
+    config = gpt2_config(layers=2 if world == 1 else 3, hidden=64, vocab=320, positions=64)
+    estimate = plan(spec_from_config(config, "gpt2"), Request(budget, 2**30, dtype=dtype, world_size=world))
+    if world > 1:  # a rank's share: the layout is padded to a multiple of the world size, then split
+        assert estimate.trainable_chunks % world == 0
+        for stats in run_workers(sharded_stats, world, config, dtype, budget):
+            assert (stats["model_data_bytes"], stats["chunk_size"]) == (estimate.model_data_bytes, estimate.chunk_size)
+        return
+    model = GPT2LMHeadModel(config)
+    prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                                   chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
+    stats = prepared.memory_stats()
+    assert estimate.model_data_bytes == stats["model_data_bytes"]
+    assert estimate.chunk_size == stats["chunk_size"]
+    assert estimate.model_data_by_kind == {k: v for k, v in prepared.runtime.model_bytes()["host"].items()}
+
+
+# (layers, hidden, vocab, batch, seq, dtype, checkpointing): GPT-2-style configs across batch and sequence sizes.
+CONFIGS = [(2, 64, 128, 1, 16, "fp32", False), (2, 64, 128, 8, 64, "fp32", False), (2, 128, 256, 2, 128, "fp32", False),
+           (2, 128, 256, 4, 32, "bf16", False), (3, 128, 256, 4, 64, "fp32", True)]
+
+
+@pytest.mark.parametrize("layers,hidden,vocab,batch,seq,dtype,checkpointing", CONFIGS)
+def test_activation_estimate_within_25_percent(layers, hidden, vocab, batch, seq, dtype, checkpointing) -> None:
+    config = gpt2_config(layers, hidden, vocab, 128)
+    request = Request(8 * MiB, 2**30, batch, seq, dtype, checkpointing, attention="math", cuda=False)
+    estimate = plan(spec_from_config(config, "gpt2"), request)
+    measured = simulate(config, request, estimate)
+    assert abs(estimate.activation_forward_bytes / measured.activation_peak - 1) < 0.25
+    assert measured.model_data_bytes == estimate.model_data_bytes
+    if checkpointing:  # the forward keeps layer inputs only: far below what it keeps without checkpointing
+        plain = plan(spec_from_config(config, "gpt2"), dataclasses.replace(request, checkpointing=False))
+        assert measured.activation_peak < plain.activation_forward_bytes / 3
+
+
+@pytest.mark.parametrize("dtype,checkpointing", [("fp32", False), ("bf16", True)])
+def test_llama_activation_estimate_within_25_percent(dtype: str, checkpointing: bool) -> None:
+    config = AutoConfig.from_pretrained(LLAMA)  # gated MLP, RMS norm, grouped-query attention
+    request = Request(8 * MiB, 2**30, 2, 64, dtype, checkpointing, attention="math", cuda=False)
+    estimate = plan(spec_from_config(config, "llama"), request)
+    measured = simulate(config, request, estimate)
+    assert abs(estimate.activation_forward_bytes / measured.activation_peak - 1) < 0.25
+    assert measured.model_data_bytes == estimate.model_data_bytes
+
+
+def test_plan_command_on_a_local_directory_and_a_config(tmp_path: Path, capsys) -> None:
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    budget = 3 * MiB
+    cases = [(gpt2_config(layers=2, hidden=64, vocab=320, positions=64), "bf16"),
+             (AutoConfig.from_pretrained(LLAMA), "fp32")]
+    for index, (config, dtype) in enumerate(cases):
+        model = GPT2LMHeadModel(config) if index == 0 else AutoModelForCausalLM.from_config(config)
+        if index == 0:  # a Hugging Face directory: config.json and safetensors weights
+            model.save_pretrained(tmp_path / "gpt2")
+            target = str(tmp_path / "gpt2")
+        else:  # a bare config.json
+            target = str(LLAMA)
+        code = main(["plan", target, "--device", "cpu", "--device-memory", str(budget), "--dtype", dtype,
+                     "--batch-size", "1", "--seq-len", "16", "--json"])
+        result = json.loads(capsys.readouterr().out)
+        assert code == 0 and result["verdict"] in ("fits", "tight") and result["model"] == target
+        prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                                       chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
+        stats = prepared.memory_stats()
+        assert result["model_data_bytes"] == stats["model_data_bytes"], target
+        assert result["chunk_size"] == stats["chunk_size"]
+        assert result["margin_bytes"] == int(budget * SAFETY_FRACTION)  # --device cpu: no CUDA context margin
+
+
+def test_verdicts_binding_and_fixes() -> None:
+    spec = spec_from_config(gpt2_config(48, 1600, 50257, 1024), "gpt2")
+    big = Request(24 * 2**30, 64 * 2**30, batch_size=8, seq_len=1024)
+    estimate = plan(spec, big)
+    assert (estimate.verdict, estimate.binding) == ("does not fit", "device memory")
+    ranked = fixes(spec, big)
+    assert ranked[0][1].verdict == "fits" and "checkpointing" in ranked[0][0]
+    small_host = plan(spec, Request(80 * 2**30, 16 * 2**30, batch_size=1, seq_len=128))
+    assert (small_host.verdict, small_host.binding) == ("does not fit", "host memory")
+    roomy = plan(spec, Request(80 * 2**30, 512 * 2**30, batch_size=1, seq_len=128, checkpointing=True))
+    assert roomy.verdict == "fits"
+
+
+def test_plan_command(capsys) -> None:
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16"]
+    assert main(args + ["--json", "--device-memory", "1GiB", "--host-memory", "64GiB"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] == "fits" and result["model_data_bytes"] > 0
+    assert main(args + ["--device-memory", "1MiB"]) == 1
+    assert "verdict: does not fit (binding: device memory)" in capsys.readouterr().out
+    assert main(["plan"]) == 2
+    assert "give MODEL" in capsys.readouterr().err
+    assert main(args + ["--device-memory", "lots"]) == 2
+    assert "--device-memory='lots'" in capsys.readouterr().err
+    assert main(["plan", "/nonexistent/model"]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(args + ["--batch-size", "0"]) == 2
+
+
+def test_plan_simulate(capsys) -> None:
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
+            "--dtype", "fp32", "--device-memory", "4MiB", "--simulate", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["simulated"]["estimate_error"]) < 0.25
+    assert result["simulated"]["model_data_bytes"] == result["model_data_bytes"]
+
+
+def test_plan_and_finetune_assume_one_dtype() -> None:
+    """Issue 15, item 9: plan defaulted to bf16 while finetune trained in fp32."""
+    import argparse
+
+    from chunkmem.commands import finetune as finetune_command
+    from chunkmem.commands import plan as plan_command
+    from chunkmem.finetune.train import FinetuneConfig
+
+    defaults = set()
+    for command in (plan_command, finetune_command):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        defaults.add(parser.parse_args([]).dtype)
+    defaults |= {FinetuneConfig().dtype, chunkmem.Config(device="cpu").dtype, Request(1, 1).dtype}
+    assert defaults == {"fp32"}
+
+
+def test_host_memory_is_per_machine_when_ranks_share_one(capsys) -> None:
+    """Issue 15, item 9: "shard over 2 GPUs: host 53.88 GiB" was a rank's need on a host that holds both."""
+    spec = spec_from_config(gpt2_config(48, 1600, 50257, 1024), "gpt2")
+    tight_host = Request(80 * 2**30, 40 * 2**30, batch_size=1, seq_len=128, dtype="bf16", checkpointing=True)
+    base = plan(spec, tight_host)
+    assert base.binding == "host memory" and base.host_need_per_host == base.host_need
+    two = plan(spec, dataclasses.replace(tight_host, world_size=2))  # two ranks on this machine
+    assert two.host_need < base.host_need < two.host_need_per_host == 2 * two.host_need
+    assert not [label for label, _ in fixes(spec, tight_host) if label.startswith("shard")]  # it does not help
+    two_hosts = dataclasses.replace(tight_host, ranks_per_host=1)
+    sharded = [(label, e) for label, e in fixes(spec, two_hosts) if label.startswith("shard")]
+    assert sharded and sharded[0][1].host_need_per_host == sharded[0][1].host_need < base.host_need
+    args = ["plan", "--layers", "48", "--hidden", "1600", "--device-memory", "80GiB", "--host-memory", "64GiB",
+            "--batch-size", "1", "--seq-len", "128", "--dtype", "bf16", "--grad-ckpt", "--world-size", "2"]
+    assert main(args) == 0
+    assert "per rank" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["host_need_per_host"] == 2 * result["host_need"] and result["request"]["hosted_ranks"] == 2

@@ -1,0 +1,284 @@
+"""ZeRO data parallel on 2 and 3 gloo ranks against one process on the whole batch; the order of its
+collectives, its transient buffers within the budget, the fallback collectives, and failing ranks."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import chunkmem
+from tests.helpers import gpt2_loss, mlp, mlp_loss, tiny_gpt2, train, updates
+from tests.multiproc import run_workers
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def mlp_case(frozen: bool = False) -> torch.nn.Module:
+    model = mlp(width=32, depth=5)
+    if frozen:
+        model[2].requires_grad_(False)
+    return model
+
+
+def global_batches(kind: str, steps: int, world_batch: int = 12) -> list:
+    gen = torch.Generator().manual_seed(7)
+    if kind == "mlp":
+        return [(torch.randn(world_batch, 32, generator=gen), torch.randn(world_batch, 4, generator=gen))
+                for _ in range(steps)]
+    return [torch.randint(0, 128, (world_batch, 16), generator=gen) for _ in range(steps)]
+
+
+def shard(batch, rank: int, world: int):
+    if isinstance(batch, tuple):
+        return tuple(shard(b, rank, world) for b in batch)
+    return batch.chunk(world)[rank]
+
+
+def build(kind: str, frozen: bool) -> torch.nn.Module:
+    return mlp_case(frozen) if kind == "mlp" else tiny_gpt2()
+
+
+def worker(rank: int, world: int, kind: str, frozen: bool, accumulate: int, clip: float | None, steps: int,
+           budget_fraction: float | None) -> dict:
+    model = build(kind, frozen)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    budget = None if budget_fraction is None else int(sum(p.numel() * 4 for p in model.parameters()) * budget_fraction)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
+    loss_fn = mlp_loss if kind == "mlp" else gpt2_loss
+    local = [shard(b, rank, world) for b in global_batches(kind, steps)]
+    losses = train(cm, opt, local, loss_fn, clip=clip, accumulate=accumulate)
+    averaged = []
+    for value in losses:
+        t = torch.tensor(value, dtype=torch.float64)
+        dist.all_reduce(t)
+        averaged.append(t.item() / world)
+    return {"losses": averaged, "updates": updates(initial, cm.state_dict()), "stats": cm.memory_stats(),
+            "model_data_bytes": cm.memory_stats()["model_data_bytes"], "single": cm.runtime.shards.single}
+
+
+def single(kind: str, frozen: bool, accumulate: int, clip: float | None, steps: int) -> dict:
+    model = build(kind, frozen)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    losses = train(cm, opt, global_batches(kind, steps), mlp_loss if kind == "mlp" else gpt2_loss,
+                   clip=clip, accumulate=accumulate)
+    group_bytes = max(sum(c.nbytes for c in g.chunks.values()) for g in cm.runtime.store.groups)
+    return {"losses": losses, "updates": updates(initial, cm.state_dict()),
+            "model_data_bytes": cm.memory_stats()["model_data_bytes"], "group_bytes": group_bytes}
+
+
+def assert_matches(ref: dict, got: dict) -> None:
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    for name, update in ref["updates"].items():
+        scale = update.norm().clamp_min(1e-12)
+        assert (got["updates"][name] - update).norm() / scale < 2e-3, name
+
+
+# Budgets are fractions of the whole model's fp32 parameter bytes. At 3 ranks ZeRO's transient buffers
+# (3 chunks each) take most of them, and the chunks get less than each rank's model data.
+CASES = [  # kind, world, frozen, accumulate, clip, budget
+    ("mlp", 2, False, 1, None, None),
+    ("mlp", 3, True, 2, 0.5, 3.0),
+    ("gpt2", 2, False, 1, 1.0, None),
+    ("gpt2", 3, False, 1, None, 1.0),
+]
+
+
+def assert_within_budget(stats: dict) -> None:
+    """Chunks and transient buffers each stay within their part of the budget, so together within it."""
+    reserved, limit = stats["transient_reserved_bytes"], stats["device_limit_bytes"]
+    assert stats["transient_bytes_peak"] <= reserved
+    assert stats["gathered_bytes_peak"] <= stats["transient_bytes_peak"]
+    assert stats["device_chunk_bytes_peak"] <= limit - reserved
+
+
+@pytest.mark.parametrize("kind,world,frozen,accumulate,clip,budget", CASES)
+def test_sharded_training_equals_one_process_on_the_whole_batch(kind, world, frozen, accumulate, clip, budget):
+    steps = 4
+    ref = single(kind, frozen, accumulate, clip, steps)
+    results = run_workers(worker, world, kind, frozen, accumulate, clip, steps, budget)
+    for got in results:
+        assert_matches(ref, got)
+        assert_within_budget(got["stats"])
+        assert got["single"], "gloo in this torch has the single-tensor collectives"
+        if budget is not None:
+            assert got["stats"]["h2d_bytes"] > 0, "the budget must make chunks move"
+    # Each rank persists 1/N of the model data, give or take the rounding of the trainable and the
+    # frozen chunk counts up to a multiple of N (one chunk group each at most).
+    for got in results:
+        assert got["model_data_bytes"] <= ref["model_data_bytes"] / world + 2 * ref["group_bytes"]
+        assert got["model_data_bytes"] < ref["model_data_bytes"] / world * 2
+
+
+def save_worker(rank: int, world: int, path: str, steps: int) -> None:
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", steps)], mlp_loss)
+    chunkmem.save_checkpoint(path, cm, opt)
+
+
+def resume_worker(rank: int, world: int, path: str, steps: int) -> dict:
+    model = mlp_case()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    chunkmem.load_checkpoint(path, cm, opt)
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", steps)[steps // 2:]], mlp_loss)
+    return {"updates": updates(initial, cm.state_dict())}
+
+
+def test_checkpoint_saved_by_2_ranks_resumes_on_3(tmp_path):
+    ref = single("mlp", False, 1, None, 4)
+    run_workers(save_worker, 2, str(tmp_path / "ckpt"), 2)
+    for got in run_workers(resume_worker, 3, str(tmp_path / "ckpt"), 4):
+        for name, update in ref["updates"].items():
+            assert (got["updates"][name] - update).norm() / update.norm() < 2e-3, name
+
+
+def failing_worker(rank: int, world: int) -> None:
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    if rank == 1:
+        raise ValueError("rank 1 cannot read its data shard")
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 2)], mlp_loss)
+
+
+def test_a_failing_rank_fails_the_job_with_its_traceback_and_no_hang():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed.*ValueError: rank 1 cannot read its data shard"):
+        run_workers(failing_worker, 2, timeout=60)
+    assert time.monotonic() - start < 60
+
+
+def dying_worker(rank: int, world: int) -> None:
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    forwards = []
+
+    def die_in_second_step(*_: object) -> None:
+        forwards.append(1)
+        if len(forwards) == 2:
+            os._exit(3)
+    if rank == 1:  # dies without a word in the forward of the second step, between two collectives
+        model[4].register_forward_hook(die_in_second_step)
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 3)], mlp_loss)
+
+
+def test_a_rank_dying_silently_mid_step_is_reported_at_once():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 1 of 2 died with exit code 3"):
+        run_workers(dying_worker, 2, timeout=120)
+    assert time.monotonic() - start < 40, "noticed when the rank died, not at the deadline"
+
+
+# -- overlap ---------------------------------------------------------------------------------------
+def order_worker(rank: int, world: int) -> list:
+    """The collectives Shards issued, and the start of every Linear (logged before chunkmem's own hook)."""
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    shards = cm.runtime.shards
+    shards.log = log = []
+    for name, sub in model.named_modules():
+        if isinstance(sub, torch.nn.Linear):
+            keys = tuple(sorted({shards.key(r.group) for r in cm.runtime.module_records[sub]}))
+            sub.register_forward_pre_hook(lambda *_, entry=("module", name, keys): log.append(entry), prepend=True)
+    for step, batch in enumerate(global_batches("mlp", 3)):
+        log.append(("step", step))
+        train(cm, opt, [shard(batch, rank, world)], mlp_loss)
+    return log
+
+
+def test_after_warm_up_each_group_is_gathered_before_the_module_that_needs_it_starts():
+    logs = run_workers(order_worker, 2)
+    assert logs[0] == logs[1], "every rank issues the same collectives in the same order"
+    steady = logs[0][logs[0].index(("step", 2)) + 1:]
+    issued = [(i, e[1]) for i, e in enumerate(steady) if e[0] in ("gather", "prefetch")]
+    modules = [(i, e) for i, e in enumerate(steady) if e[0] == "module"]
+    assert [e for e in steady if e[0] == "gather"] == [("gather", modules[0][1][2][0])], \
+        "only the step's first group is gathered on demand, every other one ahead of need"
+    for at, (_, name, keys) in modules[1:]:
+        for key in keys:
+            assert any(i < at and k == key for i, k in issued), f"group {key} of module {name} gathered late"
+    # Reduce-scatters run async: each is waited for later, the first while a gather ahead starts.
+    for i, entry in enumerate(steady):
+        if entry[0] == "reduce_scatter":
+            assert ("reduced", entry[1]) in steady[i + 1:]
+    first = next(i for i, e in enumerate(steady) if e[0] == "reduce_scatter")
+    assert steady[first + 1][0] == "prefetch"
+
+
+# -- transient buffers -----------------------------------------------------------------------------
+CHUNK = 1056  # elements: one Linear(32, 32) per chunk, 6 chunks, 3 groups of 2 chunks at 2 ranks
+WORLD1_BUDGET = 3 * CHUNK * 4  # three chunks: plenty for one process, too little for ZeRO's buffers
+
+
+def budget_worker(rank: int, world: int) -> dict:
+    try:
+        model = mlp_case()
+        chunkmem.prepare(model, ADAMW(model.parameters()),
+                         chunkmem.Config(device="cpu", device_memory=WORLD1_BUDGET, chunk_size=CHUNK))
+        message = ""
+    except chunkmem.MemoryBudgetError as error:
+        message = str(error)
+    found = re.search(r"raise device_memory to at least (\d+)", message)
+    need = int(found.group(1)) if found else 0
+    model = mlp_case()  # the least budget that fits: the smallest buffer pool, room for one chunk
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
+                               chunkmem.Config(device="cpu", device_memory=need, chunk_size=CHUNK))
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 4)], mlp_loss)
+    return {"message": message, "need": need, "stats": cm.memory_stats(), "updates": updates(initial, cm.state_dict())}
+
+
+def test_zero_buffers_are_charged_to_the_device_budget():
+    model = mlp_case()
+    chunkmem.prepare(model, ADAMW(model.parameters()),  # one process: fits
+                     chunkmem.Config(device="cpu", device_memory=WORLD1_BUDGET, chunk_size=CHUNK))
+    ref = single("mlp", False, 1, None, 4)
+    for got in run_workers(budget_worker, 2):
+        assert re.search(rf"ZeRO over 2 ranks needs .* \d+ bytes, plus \d+ bytes of chunks, but "
+                         rf"Config.device_memory allows {WORLD1_BUDGET}: raise device_memory", got["message"])
+        stats = got["stats"]
+        assert got["need"] > WORLD1_BUDGET and stats["device_limit_bytes"] == got["need"]
+        assert_within_budget(stats)
+        assert stats["transient_bytes_peak"] > 0 and stats["h2d_bytes"] > 0
+        assert stats["device_chunk_bytes_peak"] + stats["transient_bytes_peak"] <= stats["device_limit_bytes"]
+        for name, update in ref["updates"].items():
+            assert (got["updates"][name] - update).norm() / update.norm() < 2e-3, name
+
+
+# -- backends without the single-tensor collectives ----------------------------------------------------
+def list_collectives_worker(rank: int, world: int, *args) -> dict:
+    chunkmem.zero.shards.single_tensor_collectives = lambda group, device: False  # as on a backend that lacks them
+    return worker(rank, world, *args)
+
+
+def test_the_all_gather_and_all_reduce_fallback_trains_like_one_process():
+    ref = single("gpt2", False, 1, 1.0, 3)
+    for got in run_workers(list_collectives_worker, 2, "gpt2", False, 1, 1.0, 3, None):
+        assert not got["single"]
+        assert_matches(ref, got)
+
+
+def unwaited_collectives_worker(rank: int, world: int) -> None:
+    """ZeRO with compute never waiting for its collectives: the checker must stop the first read."""
+    from chunkmem.memory.sim import SimulatedDevice
+
+    original = SimulatedDevice.wait
+
+    def wait(self: SimulatedDevice, token: object) -> None:
+        if getattr(token, "stream", None) != "comm":
+            original(self, token)
+
+    SimulatedDevice.wait = wait  # type: ignore[method-assign]
+    worker(rank, world, "mlp", False, 1, None, 2, None)
+
+
+def test_a_collective_compute_does_not_wait_for_is_caught():
+    with pytest.raises(AssertionError, match=r"HazardError: chunkmem simulation: compute op .* (all-gather|reduce-scatter)"):
+        run_workers(unwaited_collectives_worker, 2, timeout=60)
