@@ -4,6 +4,7 @@ import os as _os
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
+from chunkmem.version import __version__
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.pipeline import Pipeline, pipeline
 from chunkmem.trace import annotate, trace
@@ -11,7 +12,6 @@ from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
 __all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "Pipeline", "annotate", "load_checkpoint",
            "pipeline", "prepare", "save_checkpoint", "trace"]
-__version__ = "0.1.0"
 
 if _os.environ.get("CHUNKMEM_TRACE", "") not in ("", "0"):  # tracing with no code change (chunkmem/trace/autoattach.py)
     from chunkmem.trace.autoattach import install_from_env as _install_trace

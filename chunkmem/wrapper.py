@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -195,12 +195,25 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     try:
         runtime = Runtime(model, config, rule.states, group, fingerprints(model, config, optimizer))
         wrapped = ChunkedModel(model, runtime)
-        return wrapped, ChunkOptimizer(runtime, optimizer, rule)
+        prepared = wrapped, ChunkOptimizer(runtime, optimizer, rule)
     except BaseException:  # SPEC: a prepare that raises leaves the model as it was
         if wrapped is not None:
             wrapped.hooks.remove()
         before.restore()
         raise
+    for watcher in _WATCHERS:
+        watcher(*prepared)
+    return prepared
+
+
+Watcher = Callable[[ChunkedModel, ChunkOptimizer], None]
+_WATCHERS: list[Watcher] = []  # told of every model prepare returns (the tracer: chunkmem/trace/api.py)
+
+
+def watch_prepare(watcher: Watcher) -> None:
+    """Call `watcher(model, optimizer)` with every pair `prepare` returns from now on (once per watcher)."""
+    if watcher not in _WATCHERS:
+        _WATCHERS.append(watcher)
 
 
 @dataclasses.dataclass(frozen=True)

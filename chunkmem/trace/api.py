@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from chunkmem.trace.plain import PlainWatcher
+from chunkmem.version import __version__
+from chunkmem.wrapper import watch_prepare
 from chunkmem.trace.recorder import Recorder, Retention
 from chunkmem.trace.schema import META_FILE, SCHEMA
 from chunkmem.trace.sources import ChunkSource, PlainSource
@@ -84,9 +86,7 @@ class Session:
             self._write_meta(world, type(getattr(model, "module", model)).__name__, config)
 
     def _write_meta(self, world: int, model_name: str, config: dict[str, Any]) -> None:
-        import chunkmem
-
-        meta = {"schema": SCHEMA, "chunkmem": chunkmem.__version__, "torch": torch.__version__,
+        meta = {"schema": SCHEMA, "chunkmem": __version__, "torch": torch.__version__,
                 "python": sys.version.split()[0], "argv": sys.argv, "world_size": world, "model": model_name,
                 "config": {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                            for k, v in config.items()},
@@ -148,10 +148,15 @@ def trace(directory: str | os.PathLike = "chunkmem-trace", model: nn.Module | No
     if model is not None:
         session.attach(model, optimizer)
     else:
-        from chunkmem.trace.autoattach import watch_prepare
-
-        watch_prepare()
+        watch_prepare(attach_to_sessions)
     return session
+
+
+def attach_to_sessions(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Hand a model `chunkmem.prepare` just returned to the active sessions that have none yet."""
+    for session in active():
+        if not session.attached:
+            session.attach(model, optimizer)
 
 
 def active() -> list[Session]:

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from chunkmem.trace.api import Session, active
+from chunkmem.trace.api import Session, attach_to_sessions
 from chunkmem.trace.recorder import Retention
+from chunkmem.wrapper import watch_prepare
 
 log = logging.getLogger("chunkmem")
 
@@ -40,27 +41,6 @@ ENV_KEEP_WARMUP = "CHUNKMEM_TRACE_KEEP_WARMUP"
 DEFAULT_DIR = "chunkmem-trace"
 
 _installed: Session | None = None
-
-
-def watch_prepare() -> None:
-    """Make `chunkmem.prepare` hand each prepared model to the active sessions (idempotent)."""
-    import chunkmem
-    import chunkmem.wrapper
-
-    if getattr(chunkmem.prepare, "_chunkmem_traced", False):
-        return
-    original = chunkmem.wrapper.prepare
-
-    @functools.wraps(original)
-    def prepare(model: nn.Module, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        prepared = original(model, optimizer, *args, **kwargs)
-        for session in active():
-            if not session.attached:
-                session.attach(prepared[0], prepared[1])
-        return prepared
-
-    prepare._chunkmem_traced = True  # type: ignore[attr-defined]
-    chunkmem.prepare = chunkmem.wrapper.prepare = prepare
 
 
 def _retention_from_env() -> Retention:
@@ -84,7 +64,7 @@ def install_from_env() -> Session | None:
     session = Session(directory, os.environ.get(ENV_LEVEL, "counters"), _retention_from_env())
     session.__enter__()
     _installed = session
-    watch_prepare()
+    watch_prepare(attach_to_sessions)
     _watch_plain(session)
     atexit.register(session.__exit__, None, None, None)
     return session

@@ -37,9 +37,9 @@ def pinned_bandwidth(mib: int) -> str:
 
 
 def describe(probe_mib: int = 256) -> dict[str, Any]:
-    import chunkmem
+    from chunkmem.version import __version__
 
-    info: dict[str, Any] = {"chunkmem": chunkmem.__version__, "python": sys.version.split()[0],
+    info: dict[str, Any] = {"chunkmem": __version__, "python": sys.version.split()[0],
                             "platform": platform.platform(), "torch": torch.__version__,
                             "cuda (torch built)": torch.version.cuda or "none"}
     for name in ("transformers", "safetensors", "matplotlib"):

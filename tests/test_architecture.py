@@ -1,0 +1,97 @@
+"""The package's layers (docs/architecture.md): every import goes down or stays within its layer, and no
+module imports itself back through others, counting the imports made inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import chunkmem
+
+PACKAGE = Path(chunkmem.__file__).resolve().parent
+LAYERS = [  # bottom first: a module imports only from its own layer and the layers below it
+    ("foundations", ["chunkmem.config", "chunkmem.errors", "chunkmem.files", "chunkmem.version"]),
+    ("memory", ["chunkmem.memory"]),
+    ("chunks", ["chunkmem.chunks"]),
+    ("zero", ["chunkmem.zero"]),
+    ("runtime", ["chunkmem.runtime"]),
+    ("public face", ["chunkmem.wrapper", "chunkmem.checkpoint"]),
+    ("applications", ["chunkmem.pipeline", "chunkmem.finetune", "chunkmem.trace", "chunkmem.commands",
+                      "chunkmem.trainer", "chunkmem.selftest", "chunkmem.cli", "chunkmem"]),
+]
+
+
+EXTENSIONS = {"chunkmem._C"}  # compiled modules setup.py may build; no Python file, no imports of their own
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if "boot" in parts:  # sitecustomize: imported by the interpreter, not by chunkmem
+            continue
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The chunkmem modules a file imports, anywhere in it but under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+                   for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("chunkmem"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name not in EXTENSIONS:
+                    out.add(name if name in known else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("chunkmem"))
+    return {m for m in out if m in known}
+
+
+def layer_of(module: str) -> int:
+    best = max(((i, prefix) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+                if module == prefix or module.startswith(prefix + ".")), key=lambda x: len(x[1]), default=None)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS (and to docs/architecture.md)"
+    return best[0]
+
+
+def test_every_import_goes_down_or_stays_in_its_layer():
+    known = modules()
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {i} ({LAYERS[layer_of(i)][0]})"
+              for m, path in known.items() for i in imports(path, known) if layer_of(i) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_itself_back():
+    known = modules()
+    graph = {m: imports(path, known) - {m} for m, path in known.items()}
+    loops = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        for target in graph[module]:
+            if target in trail:
+                loops.append(trail[trail.index(target):] + [target])
+            elif target not in done:
+                visit(target, trail + [target])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in graph:
+        if module not in done:
+            visit(module, [module])
+    assert not loops, "\n".join(" -> ".join(loop) for loop in loops)
+
+
+def test_the_layers_are_folders():
+    # The tree shows the architecture: every module under chunkmem/ sits in a layer's folder, or is one of
+    # the few top-level modules the layers name.
+    named = {p for _, prefixes in LAYERS for p in prefixes}
+    for module in modules():
+        parts = module.split(".")
+        assert len(parts) == 1 or ".".join(parts[:2]) in named, f"{module}: put it in a layer's folder"
