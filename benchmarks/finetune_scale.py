@@ -36,11 +36,11 @@ from torch import nn
 
 import chunkmem
 from benchmarks.common import table, write_json
-from chunkmem.finetune import hf
-from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.chunks.observe import Moment, Move
 from chunkmem.config import parse_size
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.chunks.observe import Moment, Move
+from chunkmem.finetune import hf
+from chunkmem.runtime.activations import ActivationMeter, Saved
 from chunkmem.trace.planner import ModelSpec, Request, meta_module, plan, shape_of
 
 WIDTHS = "128,192,256,320,384,448,512,576,640,768,1024,1280,1600,2048,2560,3072,4096,5120,6144,8192"
@@ -68,7 +68,7 @@ class DevicePeak:
         self.peak = 0
 
     def moment(self, moment: Moment) -> None:
-        held = sum(self.runtime.model_bytes()["device"].values()) + self.runtime.nonmodel_bytes()
+        held = sum(self.runtime.data.model_bytes()["device"].values()) + self.runtime.nonmodel_bytes()
         self.peak = max(self.peak, held)
 
     def moved(self, move: Move) -> None:
@@ -113,7 +113,7 @@ def randomize(model: Any) -> None:
             value = torch.randn(record.shape, generator=gen) * 0.02
         else:
             value = torch.ones(record.shape) if record.name.endswith("weight") else torch.zeros(record.shape)
-        model.runtime.set_value(record, value)
+        model.runtime.data.set_value(record, value)
 
 
 def run_chunkmem(config: Any, args: argparse.Namespace, ids: torch.Tensor) -> dict[str, Any]:

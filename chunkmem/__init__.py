@@ -4,10 +4,10 @@ import os as _os
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.config import Config
-from chunkmem.version import __version__
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.pipeline import Pipeline, pipeline
 from chunkmem.trace import annotate, trace
+from chunkmem.version import __version__
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
 __all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "Pipeline", "annotate", "load_checkpoint",

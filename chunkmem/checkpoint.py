@@ -32,11 +32,11 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.store import ParamRecord
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
 from chunkmem.runtime.optim import ChunkOptimizer
-from chunkmem.chunks.state import TensorState
-from chunkmem.chunks.store import ParamRecord
 from chunkmem.wrapper import ChunkedModel
 
 log = logging.getLogger("chunkmem")
@@ -311,7 +311,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
             chunk = record.group.chunks[kind]
             value = restore.states.get((record, kind))
             if value is not None or chunk.state is not TensorState.FREE:
-                view = record.view(runtime.writable(chunk, chunk.state.on_device))
+                view = record.view(runtime.data.writable(chunk, chunk.state.on_device))
                 view.copy_(value) if value is not None else view.zero_()
     if restore.scaler is not None and runtime.scaler is not None:
         runtime.scaler.__dict__.update(restore.scaler)
@@ -323,7 +323,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.state_dict()).items()}
     steps = _steps(optimizer)
     for kind in optimizer.rule.states:
-        for record, value in runtime.values(kind).items():
+        for record, value in runtime.data.values(kind).items():
             if steps.get(record.name, 0) > 0:
                 tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name

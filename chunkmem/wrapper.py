@@ -14,12 +14,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
-from chunkmem.zero.agreement import fingerprints
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.optim import ChunkOptimizer, rule_for
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.runtime.scaler import LossScaler
+from chunkmem.zero.agreement import fingerprints
 from chunkmem.zero.collectives import default_group
 
 
@@ -92,7 +92,7 @@ class ChunkedModel(nn.Module):
                         foreach: bool | None = None) -> torch.Tensor:
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
-        grads = runtime.grad_views()
+        grads = runtime.data.grad_views()
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
             runtime.grads_scaled = False
@@ -110,7 +110,7 @@ class ChunkedModel(nn.Module):
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
         records = self.runtime.store.records
-        by_record = self.runtime.values()  # under ZeRO a collective: every rank calls state_dict
+        by_record = self.runtime.data.values()  # under ZeRO a collective: every rank calls state_dict
         values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
         out = OrderedDict() if destination is None else destination
         for name, tensor in self.module.state_dict(keep_vars=True).items():
@@ -145,7 +145,7 @@ class ChunkedModel(nn.Module):
                 if key is None:
                     continue
                 if target in records:
-                    self.runtime.set_value(records[target], state_dict[key])
+                    self.runtime.data.set_value(records[target], state_dict[key])
                 else:
                     target.copy_(state_dict[key])
         if self.runtime.shards is not None:

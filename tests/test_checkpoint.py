@@ -110,7 +110,7 @@ def _trained(steps: int = 2):
 def _snapshot(model, opt) -> dict:
     """Everything a load could change: values, every optimizer state, step counts, group settings."""
     runtime = model.runtime
-    states = {f"{kind}/{r.name}": v for kind in opt.rule.states for r, v in runtime.values(kind).items()}
+    states = {f"{kind}/{r.name}": v for kind in opt.rule.states for r, v in runtime.data.values(kind).items()}
     return {"model": model.state_dict(), "states": states,
             "steps": {r.name: float(s) for r, s in opt.steps.items()},
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]}

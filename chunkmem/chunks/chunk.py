@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from chunkmem.memory.device import Device
-from chunkmem.errors import ChunkStateError
 from chunkmem.chunks.state import ChunkState, next_chunk_state
+from chunkmem.errors import ChunkStateError
+from chunkmem.memory.device import Device
 
 Landing = tuple[object, Callable[[], object] | None]  # a download's token, and what to do once it landed
 

@@ -16,10 +16,10 @@ from typing import Protocol
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.memory.device import Device
-from chunkmem.errors import MemoryBudgetError
 from chunkmem.chunks.observe import Move, Observer, kind_of
 from chunkmem.chunks.state import ChunkState
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory.device import Device
 
 log = logging.getLogger("chunkmem")
 

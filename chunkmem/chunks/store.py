@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.memory.device import Device
 from chunkmem.chunks.layout import Layout, Slot, pack
 from chunkmem.chunks.state import TensorState, next_tensor_state
+from chunkmem.memory.device import Device
 
 
 @dataclasses.dataclass(eq=False)

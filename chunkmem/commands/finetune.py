@@ -71,10 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `chunkmem --help` does not pay for torch and transformers.
-    from chunkmem.finetune import train as finetune
     from chunkmem.errors import CheckpointError, MemoryBudgetError
-    from chunkmem.finetune.report import summary
+    from chunkmem.finetune import train as finetune
     from chunkmem.finetune.hf import InputError
+    from chunkmem.finetune.report import summary
     from chunkmem.finetune.rundir import RunDir
 
     names = {f.name for f in finetune.dataclasses.fields(finetune.FinetuneConfig)}

@@ -195,7 +195,7 @@ def _assign(model: ChunkedModel, target: torch.Tensor, value: torch.Tensor, key:
                          f"{tuple(target.shape)}: its config.json does not match its weights")
     record = model.runtime.store.records.get(target)  # type: ignore[call-overload]
     if record is not None:
-        model.runtime.set_value(record, value)
+        model.runtime.data.set_value(record, value)
     else:
         target.copy_(value)
 
@@ -210,7 +210,7 @@ def entries(model: ChunkedModel) -> list[Entry]:
             out.append(Entry(name, tensor.shape, functools.partial(_cpu_copy, tensor)))
         elif id(record) not in seen:
             seen.add(id(record))
-            out.append(Entry(name, record.shape, functools.partial(runtime.fp32_value, record)))
+            out.append(Entry(name, record.shape, functools.partial(runtime.data.fp32_value, record)))
     return out
 
 

@@ -24,16 +24,14 @@ import torch
 from tqdm import tqdm
 
 import chunkmem
-from chunkmem.finetune import corpus
-from chunkmem.finetune import hf
-from chunkmem.finetune import lora
 from chunkmem.config import DEFAULT_DTYPE, default_device, parse_size
+from chunkmem.finetune import corpus, hf, lora
 from chunkmem.finetune.hf import InputError
-from chunkmem.finetune.report import Traffic, memory_text, warn_over_budget
 from chunkmem.finetune.interrupt import StopOnSignal
-from chunkmem.runtime.optim import ChunkOptimizer
+from chunkmem.finetune.report import Traffic, memory_text, warn_over_budget
 from chunkmem.finetune.rundir import RunDir
 from chunkmem.finetune.threads import cpu_threads, torch_threads
+from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.wrapper import ChunkedModel
 
 log = logging.getLogger("chunkmem")

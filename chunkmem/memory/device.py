@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from chunkmem.memory import native
 from chunkmem.config import parse_size
+from chunkmem.memory import native
 from chunkmem.memory.gpu_memory import allocator_fraction
 from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
 from chunkmem.memory.sim import SimulatedDevice

@@ -29,13 +29,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
+from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
 from chunkmem.memory.device import use_device
-from chunkmem.runtime.optim import ChunkOptimizer
-from chunkmem.chunks.state import TensorState
 from chunkmem.pipeline import balance as balancing
 from chunkmem.pipeline.schedule import Action, Kind
 from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, StageBody, layers_of, recv_shape, send_shape
+from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 from chunkmem.zero.collectives import default_group
 
@@ -264,7 +264,7 @@ class Pipeline:
         """This rank's stage's gradients by parameter name, fp32 on CPU (under ZeRO, its share only)."""
         model, _ = self._built()
         runtime = model.runtime
-        return {r.name: r.view(runtime.read(r.group.chunks["grad"])).detach().to("cpu", torch.float32, copy=True)
+        return {r.name: r.view(runtime.data.read(r.group.chunks["grad"])).detach().to("cpu", torch.float32, copy=True)
                 for r in runtime.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned}
 
     # -- state ---------------------------------------------------------------------------------------

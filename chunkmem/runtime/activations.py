@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-
 MIN_OFFLOAD_BYTES = 4096  # smaller tensors cost more in copies than they free
 
 

@@ -17,9 +17,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.runtime.runtime import Runtime
 from chunkmem.chunks.store import ParamRecord
-
+from chunkmem.runtime.runtime import Runtime
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 

@@ -10,9 +10,9 @@ import psutil
 import torch
 from torch import nn
 
+from chunkmem.chunks.store import pinned_chunks, planned_model_data_bytes
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.chunks.store import pinned_chunks, planned_model_data_bytes
 
 
 def check_sizes(config: Config, device: torch.device) -> None:

@@ -17,10 +17,10 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
-from chunkmem.memory import native
-from chunkmem.runtime.runtime import Runtime
 from chunkmem.chunks.state import TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
+from chunkmem.memory import native
+from chunkmem.runtime.runtime import Runtime
 
 SUPPORTED = (Adam, AdamW, SGD)
 _NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
@@ -138,7 +138,7 @@ class ChunkOptimizer(Optimizer):
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
-            found_inf = not all(torch.isfinite(runtime.read(g.chunks["grad"])).all().item()
+            found_inf = not all(torch.isfinite(runtime.data.read(g.chunks["grad"])).all().item()
                                 for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
@@ -184,15 +184,15 @@ class ChunkOptimizer(Optimizer):
             chunk_group.chunks["grad"])
         if lowp:
             grad = grad.float().mul_(inv_scale) if inv_scale != 1.0 else grad.float()
-        master = runtime.writable(chunk_group.master, on_device)
-        states = {k: runtime.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
+        master = runtime.data.writable(chunk_group.master, on_device)
+        states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
             self.rule.update(group, [r.view(master) for r in subset], [r.view(grad) for r in subset],
                              {k: [r.view(flat) for r in subset] for k, flat in states.items()},
                              [self.steps[r] for r in subset])
         if lowp:
-            runtime.writable(chunk_group.param, on_device).copy_(master)
+            runtime.data.writable(chunk_group.param, on_device).copy_(master)
 
     def _uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                  group_of: dict[ParamRecord, dict]) -> dict | None:
@@ -208,9 +208,9 @@ class ChunkOptimizer(Optimizer):
         """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy."""
         runtime = self.runtime
         grad = runtime.residency.to_host(chunk_group.chunks["grad"])
-        master = runtime.writable(chunk_group.master, False)
-        states = {k: runtime.writable(chunk_group.chunks[k], False) for k in self.rule.states}
-        param_out = runtime.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
+        master = runtime.data.writable(chunk_group.master, False)
+        states = {k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}
+        param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
         step = int(self.steps[members[0]].item()) + 1
         common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
                       grad_scale_inv=inv_scale)

@@ -21,21 +21,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chunkmem.runtime.activations import ActivationMeter, Saved
-from chunkmem.zero.agreement import as_agreed, check_agreed
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.config import Config
-from chunkmem.memory.device import make_device
-from chunkmem.errors import MemoryBudgetError
-from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.chunks.layout import search_chunk_size
-from chunkmem.runtime.limits import check_budgets, check_sizes
 from chunkmem.chunks.observe import Moment, Observer, kind_of
 from chunkmem.chunks.placement import Phase, Placer
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
-from chunkmem.runtime.scaler import LossScaler
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.config import Config
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory.device import make_device
+from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
+from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.runtime.limits import check_budgets, check_sizes
+from chunkmem.runtime.scaler import LossScaler
+from chunkmem.runtime.values import ModelData
+from chunkmem.zero.agreement import as_agreed, check_agreed
 from chunkmem.zero.collectives import agree
 from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
@@ -86,6 +87,7 @@ class Runtime:
             self.store.point_views(chunk_group.param)
         self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share) \
             if world > 1 else None
+        self.data = ModelData(self.store, self.residency, self.shards)
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
@@ -283,7 +285,7 @@ class Runtime:
             if len(cleared) == len(group.members):
                 self.residency.reset(chunk)
             elif cleared and chunk.state is not ChunkState.FREE:
-                flat = self.writable(chunk, chunk.state.on_device)
+                flat = self.data.writable(chunk, chunk.state.on_device)
                 for record in cleared:
                     record.view(flat).zero_()
             if set_to_none:
@@ -292,59 +294,8 @@ class Runtime:
             kept = kept or len(cleared) < len(group.members)
         if kept and self.scaler is not None and not self.grads_scaled:
             # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
-            torch._foreach_mul_(self.grad_views(), self.scaler.scale)
+            torch._foreach_mul_(self.data.grad_views(), self.scaler.scale)
         self.grads_scaled = self.scaler is not None
-
-    # -- access to values ------------------------------------------------------------------------
-    def read(self, chunk: Chunk) -> torch.Tensor:
-        """The freshest payload of a chunk, for reading."""
-        return chunk.payload()
-
-    def writable(self, chunk: Chunk, on_device: bool) -> torch.Tensor:
-        """A payload to change in place: on the device (marked dirty) or on the host (the only copy)."""
-        if on_device:
-            flat = self.residency.to_device(chunk)
-            chunk.write_device()
-            return flat
-        return self.residency.host_for_write(chunk)
-
-    def grad_views(self) -> list[torch.Tensor]:
-        """Gradient views of this rank's parameters that have one, in model order (norms, clipping)."""
-        return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
-                for r in self.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned]
-
-    def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
-        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""
-        out = {}
-        for group in self.store.groups:
-            if group.owned and (kind == "master" or group.trainable):
-                chunk = group.master if kind == "master" else group.chunks[kind]
-                flat = self.read(chunk).detach().to("cpu", torch.float32)
-                out.update({r: r.view(flat).clone() for r in group.members})
-        if self.shards is None:
-            return out
-        for key, groups in sorted(self.shards.members.items()):
-            owned = self.shards.owned(key)
-            if kind != "master" and not owned.trainable:
-                continue
-            chunk = owned.master if kind == "master" else owned.chunks[kind]
-            full = self.shards.all_gather_flat(self.read(chunk).detach().to("cpu", torch.float32))
-            size = self.store.chunk_size
-            for position, group in enumerate(groups):
-                out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
-        return out
-
-    def fp32_value(self, record: ParamRecord) -> torch.Tensor:
-        return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
-
-    def set_value(self, record: ParamRecord, value: torch.Tensor) -> None:
-        if value.shape != record.shape:
-            raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
-                             f"expected {tuple(record.shape)}")
-        for kind in ("master", "param"):  # another rank's parameter has no chunk here: nothing to do
-            chunk = record.group.chunks.get(kind)
-            if chunk is not None:
-                record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
 
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)
@@ -358,19 +309,6 @@ class Runtime:
                      model_data_bytes=self.store.model_data_bytes(),
                      chunk_size=self.store.chunk_size, num_chunks=sum(1 for _ in self.store.chunks()))
         return stats
-
-    def model_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device and host.
-
-        Every chunk keeps a host payload (the device copy is a cache), so the host side is constant.
-        """
-        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
-        for chunk in self.store.chunks():
-            kind = kind_of(chunk.name)
-            out["host"][kind] = out["host"].get(kind, 0) + chunk.nbytes
-            if chunk.state.on_device:
-                out["device"][kind] = out["device"].get(kind, 0) + chunk.nbytes
-        return out
 
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from chunkmem.trace.plain import PlainWatcher
-from chunkmem.version import __version__
-from chunkmem.wrapper import watch_prepare
 from chunkmem.trace.recorder import Recorder, Retention
 from chunkmem.trace.schema import META_FILE, SCHEMA
 from chunkmem.trace.sources import ChunkSource, PlainSource
+from chunkmem.version import __version__
+from chunkmem.wrapper import watch_prepare
 
 log = logging.getLogger("chunkmem")
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.runtime.activations import ActivationMeter, Saved
 from chunkmem.chunks.observe import Moment, Observer
+from chunkmem.runtime.activations import ActivationMeter, Saved
 
 
 class PlainWatcher:

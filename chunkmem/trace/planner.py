@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from chunkmem.config import DEFAULT_DTYPE
 from chunkmem.chunks.layout import search_chunk_size
 from chunkmem.chunks.placement import SAFETY_FRACTION
 from chunkmem.chunks.store import layouts, working_set_chunks
-from chunkmem.zero.shards import least_device_bytes
+from chunkmem.config import DEFAULT_DTYPE
 from chunkmem.trace.activation_model import Shape, estimate
+from chunkmem.zero.shards import least_device_bytes
 
 CUDA_CONTEXT = 512 * 2**20
 HOST_OVERHEAD = 2 * 2**30

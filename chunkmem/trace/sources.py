@@ -2,7 +2,7 @@
 
 A source answers three questions at any moment: model data by kind on device and host, non-model
 bytes on the device, and which chunks are resident. With a chunk runtime the answers are the
-runtime's own books (`Runtime.model_bytes`, its activation meter), so a trace agrees with
+runtime's own books (`ModelData.model_bytes`, its activation meter), so a trace agrees with
 `memory_stats()` to the byte. On a plain model they are read off the tensors the model and the
 optimizer hold; the compute device is the one the parameters are on (the CPU for a CPU run).
 """
@@ -46,7 +46,7 @@ class ChunkSource:
         self._activations: Callable[[], int] = getattr(runtime, "activation_bytes", None) or runtime.nonmodel_bytes
 
     def model_bytes(self) -> Sides:
-        return self.runtime.model_bytes()
+        return self.runtime.data.model_bytes()
 
     def nonmodel_device(self) -> int:
         return int(self._activations())

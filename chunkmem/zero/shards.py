@@ -55,10 +55,10 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.zero.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
-from chunkmem.memory.device import Device
-from chunkmem.errors import MemoryBudgetError
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory.device import Device
+from chunkmem.zero.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
 
 log = logging.getLogger("chunkmem")
 CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs its group again

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkmem.memory import sim
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.memory.sim import HazardError, SimulatedDevice
-from chunkmem.errors import MemoryBudgetError
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory import sim
+from chunkmem.memory.sim import HazardError, SimulatedDevice
 
 
 def setup(n: int, limit_chunks: int) -> tuple[Residency, list[Chunk], list[str]]:

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.memory.device import SimulatedDevice
-from chunkmem.errors import ChunkStateError
 from chunkmem.chunks.state import (CHUNK_MOVES, TENSOR_MOVES, ChunkState, TensorState, next_chunk_state,
-                            next_tensor_state)
+                                   next_tensor_state)
+from chunkmem.errors import ChunkStateError
+from chunkmem.memory.device import SimulatedDevice
 
 CHUNK_METHODS = ["materialize_host", "materialize_device", "upload", "download", "drop_device",
                  "write_host", "write_device", "reset"]

@@ -12,10 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 transformers = pytest.importorskip("transformers")
 
-from chunkmem.finetune import train as finetune
+from safetensors.torch import load_file  # noqa: E402
 
 from chunkmem.finetune import lora  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from chunkmem.finetune import train as finetune
 
 
 def test_adapter_starts_as_the_base_and_folds_back(tmp_path: Path) -> None:
@@ -51,8 +51,8 @@ def test_lora_run_trains_adapters_and_leaves_base_untouched(tmp_path: Path) -> N
     renames = {v: k for k, v in lora.renames(result.model.module).items()}
     for record in frozen:  # base weights are exactly what was loaded (in bf16)
         name = renames.get(record.name, record.name)
-        assert torch.equal(runtime.fp32_value(record), original[name].to(torch.bfloat16).float()), name
-    assert any(runtime.fp32_value(r).abs().sum() > 0 for r in trainable if r.name.endswith("lora_B"))
+        assert torch.equal(runtime.data.fp32_value(record), original[name].to(torch.bfloat16).float()), name
+    assert any(runtime.data.fp32_value(r).abs().sum() > 0 for r in trainable if r.name.endswith("lora_B"))
     saved = load_file(next((tmp_path / "out").glob("model-*.safetensors")))
     assert not any("lora_" in k or ".base." in k for k in saved)  # folded into a plain GPT-2
     changed = saved["transformer.h.0.attn.c_attn.weight"].float() - original["transformer.h.0.attn.c_attn.weight"]

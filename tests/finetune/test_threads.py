@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkmem.memory import native
 from chunkmem.finetune.threads import cpu_threads, torch_threads
+from chunkmem.memory import native
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,14 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 transformers = pytest.importorskip("transformers")
 
+from safetensors.torch import load_file  # noqa: E402
+
 from chunkmem import cli
-
 from chunkmem.finetune import corpus
-
 from chunkmem.finetune import train as finetune  # noqa: E402
 from chunkmem.finetune.report import summary  # noqa: E402
 from chunkmem.finetune.rundir import RunDir  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--seq-len", "32", "--batch-size", "4", "--eval-every", "0"]

@@ -15,9 +15,8 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
-
 import chunkmem
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 adamw = functools.partial(torch.optim.AdamW, lr=1e-3)

@@ -14,9 +14,7 @@ import logging
 import pytest
 import torch
 
-from chunkmem.memory import hostpool
-
-from chunkmem.memory import native
+from chunkmem.memory import hostpool, native
 from chunkmem.memory.device import make_device
 from chunkmem.memory.hostpool import Block, HostPool, PlainAllocator, reserve_bytes
 from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, prepared, train

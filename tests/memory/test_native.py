@@ -293,9 +293,8 @@ def test_runtime_with_the_kernel_tracks_the_runtime_without_it(dtype, make_opt, 
     # Host-resident chunks (a budget below the model data) step through the kernel when asked.
     import copy
 
-    from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train, updates
-
     import chunkmem
+    from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train, updates
 
     base = tiny_gpt2()
     initial = {k: v.clone() for k, v in base.state_dict().items()}
@@ -315,9 +314,8 @@ def test_runtime_with_the_kernel_tracks_the_runtime_without_it(dtype, make_opt, 
 def test_native_sgd_steps_param_groups_with_and_without_momentum():
     # Every trainable group has the same state chunks, so a param group without momentum still has a
     # buffer in its chunks: the kernel must not be handed it (it refuses a buffer with momentum=0).
-    from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
-
     import chunkmem
+    from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
 
     base = mlp()
     results = {}

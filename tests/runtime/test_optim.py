@@ -49,7 +49,7 @@ def test_model_zero_grad_clears_every_gradient() -> None:
     for prepared, optimizer in ((ref, ref_opt), (cm, opt)):
         optimizer.zero_grad = prepared.zero_grad
     assert train(cm, opt, batches, mlp_loss, clip=0.5) == train(ref, ref_opt, batches, mlp_loss, clip=0.5)
-    assert cm.runtime.grad_views() == []
+    assert cm.runtime.data.grad_views() == []
 
 
 def test_fp16_gradients_kept_across_a_clipped_step_keep_their_scale() -> None:

@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 import chunkmem
-from chunkmem.runtime.activations import ActivationMeter
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.finetune.lora import apply_lora
-from chunkmem.runtime.optim import rule_for
 from chunkmem.chunks.residency import Residency
-from chunkmem.memory.sim import HazardError, SimulatedDevice
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import planned_model_data_bytes
+from chunkmem.finetune.lora import apply_lora
+from chunkmem.memory.sim import HazardError, SimulatedDevice
+from chunkmem.runtime.activations import ActivationMeter
+from chunkmem.runtime.optim import rule_for
 from tests import zoo
 from tests.helpers import (accepts, gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes,
                            prepared, tiny_gpt2, train)
@@ -166,7 +166,7 @@ def test_reads_right_after_a_step_wait_for_the_uploads_already_on_their_way(tmp_
     step(ref, ref_opt, gpt2_loss(ref, gpt2_batches(1, seed=9)[0]))
     step(cm, opt, gpt2_loss(cm, gpt2_batches(1, seed=9)[0]))
     record = next(r for r in cm.runtime.store.records.values() if r.group.param.pending is not None)
-    assert torch.equal(cm.runtime.fp32_value(record), dict(ref.named_parameters())[record.name].detach())
+    assert torch.equal(cm.runtime.data.fp32_value(record), dict(ref.named_parameters())[record.name].detach())
     chunkmem.save_checkpoint(tmp_path / "ckpt", cm, opt)
     again, again_opt = prepared(tiny_gpt2(seed=5), adamw)
     chunkmem.load_checkpoint(tmp_path / "ckpt", again, again_opt)

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig
 
 import chunkmem
-from chunkmem.cli import main
 from chunkmem.chunks.placement import SAFETY_FRACTION
+from chunkmem.cli import main
 from chunkmem.trace.planner import Request, fixes, gpt2_config, plan, spec_from_config
 from chunkmem.trace.simulate import simulate
 from tests.multiproc import run_workers
@@ -49,7 +49,7 @@ def test_model_data_matches_a_prepared_model(dtype: str, world: int, budget: int
     stats = prepared.memory_stats()
     assert estimate.model_data_bytes == stats["model_data_bytes"]
     assert estimate.chunk_size == stats["chunk_size"]
-    assert estimate.model_data_by_kind == {k: v for k, v in prepared.runtime.model_bytes()["host"].items()}
+    assert estimate.model_data_by_kind == {k: v for k, v in prepared.runtime.data.model_bytes()["host"].items()}
 
 
 # (layers, hidden, vocab, batch, seq, dtype, checkpointing): GPT-2-style configs across batch and sequence sizes.

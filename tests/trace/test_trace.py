@@ -28,7 +28,7 @@ class Books:
         self.seen: list[tuple[int, int, dict, dict]] = []
 
     def moment(self, moment: Moment) -> None:
-        self.seen.append((moment.step, moment.index, self.runtime.model_bytes(), self.runtime.memory_stats()))
+        self.seen.append((moment.step, moment.index, self.runtime.data.model_bytes(), self.runtime.memory_stats()))
 
     def moved(self, move: Move) -> None:
         pass

@@ -1,0 +1,88 @@
+"""A prepared model's data as the code outside the hooks sees it: chunk payloads to read or change in place
+(the optimizer, clipping), and parameter values and optimizer states by parameter, gathered from every
+rank under ZeRO (state dicts, checkpoints). Each payload is read fenced, wherever its chunk is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.observe import kind_of
+from chunkmem.chunks.residency import Residency
+from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.store import ParamRecord, ParamStore
+from chunkmem.zero.shards import Shards
+
+
+class ModelData:
+    """Reads and writes of one model's chunks; `shards` when its data is sharded over ranks."""
+
+    def __init__(self, store: ParamStore, residency: Residency, shards: Shards | None) -> None:
+        self.store = store
+        self.residency = residency
+        self.shards = shards
+
+    def read(self, chunk: Chunk) -> torch.Tensor:
+        """The freshest payload of a chunk, for reading."""
+        return chunk.payload()
+
+    def writable(self, chunk: Chunk, on_device: bool) -> torch.Tensor:
+        """A payload to change in place: on the device (marked dirty) or on the host (the only copy)."""
+        if on_device:
+            flat = self.residency.to_device(chunk)
+            chunk.write_device()
+            return flat
+        return self.residency.host_for_write(chunk)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """Gradient views of this rank's parameters that have one, in model order (norms, clipping)."""
+        return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
+                for r in self.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned]
+
+    def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
+        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""
+        out = {}
+        for group in self.store.groups:
+            if group.owned and (kind == "master" or group.trainable):
+                chunk = group.master if kind == "master" else group.chunks[kind]
+                flat = self.read(chunk).detach().to("cpu", torch.float32)
+                out.update({r: r.view(flat).clone() for r in group.members})
+        if self.shards is None:
+            return out
+        for key, groups in sorted(self.shards.members.items()):
+            owned = self.shards.owned(key)
+            if kind != "master" and not owned.trainable:
+                continue
+            chunk = owned.master if kind == "master" else owned.chunks[kind]
+            full = self.shards.all_gather_flat(self.read(chunk).detach().to("cpu", torch.float32))
+            size = self.store.chunk_size
+            for position, group in enumerate(groups):
+                out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
+        return out
+
+    def fp32_value(self, record: ParamRecord) -> torch.Tensor:
+        return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
+
+    def set_value(self, record: ParamRecord, value: torch.Tensor) -> None:
+        if value.shape != record.shape:
+            raise ValueError(f"value for {record.name} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(record.shape)}")
+        for kind in ("master", "param"):  # another rank's parameter has no chunk here: nothing to do
+            chunk = record.group.chunks.get(kind)
+            if chunk is not None:
+                record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
+
+    def model_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device and host.
+
+        Every chunk keeps a host payload (the device copy is a cache), so the host side is constant.
+        """
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+        for chunk in self.store.chunks():
+            kind = kind_of(chunk.name)
+            out["host"][kind] = out["host"].get(kind, 0) + chunk.nbytes
+            if chunk.state.on_device:
+                out["device"][kind] = out["device"].get(kind, 0) + chunk.nbytes
+        return out
+
