@@ -1,7 +1,7 @@
 """A real training step recorded for the optimum: chunkmem's warm-up record, and what its plan moved.
 
 chunkmem records a warm-up step (chunkmem/chunks/placement.py's Note on warm-up) and hands the record to
-`placement.plan_step`; `recording()` wraps that function for as long as it is open and keeps a copy
+`decide_homes` (chunkmem/chunks/planning.py); `recording()` wraps that function for as long as it is open and keeps a copy
 of what it is given, without changing chunkmem. `record()` trains a prepared model for a few steps and
 returns the recorded instance with chunkmem's choice of homes and its bytes per steady step, measured
 from `memory_stats()`: h2d + d2h, where d2h includes the streamed gradients.
@@ -35,17 +35,17 @@ class Recorded:
 def recording() -> Iterator[list[tuple]]:
     """While open, every (events, groups, sizes, limit) chunkmem plans from is appended to the list."""
     seen: list[tuple] = []
-    original = chunkmem.chunks.placement.plan_step
+    original = chunkmem.chunks.placement.decide_homes
 
-    def plan_step(events, groups, sizes, limit):  # type: ignore[no-untyped-def]
+    def decide_homes(events, groups, sizes, limit):  # type: ignore[no-untyped-def]
         seen.append((list(events), list(groups), dict(sizes), limit))
         return original(events, groups, sizes, limit)
 
-    chunkmem.chunks.placement.plan_step = plan_step  # type: ignore[assignment]
+    chunkmem.chunks.placement.decide_homes = decide_homes  # type: ignore[assignment]
     try:
         yield seen
     finally:
-        chunkmem.chunks.placement.plan_step = original
+        chunkmem.chunks.placement.decide_homes = original
 
 
 def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], config: chunkmem.Config,

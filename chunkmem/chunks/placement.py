@@ -1,4 +1,4 @@
-"""Warm-up statistics turned into placement: what to record, what to decide, how to follow the plan.
+"""Placement while training runs: recording the warm-up step, then following the plan it gives.
 
 [Note: warm-up]
 The first step runs under a conservative chunk budget and records, at every access of chunks, the
@@ -6,33 +6,38 @@ non-model bytes on the device and which chunks were needed ("use"), which gradie
 ("grad") and which chunk group the optimizer updated ("optim"). The conservative budget also gives
 way at every moment to the non-model bytes measured then (less the margin, never below one module's
 working set); growth inside one module between two moments cannot be foreseen without a record, and
-on CUDA the out-of-memory fallback catches it. At the end of that step:
-  1. homes: chunk groups whose whole optimizer data (param, grad, master, states) fits in what the
-     peak non-model data and the streaming working set leave free stay on the device for good and
-     are updated there; the rest stream, and their optimizer runs on the host (PatrickStar's margin);
-  2. the steady-state access sequence follows from the record and the homes;
-  3. the chunk budget at each access is the device budget minus the non-model bytes at that access
-     and the next, minus a safety margin; a Belady plan over that sequence says what moves when.
-A later step that accesses chunks in another order than recorded (a new shape, another branch)
-falls back to least-recently-used placement under the conservative budget, and is recorded anew.
+on CUDA the out-of-memory fallback catches it. At the end of that step chunks/planning.py decides the
+homes, the steady accesses and their budgets, and the plan (its Note on homes).
+
+[Note: following]
+Every later step follows the plan access by access. A step whose modules depend on the data
+(mixture-of-experts routing, layers dropped at random, another branch) skips recorded accesses or
+makes ones the record lacks: the follower finds an access further on in the record and skips to it,
+and serves one the record lacks off the plan, evicting by the plan's rule with the budget where it
+is; at the step's end the step's own accesses, always recorded, become the plan for the next (the
+homes stay). A step that holds more non-model data than its record (a larger input, experts given
+more tokens) keeps following, its budget lowered at every access and moment to what the non-model
+data leaves, and it too becomes the next plan. Only an out-of-memory error makes a step fall back to
+least-recently-used under the conservative budget and the next one record anew.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import enum
 import logging
 from collections.abc import Callable, Sequence
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.plan import INFINITY, Access, Plan, build_plan, next_uses, simulate
+from chunkmem.chunks.plan import INFINITY, Plan, next_uses, victim
+from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
+from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
 
 log = logging.getLogger("chunkmem")
 
 WARMUP_FRACTION = 0.5  # of the device budget, for chunks, while nothing is known of non-model data
-SAFETY_FRACTION = 0.05  # of the device budget: temporaries the estimate cannot see, fragmentation
 
 
 class Phase(enum.Enum):
@@ -41,154 +46,44 @@ class Phase(enum.Enum):
     DIVERGED = "diverged"  # this step left the recorded path: conservative until it ends, then record
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One recorded moment. kind: "use" (chunks needed together), "grad" (a gradient written to a
-    group's gradient chunk), "optim" (a group's optimizer update). `held`: chunks the modules around
-    this moment keep pinned on the device meanwhile (runtime's Note: a module's chunks stay pinned
-    while the modules it calls run)."""
-
-    kind: str
-    chunks: tuple[str, ...]
-    group: int
-    nonmodel: int
-    held: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupChunks:
-    """The chunk names of one trainable chunk group, and its bytes in all families."""
-
-    index: int
-    param: str
-    grad: str
-    updated: tuple[str, ...]  # what the optimizer writes: master (or param in fp32) and states
-    nbytes: int
-
-
-def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-                 limit: int) -> set[int]:
-    """Chunk groups that stay on the device and step there: the cheapest choice the margin allows.
-
-    The margin (PatrickStar's rule) is what the peak non-model data, the streaming working set and
-    the safety margin leave; it bounds how many groups could live on the device. Among keeping the
-    last k groups (the first that backward needs) for k up to that bound, the one whose plan moves
-    fewest bytes wins, a streamed-gradient host group counting its gradient chunk. Ties keep more
-    groups home: their optimizer runs on the device.
-    """
-    peak = max((e.nonmodel for e in events), default=0)
-    streaming = max((sum(sizes[c] for c in {*e.chunks, *e.held}) for e in events if e.kind == "use"), default=0)
-    room = limit - peak - int(limit * SAFETY_FRACTION) - streaming
-    ordered = sorted(groups, key=lambda g: -g.index)
-    choices: list[set[int]] = [set()]
-    for group in ordered:
-        if group.nbytes > room:
-            break
-        room -= group.nbytes
-        choices.append(choices[-1] | {group.index})
-    by_index = {g.index: g for g in groups}
-    return min(choices, key=lambda homes: (_traffic(events, by_index, homes, sizes, limit), -len(homes)))
-
-
-def _traffic(events: Sequence[Event], groups: dict[int, GroupChunks], homes: set[int],
-             sizes: dict[str, int], limit: int) -> int:
-    """Bytes one steady step moves if `homes` stay on the device: Belady from the steady start.
-
-    A step starts with what the last one left resident, less the gradient chunks (zero_grad frees
-    them; re-making them copies nothing) and less the parameter chunks the host optimizer rewrote.
-    Two rounds from "the homes are resident" reach that start in practice.
-    """
-    accesses, nonmodel = steady_sequence(events, groups, homes)
-    budgets = chunk_budgets(accesses, nonmodel, sizes, limit)
-    nexts = next_uses(accesses)
-    grads = {g.grad for g in groups.values()}
-    rewritten = {g.param for index, g in groups.items() if index not in homes}
-    start = {name for i in homes for name in (groups[i].param, *groups[i].updated)}
-    for _ in range(2):
-        moved = simulate(accesses, sizes, budgets, lambda i, held, _: max(held, key=lambda c: nexts[i].get(c, INFINITY)),
-                         resident=start, dirty=start, free=grads)
-        start = moved["end"] - grads - rewritten
-    streamed = sum(sizes[g.grad] for index, g in groups.items() if index not in homes)
-    return moved["h2d"] + moved["d2h"] + streamed
-
-
-def steady_sequence(events: Sequence[Event], groups: dict[int, GroupChunks],
-                    homes: set[int]) -> tuple[list[Access], list[int]]:
-    """The device accesses of a step once homes are fixed, and the non-model bytes at each. An access
-    needs its chunks and those held around it on the device together."""
-    accesses, nonmodel = [], []
-    for event in events:
-        if event.kind == "use":
-            accesses.append(Access(event.chunks + event.held))
-        elif event.group in homes and event.kind == "grad":
-            accesses.append(Access((groups[event.group].grad, *event.held), frozenset([groups[event.group].grad])))
-        elif event.group in homes and event.kind == "optim":
-            g = groups[event.group]
-            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated, *event.held))),
-                                   frozenset((g.param, *g.updated))))
-        else:
-            continue
-        nonmodel.append(event.nonmodel)
-    return accesses, nonmodel
-
-
-def chunk_budgets(accesses: Sequence[Access], nonmodel: Sequence[int], sizes: dict[str, int],
-                  limit: int) -> list[int]:
-    """Budget for chunks at each access: what non-model data (now and next) leaves, less the margin.
-
-    Never below what the access itself needs: if non-model data leaves less, the plan holds only
-    that access's chunks there, and the out-of-memory fallback handles the rest.
-    """
-    margin = int(limit * SAFETY_FRACTION)
-    out = []
-    for i, access in enumerate(accesses):
-        ahead = nonmodel[i + 1] if i + 1 < len(nonmodel) else 0
-        need = sum(sizes[c] for c in set(access.chunks))
-        out.append(max(need, limit - max(nonmodel[i], ahead) - margin))
-    return out
-
-
 class Follower:
-    """Walks a plan access by access; says what to do and notices when the step leaves the path."""
+    """Walks a plan access by access (the Note on following): finds each access of the step in the record,
+    at the cursor or further on, and counts what the step skipped or did off the record."""
 
-    def __init__(self, plan: Plan, accesses: Sequence[Access], nonmodel: Sequence[int]) -> None:
+    def __init__(self, step: Step, plan: Plan) -> None:
+        self.step = step
         self.plan = plan
-        self.accesses = list(accesses)
-        self.nonmodel = list(nonmodel)  # recorded non-model bytes at each access
-        self.nexts = next_uses(accesses)
+        self.accesses = step.accesses
+        self.nexts = next_uses(step.accesses, step.carried)
         self.by_index: dict[int, list] = {}
         for action in plan.actions:
             self.by_index.setdefault(action.at, []).append(action)
+        self.positions: dict[tuple[str, ...], list[int]] = {}
+        for i, access in enumerate(step.accesses):
+            self.positions.setdefault(access.chunks, []).append(i)
         self.cursor = 0
 
-    def matches(self, chunks: tuple[str, ...]) -> bool:
-        return self.cursor < len(self.accesses) and self.accesses[self.cursor].chunks == chunks
+    def locate(self, chunks: tuple[str, ...]) -> int | None:
+        """Where this access comes in the record, at the cursor or later; None when the rest lacks it."""
+        positions = self.positions.get(chunks, [])
+        at = bisect.bisect_left(positions, self.cursor)
+        return positions[at] if at < len(positions) else None
 
-    def next_use(self, name: str) -> int:
-        """When the chunk is needed next, counted from the current access (INFINITY: not this step)."""
-        if self.cursor == 0:
-            return INFINITY
-        return self.nexts[self.cursor - 1].get(name, INFINITY)
+    def next_uses_now(self) -> dict[str, int]:
+        """When each chunk is needed next, counted from the cursor (INFINITY: not this step or the next)."""
+        return self.nexts[self.cursor - 1] if self.cursor > 0 else {}
 
     def finished(self) -> bool:
         return self.cursor == len(self.accesses)
-
-
-def plan_step(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-              limit: int) -> tuple[set[int], Follower]:
-    """Everything decided at the end of warm-up: homes, the steady sequence and its Belady plan."""
-    homes = decide_homes(events, groups, sizes, limit)
-    accesses, nonmodel = steady_sequence(events, {g.index: g for g in groups}, homes)
-    budgets = chunk_budgets(accesses, nonmodel, sizes, limit)
-    return homes, Follower(build_plan(accesses, sizes, budgets), accesses, nonmodel)
 
 
 class Placer:
     """Drives a Residency through warm-up and the plan; also its eviction policy.
 
     The runtime reports every access here. While recording, eviction is least-recently-used under
-    the conservative budget; while following, Belady over the recorded future under the per-access
-    budget, with the plan's evictions and prefetches applied around each access.
+    the conservative budget; while following, the plan's rule (chunks/plan.py `victim`) over the
+    recorded future under the per-access budget, with the plan's evictions and prefetches applied
+    around each access.
     """
 
     def __init__(self, residency: Residency, store: ParamStore, limit: int, working_set: int,
@@ -202,17 +97,21 @@ class Placer:
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
         self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
                                    tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
-                                   sum(c.nbytes for c in g.chunks.values())) for g in store.trainable_groups()]
+                                   sum(c.nbytes for c in g.chunks.values()),
+                                   sum(r.slot.numel for r in g.members) * g.chunks["grad"].dtype.itemsize)
+                       for g in store.trainable_groups()]
         everything_fits = store.model_data_bytes() <= limit
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
-        self.events: list[Event] = []
+        self.events: list[Event] = []  # this step's, kept in every phase: a step off the record re-plans from them
         self.follower: Follower | None = None
         self.start: set[str] = set()
         self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
+        self.replans = 0  # steps whose accesses differed from the plan's and became the next plan
+        self.giving_way = False  # this step held more non-model data than its plan recorded
         residency.policy = self
         residency.limit = self.conservative
 
@@ -226,9 +125,12 @@ class Placer:
         self.lru.accessed(chunk)
 
     def victim(self, candidates: list[Chunk]) -> Chunk:
-        if self.phase is Phase.FOLLOW:
-            return max(candidates, key=lambda c: (self._following.next_use(c.name), c.name))
-        return self.lru.victim(candidates)
+        if self.phase is not Phase.FOLLOW:
+            return self.lru.victim(candidates)
+        follower = self._following
+        names = {c.name: c for c in candidates}
+        dirty = {name for name, c in names.items() if c.state is ChunkState.DEVICE_DIRTY}
+        return names[victim(follower.cursor, names, follower.next_uses_now(), dirty)]
 
     # -- accesses ---------------------------------------------------------------------------------
     def homed(self, group: int) -> bool:
@@ -242,19 +144,17 @@ class Placer:
         if self.off_path:
             self._fetch(chunks)
             return
-        nonmodel = self.nonmodel() if self.phase is not Phase.FOLLOW else 0
-        if self.phase is Phase.RECORD:
-            self.events.append(Event(kind, names, group, nonmodel, held))
+        nonmodel = self.nonmodel()
+        self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:
             return
-        if self.phase is Phase.FOLLOW:
-            self._check_path(names + held)
-        else:
+        index = self._locate(names + held, nonmodel) if self.phase is Phase.FOLLOW else None
+        if self.phase is not Phase.FOLLOW:
             self._conservative_now(nonmodel, sum(self.sizes[n] for n in {*names, *held}))
         self._fetch(chunks)
-        if self.phase is Phase.FOLLOW:
-            self._following.cursor += 1
-            self._prefetch(self._following.cursor)
+        if index is not None:
+            self._following.cursor = index + 1
+            self._prefetch(index + 1)
 
     def updated_on_host(self, chunk: Chunk) -> None:
         """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
@@ -269,9 +169,14 @@ class Placer:
             self.residency.to_device(chunk, "prefetch")
 
     def moment(self) -> None:
-        """Between accesses activations grow too: without a plan, re-fit the chunks at every moment."""
-        if self.phase is not Phase.FOLLOW and not self.off_path:
+        """Between accesses activations grow too: without a plan, or once a step outgrew its plan's record,
+        re-fit the chunks at every moment."""
+        if self.off_path:
+            return
+        if self.phase is not Phase.FOLLOW:
             self._conservative_now(self.nonmodel())
+        elif self.giving_way:
+            self._budget(self.residency.limit, self.nonmodel(), ())
 
     def _held(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Chunks pinned on the device besides `names`: those of the modules this access runs inside."""
@@ -296,39 +201,45 @@ class Placer:
             for chunk in chunks:
                 chunk.pins -= 1
 
-    def _before(self, index: int) -> None:
-        self.residency.limit = self._following.plan.budgets[index]
-        for action in self._following.by_index.get(index, []):
+    def _locate(self, names: tuple[str, ...], nonmodel: int) -> int | None:
+        """Where the plan has this access (the Note on following), its evictions applied and its budget set;
+        None when this step makes it off the record."""
+        follower = self._following
+        index = follower.locate(names)
+        if index is None:  # off the record: the plan's rule and the budget where the step is
+            self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel, names)
+            return None
+        if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
+            self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
+        follower.cursor = index
+        for action in follower.by_index.get(index, []):
             chunk = self.chunks[action.chunk]
             if action.verb == "evict" and chunk.state.on_device and not chunk.pins:
                 self.residency.evict(chunk)
+        self._budget(follower.plan.budgets[index], nonmodel, names)
+        return index
+
+    def _budget(self, planned: int, nonmodel: int, names: tuple[str, ...]) -> None:
+        """The plan's budget for an access; once this step has held more non-model data than its record,
+        lowered further at every access and moment to what the non-model data leaves (as in warm-up)."""
+        if self.giving_way:
+            need = sum(self.sizes[n] for n in set(names))
+            left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
+            planned = max(self.working_set, min(need, self.limit), min(planned, left))
+        self.residency.limit = planned
+        self.residency.shrink()
 
     def _prefetch(self, index: int) -> None:
         follower = self._following
         if index >= len(follower.accesses):
             return
-        room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index])
+        # Into free room only: a prefetch never evicts (the limit may sit below the plan's, giving way).
+        room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index], self.residency.limit)
         for action in follower.by_index.get(index, []):
             chunk = self.chunks[action.chunk]
             if action.verb == "prefetch" and not chunk.state.on_device and \
                     self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
                 self.residency.to_device(chunk, "prefetch")
-
-    def _check_path(self, names: tuple[str, ...]) -> None:
-        """Follow the plan if this access is the recorded one and non-model data is as recorded."""
-        follower = self._following
-        if not follower.matches(names):
-            expected = follower.accesses[follower.cursor].chunks \
-                if follower.cursor < len(follower.accesses) else "the end of the step"
-            self._diverge(f"chunk access {follower.cursor} of this step was {names}, the warm-up "
-                          f"recorded {expected} (another branch?)")
-            return
-        now, then = self.nonmodel(), follower.nonmodel[follower.cursor]
-        if now > then + int(self.limit * SAFETY_FRACTION):
-            self._diverge(f"non-model data at chunk access {follower.cursor} is {now} bytes, the warm-up "
-                          f"recorded {then} (a larger input?)")
-            return
-        self._before(follower.cursor)
 
     def _diverge(self, why: str) -> None:
         log.warning("%s: placing by least-recently-used under the conservative budget for the rest of "
@@ -344,26 +255,42 @@ class Placer:
 
     # -- steps ------------------------------------------------------------------------------------
     def step_done(self) -> None:
-        """At the end of an optimizer step: plan after warm-up, re-plan or re-record after that."""
-        if self.phase is Phase.FOLLOW and not self._following.finished():
-            self._diverge(f"the step ended after {self._following.cursor} chunk accesses, the warm-up "
-                          f"recorded {len(self._following.accesses)}")
+        """At the end of an optimizer step: plan after warm-up; after that, re-plan when this step's accesses
+        differ from the plan's (they are the next step's best guess) or the next step starts from other
+        resident chunks; re-record after a step that fell back."""
+        events, self.events = self.events, []
+        outgrown, self.giving_way = self.giving_way, False
         if self.phase is Phase.DIVERGED:
-            self.phase, self.events = Phase.RECORD, []
+            self.phase = Phase.RECORD
             return
         if self.phase is Phase.RECORD:
-            self.homes, self.follower = plan_step(self.events, self.groups, self.sizes, self.limit)
+            step = decide_homes(events, self.groups, self.sizes, self.limit)
+            self.homes = set(step.homes)
             self._send_home_others()
-            self.phase, self.events, self.start = Phase.FOLLOW, [], set()
-        # The plan starts from what is resident now, less the gradients zero_grad will free; the steady
-        # state repeats, so re-plan only when that changes.
-        resident = set(self.residency.resident) - {g.grad for g in self.groups}
-        follower = self._following
-        if resident != self.start:
+            self.phase = Phase.FOLLOW
+        else:
+            step = Step.of(events, {g.index: g for g in self.groups}, self.homes, self.sizes, self.limit)
+            if not outgrown and self._same(step, self._following.step):
+                step = self._following.step
+            else:
+                if not self.replans:
+                    log.info("this step's chunk accesses or non-model data differ from its plan's (modules chosen by "
+                             "the data, another input size?): each step follows a plan made from the one before")
+                self.replans += 1
+        # The plan starts from what is resident now and stays valid into the next step; the steady state
+        # repeats, so the plan is rebuilt only when the step or that start changes.
+        resident = set(self.residency.resident) & step.carried
+        if self.follower is None or step is not self.follower.step or resident != self.start:
             self.start = resident
-            plan = build_plan(follower.accesses, self.sizes, follower.plan.budgets, resident)
-            follower = self.follower = Follower(plan, follower.accesses, follower.nonmodel)
-        follower.cursor = 0
+            dirty = {n for n in resident if self.chunks[n].state is ChunkState.DEVICE_DIRTY}
+            self.follower = Follower(step, step.plan(self.sizes, resident, dirty))
+        self._following.cursor = 0
+
+    def _same(self, step: Step, planned: Step) -> bool:
+        """Whether a step made the plan's accesses with non-model data within the margin of the plan's."""
+        margin = int(self.limit * SAFETY_FRACTION)
+        return [a.chunks for a in step.accesses] == [a.chunks for a in planned.accesses] and \
+            all(abs(a - b) <= margin for a, b in zip(step.nonmodel, planned.nonmodel))
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""

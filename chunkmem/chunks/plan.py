@@ -1,16 +1,19 @@
 """Placement plans: which chunks to fetch, prefetch and evict at each access of a recorded step.
 
-Pure functions over names and sizes, tested without a device. `build_plan` applies Belady's rule
-(evict the resident chunk whose next use is furthest away) under a budget that changes from one
-access to the next (what the non-model data leaves free), and prefetches the next access's chunks
-into room that is already free. `simulate` replays any eviction rule on the same sequence and
-counts the bytes a step moves, write-backs of chunks changed on the device included.
+Pure functions over names and sizes, tested without a device. `build_plan` evicts by `victim`, Belady's
+rule (the resident chunk whose next use is furthest away) made write-back-aware: evicting a chunk
+changed on the device costs its write-back and its fetch, a clean one only the fetch, so a dirty chunk
+leaves only when its next use is twice as far. Next uses look across the step's end for the chunks that
+stay valid into the next step (`carried`), since a steady step starts with what the last one left. The
+budget changes from one access to the next (what the non-model data leaves free), and the next access's
+chunks are prefetched into room that is already free. `simulate` replays an eviction rule on the same
+sequence and counts the bytes a step moves, write-backs included.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 INFINITY = 1 << 62
 
@@ -45,9 +48,14 @@ class Plan:
         return "\n".join(map(str, self.actions))
 
 
-def next_uses(accesses: Sequence[Access]) -> list[dict[str, int]]:
-    """For each access i, the index of the next access (> i) of every chunk used later."""
-    later: dict[str, int] = {}
+def next_uses(accesses: Sequence[Access], carried: Collection[str] = ()) -> list[dict[str, int]]:
+    """For each access i, the index of the next access (> i) of every chunk used later; a `carried` chunk not
+    used again this step is next used at its first access of the next step (index len + first)."""
+    first: dict[str, int] = {}
+    for i, access in enumerate(accesses):
+        for name in access.chunks:
+            first.setdefault(name, i)
+    later = {name: len(accesses) + i for name, i in first.items() if name in carried}
     table: list[dict[str, int]] = [{}] * len(accesses)
     for i in range(len(accesses) - 1, -1, -1):
         table[i] = dict(later)
@@ -56,26 +64,37 @@ def next_uses(accesses: Sequence[Access]) -> list[dict[str, int]]:
     return table
 
 
+def victim(index: int, candidates: Collection[str], nexts: dict[str, int], dirty: Collection[str]) -> str:
+    """The chunk to evict before access `index`: furthest next use, a dirty chunk's distance halved (its
+    eviction costs a write-back besides the fetch); ties by name, so every rank and every replay agrees."""
+    def key(name: str) -> tuple[float, str]:
+        distance = nexts.get(name, INFINITY) - index
+        return (-(distance / 2 if name in dirty else distance), name)
+    return min(candidates, key=key)
+
+
 def build_plan(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int],
-               resident: set[str] = frozenset()) -> Plan:  # type: ignore[assignment]
-    """Belady placement of `accesses` with `budgets[i]` bytes for chunks at access i."""
+               resident: Collection[str] = (), dirty: Collection[str] = (), carried: Collection[str] = ()) -> Plan:
+    """The write-back-aware Belady placement of `accesses` with `budgets[i]` bytes for chunks at access i,
+    from `resident` chunks (`dirty` among them changed on the device)."""
     _check_inputs(accesses, sizes, budgets)
-    nxt = next_uses(accesses)
-    held = set(resident)
+    nxt = next_uses(accesses, carried)
+    held, changed = set(resident), set(dirty) & set(resident)
     actions: list[Action] = []
     for i, access in enumerate(accesses):
         needed = set(access.chunks)
         over = sum(sizes[c] for c in held | needed) - budgets[i]
-        for victim in sorted(held - needed, key=lambda c: (-nxt[i].get(c, INFINITY), c)):
-            if over <= 0:
-                break
-            held.discard(victim)
-            actions.append(Action(i, "evict", victim))
-            over -= sizes[victim]
+        while over > 0:
+            evicted = victim(i, held - needed, nxt[i], changed)
+            held.discard(evicted)
+            changed.discard(evicted)
+            actions.append(Action(i, "evict", evicted))
+            over -= sizes[evicted]
         for name in access.chunks:
             if name not in held:
                 held.add(name)
                 actions.append(Action(i, "fetch", name))
+        changed |= access.writes
         if i + 1 < len(accesses):
             room = min(budgets[i], budgets[i + 1]) - sum(sizes[c] for c in held)
             for name in accesses[i + 1].chunks:
@@ -96,27 +115,34 @@ def _check_inputs(accesses: Sequence[Access], sizes: dict[str, int], budgets: Se
                              f"but its budget is {budgets[i]}")
 
 
-Rule = Callable[[int, set[str], set[str]], str]  # (index, evictable, needed) -> victim
+Rule = Callable[[int, set[str], set[str]], str]  # (index, evictable, dirty among them) -> victim
+
+
+def planned_rule(accesses: Sequence[Access], carried: Collection[str] = ()) -> Rule:
+    """`build_plan`'s eviction rule, for `simulate`."""
+    nexts = next_uses(accesses, carried)
+    return lambda i, evictable, dirty: victim(i, evictable, nexts[i], dirty)
 
 
 def simulate(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int], rule: Rule,
-             resident: set[str] = frozenset(), dirty: set[str] = frozenset(),  # type: ignore[assignment]
-             free: set[str] = frozenset()) -> dict:  # type: ignore[assignment]
-    """Bytes moved by one step under an eviction `rule`, fetching on demand; no prefetch.
+             resident: Collection[str] = (), dirty: Collection[str] = (), free: Collection[str] = ()) -> dict:
+    """Bytes moved by one step under an eviction `rule`, fetching on demand; no prefetch (it moves the
+    same bytes earlier).
 
     `free` chunks hold no data yet (gradients after zero_grad): bringing them in copies nothing.
-    The result also holds "end", the chunks resident when the step ends.
+    The result also holds "end" and "end_dirty", the chunks resident (and changed) when the step ends.
     """
-    held, changed, empty = set(resident), set(dirty), set(free)
+    held, changed, empty = set(resident), set(dirty) & set(resident), set(free)
     moved = {"h2d": 0, "d2h": 0, "fetches": 0}
     for i, access in enumerate(accesses):
         needed = set(access.chunks)
         while sum(sizes[c] for c in held | needed) > budgets[i]:
-            victim = rule(i, held - needed, needed)
-            held.discard(victim)
-            if victim in changed:
-                moved["d2h"] += sizes[victim]
-                changed.discard(victim)
+            evictable = held - needed
+            evicted = rule(i, evictable, changed & evictable)
+            held.discard(evicted)
+            if evicted in changed:
+                moved["d2h"] += sizes[evicted]
+                changed.discard(evicted)
         for name in needed - held:
             held.add(name)
             if name not in empty:
@@ -124,11 +150,11 @@ def simulate(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequenc
                 moved["fetches"] += 1
         empty -= needed
         changed |= access.writes
-    return moved | {"end": held}
+    return moved | {"end": held, "end_dirty": changed}
 
 
 def validate(plan: Plan, accesses: Sequence[Access], sizes: dict[str, int],
-             resident: set[str] = frozenset()) -> set[str]:  # type: ignore[assignment]
+             resident: Collection[str] = ()) -> set[str]:
     """Replay `plan`: every access finds its chunks, no budget is exceeded. Returns what stays resident."""
     held = set(resident)
     for i, access in enumerate(accesses):

@@ -1,0 +1,198 @@
+"""From one recorded step to the decisions the steady state follows: which chunk groups live on the device
+(homes), the accesses a step then makes, the chunk budget at each, and the plan.
+
+[Note: homes]
+A homed group keeps its parameter, master and optimizer-state chunks on the device for good (its
+gradient chunk from its first write to the step's end) and steps there; every other group streams:
+its gradients go to the host as backward writes them and its optimizer runs on the host, which
+rewrites its parameter chunk, so that chunk is sent up again when next needed. Homing a group saves
+the bytes it streams and the re-upload of its parameter chunk, and costs the device room its chunks
+take from every access. The choice is a search over sets of groups, not a rule: a candidate set is
+feasible when, at every access of the steady step it implies, its resident chunks and the chunks the
+access needs fit the access's budget; feasible sets are scored by the bytes one steady step then moves
+under the plan's own eviction rule (`plan.victim`), from the cyclic start (what a step leaves resident
+is what the next one starts with). The search starts from the best of: nothing homed, the groups
+backward needs first (the suffixes PatrickStar keeps), and a greedy fill by bytes saved per byte of
+room; then it adds or drops one group at a time while that lowers the bytes moved. A near-empty chunk
+(a few parameters in a large chunk) saves little for its room and is left to stream.
+(benchmarks/placement.py measures the result against an exact integer-programming optimum.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+
+from chunkmem.chunks.plan import Access, Plan, build_plan, planned_rule, simulate
+
+SAFETY_FRACTION = 0.05  # of the device budget: temporaries the estimate cannot see, fragmentation
+MOST_EVALUATIONS = 400  # bounds the search on models with many groups (each evaluation replays one step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One recorded moment. kind: "use" (chunks needed together), "grad" (a gradient written to a
+    group's gradient chunk), "optim" (a group's optimizer update). `held`: chunks the modules around
+    this moment keep pinned on the device meanwhile (runtime's Note: a module's chunks stay pinned
+    while the modules it calls run)."""
+
+    kind: str
+    chunks: tuple[str, ...]
+    group: int
+    nonmodel: int
+    held: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupChunks:
+    """The chunk names of one trainable chunk group, what it takes and what streaming it costs."""
+
+    index: int
+    param: str
+    grad: str
+    updated: tuple[str, ...]  # what the optimizer writes: master (or param in fp32) and states
+    nbytes: int  # every family's chunk
+    streamed: int = 0  # bytes its parameters' gradients write in one backward (what streaming sends)
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        """What stays on the device for good when the group is homed."""
+        return tuple(dict.fromkeys((self.param, *self.updated)))
+
+
+Groups = dict[int, GroupChunks]
+
+
+def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[int]) -> tuple[list[Access], list[int]]:
+    """The device accesses of a step once homes are fixed, and the non-model bytes at each. An access
+    needs its chunks and those held around it on the device together."""
+    accesses, nonmodel = [], []
+    for event in events:
+        if event.kind == "use":
+            accesses.append(Access(event.chunks + event.held))
+        elif event.group in homes and event.kind == "grad":
+            accesses.append(Access((groups[event.group].grad, *event.held), frozenset([groups[event.group].grad])))
+        elif event.group in homes and event.kind == "optim":
+            g = groups[event.group]
+            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated, *event.held))),
+                                   frozenset(g.kept)))
+        else:
+            continue
+        nonmodel.append(event.nonmodel)
+    return accesses, nonmodel
+
+
+def chunk_budgets(accesses: Sequence[Access], nonmodel: Sequence[int], sizes: dict[str, int],
+                  limit: int) -> list[int]:
+    """Budget for chunks at each access: what non-model data (now and next) leaves, less the margin.
+
+    Never below what the access itself needs: if non-model data leaves less, the plan holds only
+    that access's chunks there, and the out-of-memory fallback handles the rest.
+    """
+    margin = int(limit * SAFETY_FRACTION)
+    out = []
+    for i, access in enumerate(accesses):
+        ahead = nonmodel[i + 1] if i + 1 < len(nonmodel) else 0
+        need = sum(sizes[c] for c in set(access.chunks))
+        out.append(max(need, limit - max(nonmodel[i], ahead) - margin))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The steady step a choice of homes implies: its accesses, their budgets and non-model bytes, and
+    the chunks whose device copies stay valid from one step into the next."""
+
+    homes: frozenset[int]
+    accesses: list[Access]
+    nonmodel: list[int]
+    budgets: list[int]
+    carried: frozenset[str]
+
+    @classmethod
+    def of(cls, events: Sequence[Event], groups: Groups, homes: Collection[int], sizes: dict[str, int],
+           limit: int) -> Step:
+        accesses, nonmodel = steady_sequence(events, groups, homes)
+        # Gradient chunks are freed at every step's end; a streamed group's parameter chunk is rewritten on the host.
+        stale = {g.grad for g in groups.values()} | {g.param for i, g in groups.items() if i not in homes}
+        return cls(frozenset(homes), accesses, nonmodel, chunk_budgets(accesses, nonmodel, sizes, limit),
+                   frozenset(set(sizes) - stale))
+
+    def plan(self, sizes: dict[str, int], resident: Collection[str] = (), dirty: Collection[str] = ()) -> Plan:
+        return build_plan(self.accesses, sizes, self.budgets, resident, dirty, self.carried)
+
+
+def fits(step: Step, groups: Groups, sizes: dict[str, int]) -> bool:
+    """Whether the homes' chunks (gradient chunks from their first write) leave every access of `step` the
+    chunks it needs within its budget."""
+    kept = {c for i in step.homes for c in groups[i].kept}
+    grads = {groups[i].grad for i in step.homes}
+    held, written = sum(sizes[c] for c in kept), set[str]()
+    for access, budget in zip(step.accesses, step.budgets):
+        for grad in (access.writes & grads) - written:
+            written.add(grad)
+            held += sizes[grad]
+        if held + sum(sizes[c] for c in set(access.chunks) - kept - written) > budget:
+            return False
+    return True
+
+
+def step_cost(step: Step, groups: Groups, sizes: dict[str, int]) -> int:
+    """Bytes one steady step moves under `step`'s homes: fetches and write-backs under the plan's eviction
+    rule from the cyclic start (two rounds from "the homes are resident" reach it), and streamed gradients."""
+    grads = {g.grad for g in groups.values()}
+    start = {c for i in step.homes for c in groups[i].kept}
+    dirty = {c for i in step.homes for c in groups[i].updated}
+    rule = planned_rule(step.accesses, step.carried)
+    for _ in range(2):
+        moved = simulate(step.accesses, sizes, step.budgets, rule, resident=start, dirty=dirty, free=grads)
+        start, dirty = moved["end"] & step.carried, moved["end_dirty"] & step.carried
+    streamed = sum(g.streamed for i, g in groups.items() if i not in step.homes)
+    return moved["h2d"] + moved["d2h"] + streamed
+
+
+def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
+                 limit: int) -> Step:
+    """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes)."""
+    by_index = {g.index: g for g in groups}
+    steps: dict[frozenset[int], Step] = {}
+    costs: dict[frozenset[int], int] = {}
+
+    def step(homes: Collection[int]) -> Step:
+        key = frozenset(homes)
+        if key not in steps:
+            steps[key] = Step.of(events, by_index, key, sizes, limit)
+        return steps[key]
+
+    def score(homes: frozenset[int]) -> tuple[int, int]:  # ties keep more groups home: they step on the device
+        if homes not in costs:
+            costs[homes] = step_cost(step(homes), by_index, sizes)
+        return costs[homes], -len(homes)
+
+    feasible: Callable[[frozenset[int]], bool] = lambda homes: fits(step(homes), by_index, sizes)
+    seeds = [frozenset(), _greedy(groups, sizes, feasible)]
+    suffix: frozenset[int] = frozenset()
+    for group in sorted(groups, key=lambda g: -g.index):  # the groups backward needs first
+        suffix = suffix | {group.index}
+        if not feasible(suffix):
+            break
+        seeds.append(suffix)
+    best = min(seeds, key=score)
+    while len(costs) < MOST_EVALUATIONS:
+        moves = [best - {i} for i in best] + [best | {g.index} for g in groups if g.index not in best]
+        better = min((m for m in moves if feasible(m)), key=score, default=best)
+        if score(better) >= score(best):
+            break
+        best = better
+    return step(best)
+
+
+def _greedy(groups: Sequence[GroupChunks], sizes: dict[str, int],
+            feasible: Callable[[frozenset[int]], bool]) -> frozenset[int]:
+    """Groups added by bytes saved (streamed gradients, the parameter chunk's re-upload) per byte of room,
+    while they fit."""
+    homes: frozenset[int] = frozenset()
+    for group in sorted(groups, key=lambda g: (-(g.streamed + sizes[g.param]) / max(1, g.nbytes), g.index)):
+        if feasible(homes | {group.index}):
+            homes = homes | {group.index}
+    return homes

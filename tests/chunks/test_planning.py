@@ -1,0 +1,104 @@
+"""From a recorded step to decisions: budgets, the steady accesses, the homes and the plan, on hand-made
+records whose best answers are worked out here."""
+
+from __future__ import annotations
+
+from chunkmem.chunks.plan import Access, build_plan, planned_rule, simulate, validate
+from chunkmem.chunks.planning import Event, GroupChunks, Step, chunk_budgets, decide_homes, fits, steady_sequence
+
+
+def group(i: int, size: int = 10, streamed: int = 10) -> GroupChunks:
+    return GroupChunks(i, f"param.{i}", f"grad.{i}", (f"exp_avg.{i}",), 3 * size, streamed)
+
+
+def sizes_of(groups: list[GroupChunks], size: int = 10) -> dict[str, int]:
+    return {n: size for g in groups for n in (g.param, g.grad, *g.updated)}
+
+
+def training_step(groups: list[GroupChunks], nonmodel: int = 0, peak: int = 0) -> list[Event]:
+    """Forward over the groups in order, backward in reverse (a gradient per group), then the optimizer;
+    `peak` non-model bytes at the end of forward, where activations are largest."""
+    forward = [Event("use", (g.param,), -1, nonmodel) for g in groups]
+    forward[-1] = Event("use", (groups[-1].param,), -1, peak or nonmodel)
+    backward = [e for g in reversed(groups) for e in (Event("use", (g.param,), -1, nonmodel),
+                                                      Event("grad", (g.grad,), g.index, nonmodel))]
+    return forward + backward + [Event("optim", (), g.index, nonmodel) for g in groups]
+
+
+def test_budget_is_what_non_model_data_leaves_now_and_next_less_the_margin():
+    accesses = [Access(("a",)), Access(("b",)), Access(("c",))]
+    budgets = chunk_budgets(accesses, [0, 500, 100], {"a": 10, "b": 10, "c": 10}, limit=1000)
+    assert budgets == [1000 - 500 - 50, 1000 - 500 - 50, 1000 - 100 - 50]
+    assert chunk_budgets([Access(("a",))], [2000], {"a": 10}, 1000) == [10], "never below the access's own need"
+
+
+def test_everything_that_fits_is_homed_and_nothing_when_there_is_no_room():
+    groups = [group(0), group(1)]
+    events, sizes = training_step(groups), sizes_of(groups)
+    assert decide_homes(events, groups, sizes, limit=1000).homes == {0, 1}, "everything fits: all home"
+    assert decide_homes(events, groups, sizes, limit=20).homes == set(), "no room: the optimizer runs on the host"
+    accesses, _ = steady_sequence(events, {g.index: g for g in groups}, {1})
+    assert [a.chunks for a in accesses] == [("param.0",), ("param.1",), ("param.1",), ("grad.1",), ("param.0",),
+                                            ("param.1", "grad.1", "exp_avg.1")]
+
+
+def test_a_near_empty_group_streams_and_the_full_one_is_homed_though_backward_needs_it_last():
+    # Room for one group's chunks beside the stream. Group 1 comes first in backward (PatrickStar keeps
+    # those) but its chunk holds one parameter byte: homing it saves 1 streamed byte and its re-upload;
+    # homing group 0 saves 10 and the same re-upload.
+    groups = [group(0, streamed=10), group(1, streamed=1)]
+    events, sizes = training_step(groups), sizes_of(groups)
+    limit = 50  # 48 for chunks: one group's parameter, state and gradient (30) beside the other's parameter
+    step = decide_homes(events, groups, sizes, limit)
+    assert step.homes == {0}
+    by_index = {g.index: g for g in groups}
+    costs = {homes: _cost(events, by_index, sizes, limit, homes) for homes in ((), (0,), (1,))}
+    assert costs[(0,)] < costs[(1,)] < costs[()]
+
+
+def _cost(events, groups, sizes, limit, homes) -> int:
+    from chunkmem.chunks.planning import step_cost
+
+    return step_cost(Step.of(events, groups, homes, sizes, limit), groups, sizes)
+
+
+def test_gradient_chunks_count_only_once_written_so_homes_fit_beside_the_activation_peak():
+    # At the end of forward activations peak at 40 bytes; the gradients come after. Both groups' kept
+    # chunks (40) fit beside the peak only because their gradient chunks (20) are not there yet.
+    groups = [group(0), group(1)]
+    events, sizes = training_step(groups, nonmodel=0, peak=40), sizes_of(groups)
+    limit = 100  # at the peak 100 - 40 - 5 = 55 for chunks: the 40 kept fit, 40 + 20 of gradients would not
+    step = Step.of(events, {g.index: g for g in groups}, {0, 1}, sizes, limit)
+    assert fits(step, {g.index: g for g in groups}, sizes)
+    assert decide_homes(events, groups, sizes, limit).homes == {0, 1}
+
+
+def test_chunks_held_around_an_access_count_in_its_budget_and_stay_resident():
+    # An adapter's chunk stays pinned while the base it calls runs: the plan must hold both at once.
+    events = [Event("use", ("param.0",), -1, 0), Event("use", ("frozen_param.0",), -1, 0, held=("param.0",)),
+              Event("use", ("param.1",), -1, 0)]
+    sizes = {"param.0": 10, "param.1": 10, "frozen_param.0": 10}
+    accesses, nonmodel = steady_sequence(events, {}, set())
+    assert [a.chunks for a in accesses] == [("param.0",), ("frozen_param.0", "param.0"), ("param.1",)]
+    budgets = chunk_budgets(accesses, [1000] * 3, sizes, limit=100)  # activations leave nothing: the need only
+    assert budgets == [10, 20, 10]
+    assert validate(build_plan(accesses, sizes, budgets), accesses, sizes) == {"param.1"}
+
+
+def test_a_clean_chunk_leaves_before_a_dirty_one_needed_no_sooner():
+    # Room for two. At c, `s` (changed on the device) and `a` (clean) are both needed again at the end:
+    # plain Belady may evict `s` and pay its write-back; the plan evicts `a`, one fetch instead of two copies.
+    accesses = [Access(("s",), frozenset({"s"})), Access(("a",)), Access(("c",)), Access(("a", "s"))]
+    sizes, budgets = {"s": 10, "a": 10, "c": 10}, [20] * 4
+    plan = build_plan(accesses, sizes, budgets)
+    assert "@2 evict a" in map(str, plan.actions)
+    moved = simulate(accesses, sizes, budgets, planned_rule(accesses))
+    assert (moved["h2d"], moved["d2h"]) == (40, 0)
+
+
+def test_what_the_next_step_needs_first_stays_at_the_step_end():
+    # a, b, c, a, d with room for two: at d, `a` (needed first by the next step) stays and `c` goes.
+    accesses = [Access((n,)) for n in "abcad"]
+    sizes = {n: 10 for n in "abcd"}
+    plan = build_plan(accesses, sizes, [20] * 5, carried=set(sizes))
+    assert "@4 evict c" in map(str, plan.actions) and "@4 evict a" not in map(str, plan.actions)
