@@ -11,8 +11,8 @@ steps, and its cost is then the average over the cycle.
   belady: evict the one whose next access is furthest away, counted into the next step (a gradient
           chunk has none after its last access: it is freed); Belady's MIN, optimal in fetches for
           chunks of one size without write-backs, which this problem has.
-  belady-step: the same, looking no further than the step's end (ties broken by name), as
-          chunkmem's plan does: what the next step wants first is not seen.
+  belady-step: the same, looking no further than the step's end (ties broken by name): what the
+          next step wants first is not seen.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ class Recorded:
     instance: Instance
     homes: frozenset[int]  # the groups chunkmem homed
     measured: tuple[int, ...]  # chunkmem's bytes in each steady step measured
+    uploaded: int  # bytes the last steady step sent up
+    prefetched: int  # of those, the bytes sent ahead of the access that needs them (the rest compute waits for)
     streamed: int  # of which streamed gradients, per step
     model_data: int
     activation_peak: int
@@ -63,12 +65,14 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
     with recording() as seen:
         train()  # warm-up: recorded, then planned
         train()  # the first step on the plan settles what is resident at a step's start
-        measured, streamed = [], 0
+        measured, streamed, uploaded, prefetched = [], 0, 0, 0
         for _ in range(steady_steps):
             before = cm.memory_stats()
             train()
             after = cm.memory_stats()
             measured.append(after["h2d_bytes"] + after["d2h_bytes"] - before["h2d_bytes"] - before["d2h_bytes"])
+            uploaded = after["h2d_bytes"] - before["h2d_bytes"]
+            prefetched = after["prefetch_bytes"] - before["prefetch_bytes"]
             streamed = after["grad_stream_bytes"] - before["grad_stream_bytes"]
     placer = cm.runtime.placer
     if len(seen) != 1 or placer.phase is not chunkmem.chunks.placement.Phase.FOLLOW:
@@ -79,5 +83,5 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
     per_group = {g.index: sum(r.param.numel() for r in g.members) * store.dtype.itemsize
                  for g in store.trainable_groups()}
     instance = Instance.from_events(events, sizes, groups, limit, streamed=per_group)
-    return Recorded(instance, frozenset(placer.homes), tuple(measured), streamed,
+    return Recorded(instance, frozenset(placer.homes), tuple(measured), uploaded, prefetched, streamed,
                     cm.memory_stats()["model_data_bytes"], cm.runtime.activations.peak)

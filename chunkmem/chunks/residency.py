@@ -52,6 +52,7 @@ class TrafficStats:
     uploads: int = 0
     evictions: int = 0
     prefetches: int = 0
+    prefetch_bytes: int = 0  # of h2d_bytes, sent up ahead of the access that needs them (the copy overlaps compute)
     grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
     oom_fallbacks: int = 0
 
@@ -101,6 +102,7 @@ class Residency:
         self.stats.h2d_bytes += chunk.nbytes
         self.stats.uploads += 1
         self.stats.prefetches += reason == "prefetch"
+        self.stats.prefetch_bytes += chunk.nbytes if reason == "prefetch" else 0
         self.report(chunk, "host", "device", chunk.nbytes, time.perf_counter() - start, reason)
 
     def to_host(self, chunk: Chunk, reason: str = "optimizer") -> torch.Tensor:
