@@ -13,7 +13,8 @@ access needs fit the access's budget; feasible sets are scored by the bytes one 
 under the plan's own eviction rule (`plan.victim`), from the cyclic start (what a step leaves resident
 is what the next one starts with). The search starts from the best of: nothing homed, the groups
 backward needs first (the suffixes PatrickStar keeps), and a greedy fill by bytes saved per byte of
-room; then it adds or drops one group at a time while that lowers the bytes moved. A near-empty chunk
+room; from each it adds, drops or swaps one group at a time while that lowers the bytes moved, and
+the best of where they end wins. A near-empty chunk
 (a few parameters in a large chunk) saves little for its room and is left to stream.
 (benchmarks/placement.py measures the result against an exact integer-programming optimum.)
 """
@@ -21,12 +22,13 @@ room; then it adds or drops one group at a time while that lowers the bytes move
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Collection, Sequence
 
 from chunkmem.chunks.plan import Access, Plan, build_plan, planned_rule, simulate
 
 SAFETY_FRACTION = 0.05  # of the device budget: temporaries the estimate cannot see, fragmentation
-MOST_EVALUATIONS = 400  # bounds the search on models with many groups (each evaluation replays one step)
+EVALUATIONS_PER_SEED = 1000  # bounds the search on models with many groups (an evaluation replays one step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,14 +179,27 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
         if not feasible(suffix):
             break
         seeds.append(suffix)
-    best = min(seeds, key=score)
-    while len(costs) < MOST_EVALUATIONS:
-        moves = [best - {i} for i in best] + [best | {g.index} for g in groups if g.index not in best]
-        better = min((m for m in moves if feasible(m)), key=score, default=best)
-        if score(better) >= score(best):
-            break
-        best = better
+    best = min((_descend(seed, groups, score, feasible) for seed in seeds), key=score)
     return step(best)
+
+
+def _descend(homes: frozenset[int], groups: Sequence[GroupChunks], score: Callable[[frozenset[int]], tuple[int, int]],
+             feasible: Callable[[frozenset[int]], bool]) -> frozenset[int]:
+    """From `homes`, the first change that lowers the bytes moved (add a group, drop one, swap two), again
+    and again, until none does or the search has spent its evaluations."""
+    spent = 0
+    while spent < EVALUATIONS_PER_SEED:
+        others = [g.index for g in groups if g.index not in homes]
+        moves = itertools.chain((homes | {j} for j in others), (homes - {i} for i in homes),
+                                ((homes - {i}) | {j} for i in homes for j in others))
+        for move in moves:
+            spent += 1
+            if feasible(move) and score(move) < score(homes):
+                homes = move
+                break
+        else:
+            return homes
+    return homes
 
 
 def _greedy(groups: Sequence[GroupChunks], sizes: dict[str, int],
