@@ -222,11 +222,11 @@ class Placer:
     def _budget(self, planned: int, nonmodel: int, names: tuple[str, ...]) -> None:
         """The plan's budget for an access; once this step has held more non-model data than its record,
         lowered further at every access and moment to what the non-model data leaves (as in warm-up)."""
+        need = sum(self.sizes[n] for n in set(names))  # an access off the record may need more than the budget there
         if self.giving_way:
-            need = sum(self.sizes[n] for n in set(names))
             left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
-            planned = max(self.working_set, min(need, self.limit), min(planned, left))
-        self.residency.limit = planned
+            planned = max(self.working_set, min(planned, left))
+        self.residency.limit = max(planned, min(need, self.limit))
         self.residency.shrink()
 
     def _prefetch(self, index: int) -> None:
