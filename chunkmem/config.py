@@ -52,6 +52,9 @@ class Config:
         warning, when the kernel cannot be built. None (the default): on with CUDA, where chunks
         updated on the host and on the device already differ in the last bits; off in the CPU
         simulation, whose results stay bit-identical to torch.optim whatever the budget.
+    gather_units: under ZeRO, names of module classes whose whole subtree is gathered when they start
+        (chunkmem/zero/units.py, Note on units): modules that choose which children run by the data.
+        Experts of a mixture of experts are found without it.
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -61,6 +64,7 @@ class Config:
     chunk_size: int | None = None
     offload_activations: bool = False
     native_optimizer: bool | None = None
+    gather_units: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -83,6 +87,11 @@ class Config:
             raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
         if self.native_optimizer is not None and not isinstance(self.native_optimizer, bool):
             raise ValueError(f"Config.native_optimizer={self.native_optimizer!r}: expected True, False or None (auto)")
+        if isinstance(self.gather_units, str) or not isinstance(self.gather_units, (tuple, list)) or \
+                not all(isinstance(name, str) and name for name in self.gather_units):
+            raise ValueError(f"Config.gather_units={self.gather_units!r}: expected a tuple of module class names, "
+                             "e.g. ('SwitchTransformersSparseMLP',)")
+        object.__setattr__(self, "gather_units", tuple(self.gather_units))
 
     @property
     def torch_dtype(self) -> torch.dtype:

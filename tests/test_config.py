@@ -119,3 +119,10 @@ def test_optimizer_state_dict_points_to_checkpoints():
     _, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
     with pytest.raises(NotImplementedError, match="chunkmem.save_checkpoint"):
         opt.state_dict()
+
+
+def test_gather_units_are_class_names():
+    assert chunkmem.Config(device="cpu", gather_units=["A", "B"]).gather_units == ("A", "B")
+    for bad in ("SwitchTransformersSparseMLP", ("",), (3,)):
+        with pytest.raises(ValueError, match=r"Config.gather_units=.*expected a tuple of module class names"):
+            chunkmem.Config(device="cpu", gather_units=bad)

@@ -117,8 +117,8 @@ DATA_DEPENDENT = [
     Arch("switch", "SwitchTransformersForConditionalGeneration", "SwitchTransformersConfig",
          dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
               num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=64,
-              router_jitter_noise=0.0, dropout_rate=0.0, pad_token_id=0, eos_token_id=2,
-              decoder_start_token_id=0), "seq2seq"),
+              router_jitter_noise=0.0, router_z_loss_coef=0.0, router_aux_loss_coef=0.0, dropout_rate=0.0,
+              pad_token_id=0, eos_token_id=2, decoder_start_token_id=0), "seq2seq"),
     dataclasses.replace(_BART, name="bart-layerdrop",
                         kwargs=_BART.kwargs | dict(encoder_layerdrop=0.5, decoder_layerdrop=0.5)),
 ]

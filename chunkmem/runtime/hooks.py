@@ -115,11 +115,11 @@ class Hooks:
             self.outside = (module, FetchMode(self.runtime))
             self.outside[1].__enter__()
         self.runtime.emit("pre_forward", "fwd", self.names[module])
-        self.runtime.acquire(self.runtime.module_records[module])
+        self.runtime.enter(module)
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
-        self.runtime.release(self.runtime.module_records[module])
+        self.runtime.leave(module)
         self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
             mode, self.outside = self.outside[1], None

@@ -85,8 +85,8 @@ class Runtime:
         self.store.load_initial_values()
         for chunk_group in self.store.owned_groups():
             self.store.point_views(chunk_group.param)
-        self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share) \
-            if world > 1 else None
+        self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share,
+                             config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
         self._flush_queued = False
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
@@ -128,7 +128,14 @@ class Runtime:
         return self.activations.live
 
     # -- forward -------------------------------------------------------------------------------
-    def acquire(self, records: Iterable[ParamRecord]) -> None:
+    def enter(self, module: nn.Module) -> None:
+        """A module's forward starts: its parameters (under ZeRO, the groups it pins) come to the device."""
+        self.acquire(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
+
+    def leave(self, module: nn.Module) -> None:
+        self.release(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
+
+    def acquire(self, records: Iterable[ParamRecord], keys: Iterable[Key] | None = None) -> None:
         records = list(records)
         for record in records:
             record.move("acquire")
@@ -136,12 +143,12 @@ class Runtime:
                 record.group.param.pins += 1
             record.uses += 1
         if self.shards is not None:
-            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+            for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.pin(key)
         else:
             self.placer.access(list({r.group.param: None for r in records}))
 
-    def release(self, records: Iterable[ParamRecord]) -> None:
+    def release(self, records: Iterable[ParamRecord], keys: Iterable[Key] | None = None) -> None:
         records = list(records)
         for record in records:
             record.uses -= 1
@@ -150,7 +157,7 @@ class Runtime:
                 if record.group.owned and self.shards is None:
                     record.group.param.pins -= 1
         if self.shards is not None:
-            for key in dict.fromkeys(self.shards.key(r.group) for r in records):
+            for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.unpin(key)
 
     def _chunk_moved(self, chunk: Chunk) -> None:
@@ -203,7 +210,7 @@ class Runtime:
             flat = saved.source.device
         else:
             self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
-            flat = self.shards.gather(saved.source)  # type: ignore[union-attr]
+            flat = self.shards.unpacked(saved.source)  # type: ignore[union-attr]
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
     # -- moments ----------------------------------------------------------------------------------
@@ -292,6 +299,10 @@ class Runtime:
                 for record in cleared:
                     record.move_grad("free")
             kept = kept or len(cleared) < len(group.members)
+        if set_to_none:  # under ZeRO, other ranks' parameters too: which got a gradient is agreed per step
+            for record in (r for g in self.store.groups if g.trainable and not g.owned for r in g.members):
+                if only is None or record in only:
+                    record.move_grad("free")
         if kept and self.scaler is not None and not self.grads_scaled:
             # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
             torch._foreach_mul_(self.data.grad_views(), self.scaler.scale)

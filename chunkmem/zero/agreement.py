@@ -25,8 +25,8 @@ def fingerprints(module: nn.Module, config: Config, optimizer: Optimizer) -> dic
         "the model (parameter names, shapes, dtypes, requires_grad)":
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
                 remove_duplicate=False)],
-        "the Config (dtype, chunk_size, device kind)":
-            (config.dtype, config.chunk_size, config.device.split(":")[0]),
+        "the Config (dtype, chunk_size, device kind, gather_units)":
+            (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
             (type(optimizer).__qualname__, [(sorted((k, repr(v)) for k, v in g.items() if k != "params"),
                                               [names.get(id(p)) for p in g["params"]])

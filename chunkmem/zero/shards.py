@@ -47,7 +47,7 @@ import dataclasses
 import gc
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -55,10 +55,12 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.state import TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
 from chunkmem.zero.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
+from chunkmem.zero.units import gather_units
 
 log = logging.getLogger("chunkmem")
 CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs its group again
@@ -119,7 +121,7 @@ class Shards:
 
     def __init__(self, group: Any, store: ParamStore, module: nn.Module, device: Device,
                  bring: Callable[[ChunkGroup, bool], torch.Tensor],
-                 deliver: Callable[[Key, torch.Tensor], None]) -> None:
+                 deliver: Callable[[Key, torch.Tensor], None], unit_classes: Collection[str] = ()) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -133,8 +135,10 @@ class Shards:
         self.single = single_tensor_collectives(group, device.torch_device)
         self.chunk_bytes = store.chunk_size * store.dtype.itemsize
         self.buffer_bytes = self.world * self.chunk_bytes  # one gathered group or gradient buffer
-        self.pinned_most = most_pinned(module, lambda m: {self.key(store.records[p].group)
-                                                          for p in m.parameters(recurse=False) if p in store.records})
+        self._units(module, gather_units(module, unit_classes))
+        self.pinned_most = most_pinned(module, lambda m: set(self.pin_keys[m]))
+        # Gradient buffers of a unit live beside the pool: which exist depends on the data (units' Note).
+        self.unit_most = max((len(keys) for keys in self.unit_of.values()), default=0)
         self.slots = self.pinned_most + CACHED_GROUPS + AHEAD + GRAD_BUFFERS  # `reserve` may lower it
         self.gathered: collections.OrderedDict[Key, torch.Tensor] = collections.OrderedDict()  # [W * chunk]
         self.flights: dict[Key, Flight] = {}  # gathers not waited for yet
@@ -142,6 +146,8 @@ class Shards:
         self.pins: collections.Counter[Key] = collections.Counter()
         self.by_storage: dict[int, Key] = {}
         self.grads: dict[Key, torch.Tensor] = {}  # gradient buffers being filled, oldest first: [W * chunk]
+        self.unit_grads: dict[Key, torch.Tensor] = {}  # gradient buffers of units' groups: [W * chunk]
+        self.held: tuple[Key, ...] | None = None  # the unit backward is in: its groups stay gathered
         self.arrived: collections.Counter[Key] = collections.Counter()
         self.expected = {k: sum(len(g.members) for g in groups if g.trainable) for k, groups in self.members.items()}
         self.key_of_chunk = {g.param.name: self.key(g) for g in store.owned_groups()}
@@ -168,11 +174,30 @@ class Shards:
         self.reducing = None
         self.gathered.clear()
         self.grads.clear()
+        self.unit_grads.clear()
         self.by_storage.clear()
         gc.collect()
 
     def key(self, chunk_group: ChunkGroup) -> Key:
         return chunk_group.trainable, chunk_group.index // self.world
+
+    def _units(self, module: nn.Module, units: list[nn.Module]) -> None:
+        """What each module's pre-forward pins: its own groups; a unit's, every group of its subtree (sorted,
+        the same on every rank); a module inside a unit, nothing (units' Note)."""
+        records = self.store.records
+
+        def own(m: nn.Module) -> tuple[Key, ...]:
+            return tuple(dict.fromkeys(self.key(records[p].group) for p in m.parameters(recurse=False) if p in records))
+
+        self.pin_keys: dict[nn.Module, tuple[Key, ...]] = {m: own(m) for m in module.modules()}
+        self.unit_of: dict[Key, tuple[Key, ...]] = {}  # a unit's groups, by each of them
+        for unit in units:
+            keys = tuple(sorted({k for m in unit.modules() for k in own(m)}))
+            self.pin_keys.update({m: () for m in unit.modules()} | {unit: keys})
+            self.unit_of.update({k: keys for k in keys})
+        # Groups a unit shares with modules outside it get gradients after backward left the unit too.
+        outside = {k for m, keys in self.pin_keys.items() for k in keys if not any(m is u for u in units)}
+        self.shared_unit_keys = sorted(k for k in self.unit_of if k in outside)
 
     def owned(self, key: Key) -> ChunkGroup:
         return self.members[key][self.rank]
@@ -181,10 +206,10 @@ class Shards:
     def reserve(self, limit: int, chunks: int) -> int:
         """Size the pool out of the device budget `limit`, leaving `chunks` bytes for chunks; the bytes it takes."""
         least = self.pinned_most + 1
-        fit = (limit - chunks - self.chunk_bytes) // self.buffer_bytes
+        fit = (limit - chunks - self.chunk_bytes) // self.buffer_bytes - self.unit_most
         fit = agree([fit], self.group, self.device.torch_device)[0]  # every rank sizes it alike: see the Note
         if fit < least:
-            need = least_transient_bytes(self.world, self.chunk_bytes, self.pinned_most)
+            need = least_transient_bytes(self.world, self.chunk_bytes, self.pinned_most) + self.unit_most * self.buffer_bytes
             raise MemoryBudgetError(
                 f"ZeRO over {self.world} ranks needs transient buffers on the device besides the chunks: "
                 f"{least} buffers of {self.world} chunks ({self.buffer_bytes} bytes each; one per group a module "
@@ -197,7 +222,7 @@ class Shards:
 
     @property
     def reserved(self) -> int:
-        return self.slots * self.buffer_bytes + self.chunk_bytes
+        return (self.slots + self.unit_most) * self.buffer_bytes + self.chunk_bytes
 
     def _buffers(self) -> int:
         return len(self.gathered) + len(self.grads) + (self.reducing is not None)
@@ -224,7 +249,8 @@ class Shards:
             elif self.reducing is not None:
                 self._finish_reduce()
             elif self.grads:
-                self._start_reduce(next(iter(self.grads)))
+                key = next(iter(self.grads))
+                self._start_reduce(key, self.grads.pop(key))
             else:
                 raise MemoryBudgetError(
                     f"ZeRO's {self.slots} transient buffers are all in use by running modules and another group "
@@ -284,8 +310,49 @@ class Shards:
                 record.param.data = record.view(flat)
 
     def pin(self, key: Key) -> None:
+        """Keep a group gathered while a module uses it; pinned already (by a unit, or a module around this
+        one), it is gathered and nothing is issued or recorded."""
         self.pins[key] += 1
-        self.gather(key)
+        if self.pins[key] == 1:
+            self.gather(key)
+
+    def unpacked(self, key: Key) -> torch.Tensor:
+        """A group a saved tensor views, in backward. The first of a unit's gathers them all and holds them
+        until backward leaves the unit (the next group outside it), which reduce-scatters the unit's
+        gradients (units' Note)."""
+        unit = self.unit_of.get(key)
+        if unit is not None and unit == self.held:
+            return self.gathered[key]
+        self._leave_unit()
+        if unit is None:
+            return self.gather(key)
+        for k in unit:
+            self.pin(k)
+        self.held = unit
+        return self.gathered[key]
+
+    def _leave_unit(self) -> None:
+        if self.held is None:
+            return
+        unit, self.held = self.held, None
+        for key in unit:
+            self.unpin(key)
+        self._reduce_unit(unit)
+
+    def _reduce_unit(self, keys: Sequence[Key]) -> None:
+        """Every trainable group of a unit, on every rank: zeros where this rank's gradients skipped it.
+        Which parameters got a gradient on some rank is agreed too, so that every owner steps those (and
+        only those, as PyTorch leaves a parameter without gradient untouched)."""
+        for key in keys:
+            if key[0]:
+                records = [r for g in self.members[key] for r in g.members]
+                got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
+                self.all_reduce(got, dist.ReduceOp.MAX)
+                for record, anywhere in zip(records, got.tolist()):
+                    if anywhere and record.grad_state is TensorState.FREE:
+                        record.move_grad("write")
+                full = self.unit_grads.pop(key, None)
+                self._start_reduce(key, full if full is not None else self._zeros())
 
     def unpin(self, key: Key) -> None:
         self.pins[key] -= 1
@@ -340,23 +407,32 @@ class Shards:
 
     # -- gradients ------------------------------------------------------------------------------
     def add_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """Add a local gradient to its group's buffer; a complete group starts its reduce-scatter."""
+        """Add a local gradient to its group's buffer; a complete group starts its reduce-scatter (a unit's
+        groups wait for backward to leave the unit: units' Note)."""
         key = self.key(record.group)
         numel = self.store.chunk_size
-        if key not in self.grads:
-            self._make_room()
-            self.grads[key] = self.device.alloc(self.world * numel, grad.dtype).zero_()
-            self._count(self.grads[key].nbytes)
+        buffers = self.unit_grads if key in self.unit_of else self.grads
+        if key not in buffers:
+            if buffers is self.grads:
+                self._make_room()
+            buffers[key] = self._zeros()
         position = record.group.index % self.world
-        record.view(self.grads[key][position * numel:(position + 1) * numel]).add_(grad)
+        record.view(buffers[key][position * numel:(position + 1) * numel]).add_(grad)
+        if buffers is self.unit_grads:
+            return
         self.arrived[key] += 1
         if self.arrived[key] == self.expected[key]:
             del self.arrived[key]
-            self._start_reduce(key)
+            self._start_reduce(key, self.grads.pop(key))
 
-    def _start_reduce(self, key: Key) -> None:
+    def _zeros(self) -> torch.Tensor:
+        """A gradient buffer: W chunks of zeros."""
+        buffer = self.device.alloc(self.world * self.store.chunk_size, self.store.dtype).zero_()
+        self._count(buffer.nbytes)
+        return buffer
+
+    def _start_reduce(self, key: Key, full: torch.Tensor) -> None:
         """Reduce-scatter a group's gradient buffer async, after finishing the one in flight."""
-        full = self.grads.pop(key)
         if self.reducing is not None:
             self._finish_reduce()
         if self.single:
@@ -382,8 +458,10 @@ class Shards:
     def finish_backward(self) -> None:
         """End of backward: reduce the groups some of whose parameters got no gradient, and finish every
         reduce-scatter, before anything reads gradients."""
+        self._leave_unit()
+        self._reduce_unit(self.shared_unit_keys)
         for key in sorted(self.grads):
-            self._start_reduce(key)
+            self._start_reduce(key, self.grads.pop(key))
         if self.reducing is not None:
             self._finish_reduce()
         self.arrived.clear()

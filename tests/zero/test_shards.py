@@ -73,11 +73,12 @@ def single(kind: str, frozen: bool, accumulate: int, clip: float | None, steps: 
             "model_data_bytes": cm.memory_stats()["model_data_bytes"], "group_bytes": group_bytes}
 
 
-def assert_matches(ref: dict, got: dict) -> None:
+def assert_matches(ref: dict, got: dict, atol: float = 0.0) -> None:
+    """`atol` bounds the difference of updates that are rounding noise (a key bias's gradient is zero in exact
+    arithmetic: attention is invariant to it)."""
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     for name, update in ref["updates"].items():
-        scale = update.norm().clamp_min(1e-12)
-        assert (got["updates"][name] - update).norm() / scale < 2e-3, name
+        assert (got["updates"][name] - update).norm() <= 2e-3 * update.norm() + atol, name
 
 
 # Budgets are fractions of the whole model's fp32 parameter bytes. At 3 ranks ZeRO's transient buffers
@@ -282,3 +283,50 @@ def unwaited_collectives_worker(rank: int, world: int) -> None:
 def test_a_collective_compute_does_not_wait_for_is_caught():
     with pytest.raises(AssertionError, match=r"HazardError: chunkmem simulation: compute op .* (all-gather|reduce-scatter)"):
         run_workers(unwaited_collectives_worker, 2, timeout=60)
+
+
+def data_dependent_worker(rank: int, world: int, name: str, steps: int) -> dict:
+    """A model whose modules depend on the data, each rank on its share of every batch."""
+    from tests import zoo
+
+    arch = next(a for a in zoo.DATA_DEPENDENT if a.name == name)
+    model = arch.build()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    budget = sum(p.numel() * 4 for p in model.parameters())  # under the model data: chunks move
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
+    losses, experts = [], []
+    for i, batch in enumerate(arch.batches(steps)):
+        torch.manual_seed(i)  # layer drop: the same draws on every rank, and in the reference
+        loss = zoo.loss(cm, {k: v.chunk(world)[rank] for k, v in batch.items()})
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return {"losses": losses, "updates": updates(initial, cm.state_dict()), "units": len(cm.runtime.shards.unit_of),
+            "phases": cm.runtime.placer.replans}
+
+
+@pytest.mark.parametrize("name", ["switch", "bart-layerdrop"])
+def test_models_whose_modules_depend_on_the_data_train_like_one_process(name):
+    # Each rank's router picks other experts: without gathering the experts whole (zero/units.py) the ranks
+    # issue different collectives and hang. Layer drop draws the same layers on every rank here.
+    from tests import zoo
+
+    arch = next(a for a in zoo.DATA_DEPENDENT if a.name == name)
+    model = arch.build()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = ADAMW(model.parameters())
+    ref_losses = []
+    for i, batch in enumerate(arch.batches(4)):
+        torch.manual_seed(i)
+        loss = zoo.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref = {"losses": ref_losses, "updates": updates(initial, model.state_dict())}
+    for got in run_workers(data_dependent_worker, 2, name, 4, timeout=120):
+        assert_matches(ref, got, atol=1e-5)
+        assert (got["units"] > 0) == (name == "switch"), "the experts are found as a unit, nothing else is"
