@@ -1,23 +1,27 @@
-"""One AdamW step over a host chunk: chunkmem's native kernel against torch.optim, and a bandwidth floor.
+"""One AdamW step over a host chunk: chunkmem's native kernel against torch.optim, and a memory-traffic floor.
 
-    python benchmarks/cpu_adam.py --sizes 16M,64M --repeats 7 --json benchmarks/results/cpu_adam_cpu.json
+    python -m benchmarks.cpu_adam --sizes 16M,64M --rounds 25 --json benchmarks/results/cpu_adam_cpu.json
 
 Precisions: "fp32" (fp32 grads, no low-precision copy) and "bf16" (bf16 grads in, a bf16 copy of the
-updated master out, as mixed-precision training needs). Contenders, alternated within each repeat so
-that drift on a shared machine hits all of them alike:
+updated master out, as mixed-precision training needs). Every contender produces the same outputs:
 
   chunkmem        chunkmem.memory.native.adam_step: one pass, the casts included
   fused+casts     torch.optim.AdamW(fused=True), plus (bf16) grad.copy_(grad_bf16) before and
                   param_bf16.copy_(master) after: the same work done with stock PyTorch
   single+casts    torch.optim.AdamW(foreach=False), with the same casts
-  deepspeed       DeepSpeedCPUAdam, only if `import deepspeed` works
-  floor           a read-modify-write sweep (torch add_ in place) over a buffer sized so that it reads
-                  and writes as many bytes as the step must: master, exp_avg, exp_avg_sq read and
-                  written (24 B/param) plus the grad read and, for bf16, the copy written
-                  (fp32: 24 + 4, bf16: 24 + 2 + 2, so 28 B/param both). No step can move less.
+  deepspeed+casts DeepSpeedCPUAdam (adamw_mode), with the same casts: its step takes grads of the
+                  parameter's dtype and writes no low-precision copy. Only if `import deepspeed` works
+                  (`pip install deepspeed==0.19.8`; it builds its CPU op on first use, -march=native)
+  floor           benchmarks/adam_floor.cpp: every byte Adam moves (grad in; master, exp_avg,
+                  exp_avg_sq in and out; the bf16 copy out) and no arithmetic, built with the kernel's
+                  flags, OpenMP team, block schedule and vector width. 28 B/param in both precisions
+                  (fp32: 4 + 24; bf16: 2 + 24 + 2)
 
-Targets (issue 4): bf16 >= 1.25x faster than fused+casts; fp32 no slower than fused; within 1.15x of
-the floor.
+Each round times every contender once, in a fresh random order, so that a shared machine's load falls
+on all of them alike; "x floor" is the ratio to the floor in the same round, reported as min/median/max
+over rounds, as are the times. The load average is recorded before and after.
+
+Targets: bf16 >= 1.25x faster than fused+casts (issue 4); chunkmem within 1.05x of the floor (issue 14).
 """
 
 from __future__ import annotations
@@ -25,17 +29,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
 import torch
 
+from benchmarks import adam_floor
 from benchmarks.common import table, write_json
 from chunkmem.memory import native
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-BYTES_PER_PARAM = {"fp32": 28, "bf16": 28}
+LOWP = {"fp32": None, "bf16": torch.bfloat16}
+Step = Callable[[], None]
 
 
 def parse_size(text: str) -> int:
@@ -44,88 +52,110 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def chunkmem_step(n: int, precision: str) -> Callable[[], None]:
-    master, exp_avg, exp_avg_sq = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    grad = torch.randn(n).to(torch.bfloat16 if precision == "bf16" else torch.float32)
-    out = torch.empty(n, dtype=torch.bfloat16) if precision == "bf16" else None
+def grad_dtype(precision: str) -> torch.dtype:
+    return LOWP[precision] or torch.float32
+
+
+Streams = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def chunk_streams(n: int, precision: str) -> Streams:
+    """master, grad, exp_avg, exp_avg_sq and the low-precision copy (None in fp32), as chunkmem holds them."""
+    lowp = LOWP[precision]
+    out = None if lowp is None else torch.empty(n, dtype=lowp)
+    return torch.randn(n), torch.randn(n).to(grad_dtype(precision)), torch.zeros(n), torch.zeros(n), out
+
+
+def chunkmem_step(n: int, precision: str) -> Step:
+    master, grad, exp_avg, exp_avg_sq, out = chunk_streams(n, precision)
     count = [0]
 
     def step() -> None:
         count[0] += 1
-        native.adam_step(master, grad, exp_avg, exp_avg_sq, out, decoupled=True, step=count[0], **HP)
+        native.adam_step(master, grad, exp_avg, exp_avg_sq, out, lr=HP["lr"], beta1=HP["beta1"], beta2=HP["beta2"],
+                         eps=HP["eps"], weight_decay=HP["weight_decay"], decoupled=True, step=count[0])
     return step
 
 
-def torch_step(n: int, precision: str, **flags: bool) -> Callable[[], None]:
-    """torch.optim.AdamW on an fp32 master; for bf16 also the two casts around it."""
-    param = torch.nn.Parameter(torch.randn(n))
-    param.grad = torch.randn(n)
-    opt = torch.optim.AdamW([param], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                            weight_decay=HP["weight_decay"], **flags)
+def floor_step(n: int, precision: str) -> Step:
+    master, grad, exp_avg, exp_avg_sq, out = chunk_streams(n, precision)
+    return lambda: adam_floor.adam_traffic(master, grad, exp_avg, exp_avg_sq, out)
+
+
+def with_casts(opt_step: Step, param: torch.nn.Parameter, precision: str) -> Step:
+    """For bf16: upcast the bf16 grad into the fp32 grad before the step, write the bf16 copy after."""
     if precision == "fp32":
-        return opt.step
-    grad_bf16, out = torch.randn(n).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        return opt_step
+    n = param.numel()
+    grad_lowp, out = torch.randn(n).to(grad_dtype(precision)), torch.empty(n, dtype=LOWP[precision])
+    assert param.grad is not None
 
     def step() -> None:
-        param.grad.copy_(grad_bf16)
-        opt.step()
+        param.grad.copy_(grad_lowp)  # type: ignore[union-attr]
+        opt_step()
         out.copy_(param.detach())
     return step
 
 
-def deepspeed_step(n: int, precision: str) -> Callable[[], None] | None:
+def torch_step(n: int, precision: str, **flags: bool) -> Step:
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = torch.optim.AdamW([param], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], **flags)
+    return with_casts(opt.step, param, precision)
+
+
+def deepspeed_step(n: int, precision: str) -> Step | None:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
     except Exception:  # not installed, or installed without its CPU op
         return None
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
-    opt = DeepSpeedCPUAdam([param], lr=HP["lr"], weight_decay=HP["weight_decay"], adamw_mode=True)
-    if precision == "fp32":
-        return opt.step
-    grad_bf16 = torch.randn(n).to(torch.bfloat16)
-
-    def step() -> None:  # DeepSpeed takes fp32 grads; the bf16 copy-out is part of its step call
-        param.grad.copy_(grad_bf16)
-        opt.step()
-    return step
+    opt = DeepSpeedCPUAdam([param], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                           weight_decay=HP["weight_decay"], adamw_mode=True)
+    return with_casts(opt.step, param, precision)
 
 
-def floor_step(n: int, precision: str) -> Callable[[], None]:
-    # Half the bytes are read and the same bytes written back: 4-byte floats, BYTES/2 bytes per param.
-    buffer = torch.zeros(n * BYTES_PER_PARAM[precision] // 8)
-    return lambda: buffer.add_(1.0)
-
-
-def time_ms(fn: Callable[[], None]) -> float:
+def time_ms(fn: Step) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(n: int, precision: str, repeats: int) -> list[dict]:
-    contenders: dict[str, Callable[[], None] | None] = {
+def spread(values: list[float], digits: int) -> str:
+    """min / median / max."""
+    return " / ".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
+
+
+def measure(n: int, precision: str, rounds: int, rng: random.Random) -> list[dict]:
+    contenders: dict[str, Step | None] = {
         "chunkmem": chunkmem_step(n, precision),
         "fused+casts": torch_step(n, precision, fused=True),
         "single+casts": torch_step(n, precision, foreach=False),
-        "deepspeed": deepspeed_step(n, precision),
+        "deepspeed+casts": deepspeed_step(n, precision),
         "floor": floor_step(n, precision),
     }
     runs = {name: fn for name, fn in contenders.items() if fn is not None}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for fn in runs.values():  # warm-up: optimizer state allocation, page faults, the JIT build
+    for fn in runs.values():  # warm-up: optimizer state allocation, page faults, JIT builds
         fn()
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            times[name].append(time_ms(fn))
-    ms = {name: statistics.median(t) for name, t in times.items()}
+    names = list(runs)
+    for _ in range(rounds):
+        rng.shuffle(names)
+        for name in names:
+            times[name].append(time_ms(runs[name]))
+    bytes_moved = adam_floor.bytes_per_param(grad_dtype(precision), LOWP[precision]) * n
     rows = []
     for name in runs:
-        gbps = BYTES_PER_PARAM[precision] * n / (ms[name] * 1e-3) / 1e9
+        x_floor = [t / f for t, f in zip(times[name], times["floor"])]
+        speedup = [f / t for t, f in zip(times[name], times["fused+casts"])]
+        best = min(times[name])
         rows.append({"precision": precision, "params": f"{n / 2**20:.0f}M", "method": name,
-                     "ms/step": f"{ms[name]:.1f}", "Mparam/s": f"{n / ms[name] / 1e3:.0f}",
-                     "GB/s": f"{gbps:.1f}", "x floor": f"{ms[name] / ms['floor']:.2f}",
-                     "speedup vs fused": f"{ms['fused+casts'] / ms[name]:.2f}",
+                     "ms min/med/max": spread(times[name], 1), "x floor min/med/max": spread(x_floor, 2),
+                     "vs fused (med)": f"{statistics.median(speedup):.2f}",
+                     "GB/s (best)": f"{bytes_moved / (best * 1e-3) / 1e9:.1f}",
+                     "x_floor_median": round(statistics.median(x_floor), 4),
                      "all_ms": [round(t, 2) for t in times[name]]})
     return rows
 
@@ -138,25 +168,36 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def tree_is_clean() -> bool:
+    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+    return status.returncode == 0 and status.stdout.strip() == ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16M,64M", help="parameters per chunk, comma-separated")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=25, help="shuffled rounds, each timing every contender")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the order of the rounds")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if native.load() is None:
         raise SystemExit("the native kernel is unavailable (see the warning above); nothing to compare")
+    rng = random.Random(args.seed)
+    load_before = os.getloadavg()
     rows = []
     for size in args.sizes.split(","):
         for precision in args.precisions.split(","):
-            measured = measure(parse_size(size), precision, args.repeats)
-            print(table(measured, [c for c in measured[0] if c != "all_ms"]), "\n", flush=True)
+            measured = measure(parse_size(size), precision, args.rounds, rng)
+            print(table(measured, [c for c in measured[0] if c not in ("all_ms", "x_floor_median")]), "\n",
+                  flush=True)
             rows += measured
     machine = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "isa": native.supported_isas()[-1], "torch": torch.__version__}
-    write_json(args.json, {"benchmark": "cpu_adam", "machine": machine, "bytes_per_param": BYTES_PER_PARAM,
-                           "repeats": args.repeats, "rows": rows})
+               "isa": native.supported_isas()[-1], "torch": torch.__version__,
+               "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min): before {load_before}, after {machine['loadavg_after']}")
+    write_json(args.json, {"benchmark": "cpu_adam", "machine": machine, "rounds": args.rounds, "seed": args.seed,
+                           "clean_tree": tree_is_clean(), "rows": rows})
 
 
 if __name__ == "__main__":
