@@ -135,6 +135,8 @@ class ChunkOptimizer(Optimizer):
                 loss = closure()
         runtime = self.runtime
         self._check_still_frozen()
+        if runtime.shards is not None:
+            runtime.shards.check_order()
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients

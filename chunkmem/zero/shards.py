@@ -47,6 +47,7 @@ import dataclasses
 import gc
 import logging
 import weakref
+import zlib
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -398,6 +399,20 @@ class Shards:
     def drop_all(self) -> None:
         for key in list(self.gathered):
             self.drop(key)
+
+    def check_order(self) -> None:
+        """Before an update: every rank gathered the same groups in the same order this step (the Note on
+        one order). Where a module ran on some ranks only, gathers of equal size paired different groups
+        and gradients were reduced across them: every rank raises the same error, nothing updated."""
+        digest = zlib.crc32(repr(self.order.now).encode())
+        extremes = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), dist.ReduceOp.MAX)
+        if extremes[0] != -extremes[1]:
+            raise RuntimeError(
+                f"the ranks gathered different parameter groups in this step (rank {self.rank}: "
+                f"{len(self.order.now)} gathers), so some module ran on some ranks only: a branch or a "
+                "layer skip decided by each rank's own data or random draws. Draw random choices alike on "
+                "every rank (seed them the same), or name the module class that chooses among its children "
+                "in chunkmem.Config(gather_units=...) so ZeRO gathers it whole; no parameter was updated")
 
     def step_done(self) -> None:
         """After an optimizer step: the owners changed their shares, so gathered copies are stale."""

@@ -331,3 +331,38 @@ def test_models_whose_modules_depend_on_the_data_train_like_one_process(name):
         assert_matches(ref, got, atol=1e-5)
         assert (got["units"] > 0) == (name == "switch"), "the experts are found as a unit, nothing else is"
         assert got["phase"] == "follow", "steps that differ are followed on a plan, not placed by LRU"
+
+
+class RankOrdered(torch.nn.Module):
+    """Four layers of one chunk each (two groups over 2 ranks); rank 1 runs the second group first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = [0, 1, 2, 3] if dist.get_rank() == 0 else [2, 3, 0, 1]
+        for i in order:
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def diverging_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = RankOrdered()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                               chunkmem.Config(device="cpu", chunk_size=16 * 16 + 16))
+    cm(torch.randn(4, 16)).square().mean().backward()
+    with pytest.raises(RuntimeError, match="gathered different parameter groups") as error:
+        opt.step()
+    after = cm.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a step that raised updated parameters"
+    return str(error.value)
+
+
+def test_ranks_that_gather_different_groups_fail_the_step_instead_of_mixing_them():
+    # The same number of equal-size collectives in another order pairs group 0 of one rank with group 1 of
+    # the other: without the check both ranks train on mixed weights and gradients, silently.
+    messages = run_workers(diverging_worker, 2, timeout=120)
+    assert all("gather_units" in m and "no parameter was updated" in m for m in messages)
