@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -52,6 +53,10 @@ class Config:
         warning, when the kernel cannot be built. None (the default): on with CUDA, where chunks
         updated on the host and on the device already differ in the last bits; off in the CPU
         simulation, whose results stay bit-identical to torch.optim whatever the budget.
+    disk: a directory for the disk tier: when the model data would exceed host_memory, fp32 master
+        weights and optimizer states live in a file there and stream through host memory for the
+        optimizer (chunkmem/memory/disk.py). None: no disk tier.
+    disk_memory: most bytes of the disk tier's file; None means what is free on that file system.
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -61,6 +66,8 @@ class Config:
     chunk_size: int | None = None
     offload_activations: bool = False
     native_optimizer: bool | None = None
+    disk: str | os.PathLike | None = None
+    disk_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -83,6 +90,17 @@ class Config:
             raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
         if self.native_optimizer is not None and not isinstance(self.native_optimizer, bool):
             raise ValueError(f"Config.native_optimizer={self.native_optimizer!r}: expected True, False or None (auto)")
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk is not None and (not isinstance(self.disk, (str, os.PathLike)) or not os.fspath(self.disk)):
+            raise ValueError(f"Config.disk={self.disk!r}: expected a directory path (str or os.PathLike) or None")
+        if self.disk is not None:
+            object.__setattr__(self, "disk", os.fspath(self.disk))
+        object.__setattr__(self, "disk_memory", parse_size("disk_memory", self.disk_memory))
+        if self.disk_memory is not None and self.disk is None:
+            raise ValueError(f"Config.disk_memory={self.disk_memory!r} but Config.disk is None: give disk a "
+                             "directory for the disk tier, or drop disk_memory")
 
     @property
     def torch_dtype(self) -> torch.dtype:
