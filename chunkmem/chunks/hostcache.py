@@ -42,6 +42,8 @@ from chunkmem.memory.disk import DiskTier, IoToken, aligned
 
 log = logging.getLogger("chunkmem")
 INFINITY = 1 << 62
+STATS = ("disk_read_bytes", "disk_write_bytes", "disk_prefetch_bytes", "disk_on_demand_bytes", "disk_stall_seconds",
+         "host_cache_bytes_peak")
 
 
 class HostCache:
@@ -66,7 +68,8 @@ class HostCache:
         self.positions: dict[str, list[int]] = {}  # chunk -> indices of the plan's uses of it
         self.where: dict[tuple[str, ...], list[int]] = {}
         self.cursor = -1  # the plan's use being served
-        self.stats_ = collections.Counter({"host_cache_capacity_bytes": capacity})
+        self.stats_: dict[str, int | float] = dict.fromkeys(STATS, 0)
+        self.stats_["host_cache_capacity_bytes"] = capacity
 
     # -- HostTier (chunk.py) --------------------------------------------------------------------------
     def adopt(self, chunk: Chunk) -> None:
@@ -236,7 +239,7 @@ class HostCache:
 
     # -- books ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = dict(self.stats_)
+        out = dict(self.stats_)
         out.update(host_cache_bytes=self.used, disk_bytes=self.disk.size,
                    disk_wait_seconds=round(self.disk.stats["wait_seconds"], 6))
         return out

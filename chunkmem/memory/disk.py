@@ -176,10 +176,11 @@ class DiskTier:
         return token
 
     def _check_overlap(self, address: int, nbytes: int, is_read: bool, what: str) -> None:
-        """Two I/Os on one buffer at once race unless both only read it (writes to the file)."""
+        """Two I/Os on one buffer at once race unless both only read it (writes to the file). An I/O holds its
+        buffer until its token is waited for, finished or not (the Note on tokens): the race is the missing wait."""
         with self._guard:
             for start, end, other_read, token in self._flight.values():
-                if start < address + nbytes and address < end and (is_read or other_read) and not token.done():
+                if start < address + nbytes and address < end and (is_read or other_read):
                     raise sim.HazardError(f"disk {what}: its buffer is still in use by the {token.what}: wait for "
                                           "that token before reusing the buffer")
 
