@@ -25,11 +25,13 @@ stated margin over `host_memory` is: device_memory + the process's RSS before an
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import resource
 import shutil
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +94,13 @@ def _blocks(fd: int, call: Any, base: int, first: int, blocks: int, stride: int)
             raise OSError(f"short I/O at block {block} of the bandwidth probe")
 
 
+def probe(directory: Path, nbytes: int) -> dict[str, float]:
+    """disk_bandwidth in a process of its own."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.disk_tier", "--dir", str(directory), "--probe", str(nbytes)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def fastest(*probes: dict[str, float]) -> dict[str, float]:
     """The disk's best bandwidth of each kind over the probes (the strictest floor)."""
     return {f"{kind}_bytes_per_s": max(v for p in probes for k, v in p.items() if k.startswith(kind))
@@ -133,7 +142,8 @@ def run(args: argparse.Namespace) -> dict:
     if model.runtime.host_cache is None:  # type: ignore[union-attr]
         raise SystemExit("host_memory holds all the model data: lower --host-memory to exercise the disk tier")
     initialise(model)
-    before_training = disk_bandwidth(directory, model.memory_stats()["disk_bytes"])  # what a step writes
+    nbytes = model.memory_stats()["disk_bytes"]  # what a step writes
+    probes = [probe(directory, nbytes)]
     batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(1))
     rows = []
     for index in range(args.steps + 1):  # the first is the warm-up
@@ -143,12 +153,12 @@ def run(args: argparse.Namespace) -> dict:
         rows.append({"step": index, "seconds": round(forward_backward + optimizing, 2),
                      "forward_backward_seconds": round(forward_backward, 2), "optimizer_seconds": round(optimizing, 2),
                      **{k: after[k] - before[k] for k in KEYS}, "load_average": round(os.getloadavg()[0], 2)})
+        probes.append(probe(directory, nbytes))
     final = model.memory_stats()
     model.runtime.host_cache.close()  # type: ignore[union-attr]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the probe's buffers
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process: the probes ran apart
     steady = rows[1:]
-    after_training = disk_bandwidth(directory, final["disk_bytes"])
-    bandwidth = fastest(before_training, after_training)
+    bandwidth = fastest(*probes)
     for row in rows:
         row["floor_seconds"] = round(floor_seconds(row["disk_read_bytes"], row["disk_write_bytes"], bandwidth), 2)
         row["of_floor"] = round(row["floor_seconds"] / row["seconds"], 3)
@@ -158,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
             "model_data_over_host_memory": round(final["model_data_bytes"] / args.host_memory, 2),
             "disk_bytes": final["disk_bytes"], "host_cache_capacity_bytes": final["host_cache_capacity_bytes"],
             "host_cache_bytes_peak": final["host_cache_bytes_peak"], "steps": rows,
-            "disk": bandwidth | {"before_training": before_training, "after_training": after_training},
+            "disk": bandwidth | {"probes": probes},
             "peak_rss_bytes": peak, "baseline_rss_bytes": baseline, "rss_margin_bytes": margin,
             "rss_within_cap_plus_margin": peak <= args.host_memory + margin,
             "steady_of_floor_mean": round(sum(r["of_floor"] for r in steady) / len(steady), 3),
@@ -175,7 +185,7 @@ def show(result: dict) -> None:
                 ["step", "s", "fwd+bwd s", "read GiB", "written GiB", "on-demand GiB", "I/O wait s", "floor s", "of floor",
                  "load"]))
     disk, args = result["disk"], result["args"]
-    print(f"disk (plain O_DIRECT, best of 1 and 4 threads, before and after training): read "
+    print(f"disk (plain O_DIRECT, best of 1 and 4 threads over {len(disk['probes'])} probes): read "
           f"{disk['read_bytes_per_s'] / GIB:.2f} GiB/s, write {disk['write_bytes_per_s'] / GIB:.2f} GiB/s, "
           f"both at once {disk['mixed_bytes_per_s'] / GIB:.2f} GiB/s")
     print(f"model data {gib(result['model_data_bytes'])} GiB = {result['model_data_over_host_memory']}x host_memory "
@@ -199,7 +209,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json")
+    parser.add_argument("--probe", type=int, help="only measure the disk with this many bytes (JSON on stdout)")
     args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(disk_bandwidth(Path(args.dir), args.probe)))
+        return
     dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
     try:
         result = run(args)
