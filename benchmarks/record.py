@@ -39,9 +39,9 @@ def recording() -> Iterator[list[tuple]]:
     seen: list[tuple] = []
     original = chunkmem.chunks.placement.decide_homes
 
-    def decide_homes(events, groups, sizes, limit):  # type: ignore[no-untyped-def]
+    def decide_homes(events, groups, sizes, limit, *rest):  # type: ignore[no-untyped-def]
         seen.append((list(events), list(groups), dict(sizes), limit))
-        return original(events, groups, sizes, limit)
+        return original(events, groups, sizes, limit, *rest)
 
     chunkmem.chunks.placement.decide_homes = decide_homes  # type: ignore[assignment]
     try:

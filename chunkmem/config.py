@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import torch
@@ -55,6 +56,10 @@ class Config:
     gather_units: under ZeRO, names of module classes whose whole subtree is gathered when they start
         (chunkmem/zero/units.py, Note on units): modules that choose which children run by the data.
         Experts of a mixture of experts are found without it.
+    disk: a directory for the disk tier: when the model data would exceed host_memory, fp32 master
+        weights and optimizer states live in a file there and stream through host memory for the
+        optimizer (chunkmem/memory/disk.py). None: no disk tier.
+    disk_memory: most bytes of the disk tier's file; None means what is free on that file system.
     """
 
     device: str = dataclasses.field(default_factory=default_device)
@@ -65,6 +70,8 @@ class Config:
     offload_activations: bool = False
     native_optimizer: bool | None = None
     gather_units: tuple[str, ...] = ()
+    disk: str | os.PathLike | None = None
+    disk_memory: int | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -92,6 +99,17 @@ class Config:
             raise ValueError(f"Config.gather_units={self.gather_units!r}: expected a tuple of module class names, "
                              "e.g. ('SwitchTransformersSparseMLP',)")
         object.__setattr__(self, "gather_units", tuple(self.gather_units))
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if self.disk is not None and (not isinstance(self.disk, (str, os.PathLike)) or not os.fspath(self.disk)):
+            raise ValueError(f"Config.disk={self.disk!r}: expected a directory path (str or os.PathLike) or None")
+        if self.disk is not None:
+            object.__setattr__(self, "disk", os.fspath(self.disk))
+        object.__setattr__(self, "disk_memory", parse_size("disk_memory", self.disk_memory))
+        if self.disk_memory is not None and self.disk is None:
+            raise ValueError(f"Config.disk_memory={self.disk_memory!r} but Config.disk is None: give disk a "
+                             "directory for the disk tier, or drop disk_memory")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -18,3 +18,8 @@ class CheckpointError(ValueError):
 
 class CheckpointDamaged(CheckpointError):
     """A checkpoint whose files are unreadable, incomplete or fail their checksums (a crash, a bad disk)."""
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier (Config.disk) failed: a read or write, a file changed under the run, a full or slow disk.
+    The message names the file; the run cannot go on, and its last checkpoint still loads."""

@@ -7,12 +7,15 @@ the work, and sets the new state last. Accounting of bytes and budgets is the re
 Copies are asynchronous (device.py's Note on tokens), so a payload may still be in flight: an upload
 into `device` that compute has not waited for, downloads into `host` the host has not waited for.
 Every reader and writer of a payload goes through `device` and `host`, which wait first. Only
-bookkeeping that touches no bytes (addresses, pointing views) uses `device_unfenced`.
+bookkeeping that touches no bytes (addresses, pointing views) uses `device_unfenced`. A disk-backed
+chunk's `host` first asks its tier (chunks/hostcache.py) to bring the payload into host memory, then
+waits for the disk I/O on it, reads and write-backs alike (memory/disk.py's Note on tokens).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -23,30 +26,80 @@ from chunkmem.memory.device import Device
 Landing = tuple[object, Callable[[], object] | None]  # a download's token, and what to do once it landed
 
 
-class Chunk:
-    """`numel` elements of `dtype`. host: always allocated (pinned on CUDA). device: None or a copy."""
+class Waitable(Protocol):
+    def wait(self) -> None: ...
 
-    def __init__(self, name: str, numel: int, dtype: torch.dtype, device: Device) -> None:
+
+class HostTier(Protocol):
+    """Where a disk-backed chunk's host payload comes from and goes to (chunks/hostcache.py's HostCache)."""
+
+    def adopt(self, chunk: Chunk) -> None: ...
+    def needed(self, chunk: Chunk) -> None:
+        """Give `chunk` its host payload now: read back from disk, or fresh for a FREE chunk."""
+        ...
+
+    def changed(self, chunk: Chunk) -> None:
+        """The host payload changes: the disk copy is stale."""
+        ...
+
+
+class Chunk:
+    """`numel` elements of `dtype`. host: allocated (pinned on CUDA), but for a disk-backed chunk (`tier`)
+    only while it is in host memory. device: None or a copy."""
+
+    def __init__(self, name: str, numel: int, dtype: torch.dtype, device: Device, tier: HostTier | None = None) -> None:
         self.name = name
         self.numel = numel
         self.dtype = dtype
         self._dev = device
-        self._host: torch.Tensor = device.host_alloc(numel, dtype)  # [numel] on host
+        self.tier = tier
+        self._host: torch.Tensor | None = None if tier else device.host_alloc(numel, dtype)  # [numel] on host
         self._device: torch.Tensor | None = None  # [numel] on the compute device when resident
         self.state = ChunkState.FREE
         self.pins = 0  # member tensors in COMPUTE
         self.pending: object | None = None  # the device's token for an upload compute has not waited on
         self.landings: list[Landing] = []  # downloads into `host` not waited for, oldest first
+        self.io: list[Waitable] = []  # disk reads into and writes from `host` not waited for
+        if tier is not None:
+            tier.adopt(self)
 
     @property
     def host(self) -> torch.Tensor:
-        """The host payload, [numel], once every download into it has landed."""
+        """The host payload, [numel], once it is in host memory and every copy or disk I/O on it is done."""
+        if self.tier is not None:
+            self.tier.needed(self)
+        return self.settled()
+
+    def settled(self) -> torch.Tensor:
+        """The host payload in host memory, once every copy and disk I/O on it is done (the tier's own access)."""
         landings, self.landings = self.landings, []
         for token, then in landings:
             self._dev.wait_host(token)
             if then is not None:
                 then()
+        io, self.io = self.io, []
+        for done in io:
+            done.wait()
+        if self._host is None:
+            raise ChunkStateError(f"{self!r} has no host payload: it is on disk (a bug: its tier must bring it back)")
         return self._host
+
+    def give_host(self, buffer: torch.Tensor, read: Waitable | None) -> None:
+        """The tier hands this chunk its host payload: `buffer`, being filled by the disk `read` (DISK -> HOST),
+        or fresh, for a FREE chunk."""
+        if read is not None:
+            self.state = self._check("load")
+            self.io.append(read)
+        self._host = buffer
+
+    def spill(self) -> None:
+        """Give the host payload up (HOST -> DISK; a FREE chunk stays FREE). The tier has written it back and
+        waited, so nothing is in flight on it."""
+        new = self.state if self.state is ChunkState.FREE else self._check("spill")
+        if self.io or self.landings:
+            raise ChunkStateError(f"{self!r}: spill while a copy or disk I/O on its host payload is in flight")
+        self._host = None
+        self.state = new
 
     @property
     def device(self) -> torch.Tensor | None:
@@ -64,6 +117,8 @@ class Chunk:
     @property
     def host_unfenced(self) -> torch.Tensor:
         """The host buffer, whether or not its downloads have landed: for addresses and views, not bytes."""
+        if self._host is None:
+            raise ChunkStateError(f"{self!r} has no host payload: it is on disk")
         return self._host
 
     def __repr__(self) -> str:
@@ -85,7 +140,12 @@ class Chunk:
     def materialize_host(self) -> None:
         new = self._check("materialize_host")
         self.host.zero_()
+        self._changed()
         self.state = new
+
+    def _changed(self) -> None:
+        if self.tier is not None:
+            self.tier.changed(self)
 
     def materialize_device(self, dev: Device) -> None:
         new = self._check("materialize_device")
@@ -101,7 +161,8 @@ class Chunk:
     def download(self, dev: Device) -> None:
         """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
-        self.landings.append((dev.download(self.device, self._host, self.name), None))  # type: ignore[arg-type]
+        self.landings.append((dev.download(self.device, self.host_unfenced, self.name), None))  # type: ignore[arg-type]
+        self._changed()
         self.state = new
 
     def receive(self, dev: Device, source: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
@@ -111,7 +172,7 @@ class Chunk:
         be HOST: the host payload is the only copy."""
         if self.state is not ChunkState.HOST:
             raise ChunkStateError(f"{self!r}: receive needs the host payload to be the only copy")
-        target = part(self._host)
+        target = part(self.host_unfenced)
         if staged is None:
             self.landings.append((dev.download(source, target, self.name), None))
         else:
@@ -129,7 +190,9 @@ class Chunk:
         self._device, self.pending = None, None
 
     def write_host(self) -> None:
-        self.state = self._check("write_host")
+        new = self._check("write_host")
+        self._changed()
+        self.state = new
 
     def write_device(self) -> None:
         self.state = self._check("write_device")

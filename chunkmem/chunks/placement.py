@@ -100,7 +100,9 @@ class Placer:
                                    sum(c.nbytes for c in g.chunks.values()),
                                    sum(r.slot.numel for r in g.members) * g.chunks["grad"].dtype.itemsize)
                        for g in store.trainable_groups()]
-        everything_fits = store.model_data_bytes() <= limit
+        # Disk-backed groups stream through the host optimizer (hostcache's Note on three tiers).
+        self.streamed = {g.index for g in store.trainable_groups() if any(c.tier for c in g.chunks.values())}
+        everything_fits = not self.streamed and store.model_data_bytes() <= limit
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
@@ -264,7 +266,7 @@ class Placer:
             self.phase = Phase.RECORD
             return
         if self.phase is Phase.RECORD:
-            step = decide_homes(events, self.groups, self.sizes, self.limit)
+            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed)
             self.homes = set(step.homes)
             self._send_home_others()
             self.phase = Phase.FOLLOW

@@ -154,8 +154,9 @@ def step_cost(step: Step, groups: Groups, sizes: dict[str, int]) -> int:
 
 
 def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-                 limit: int) -> Step:
-    """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes)."""
+                 limit: int, streamed: Collection[int] = ()) -> Step:
+    """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes) and leave
+    the `streamed` groups (disk-backed ones: chunks/hostcache.py) to stream."""
     by_index = {g.index: g for g in groups}
     steps: dict[frozenset[int], Step] = {}
     costs: dict[frozenset[int], int] = {}
@@ -171,7 +172,8 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
             costs[homes] = step_cost(step(homes), by_index, sizes)
         return costs[homes], -len(homes)
 
-    feasible: Callable[[frozenset[int]], bool] = lambda homes: fits(step(homes), by_index, sizes)
+    feasible: Callable[[frozenset[int]], bool] = \
+        lambda homes: homes.isdisjoint(streamed) and fits(step(homes), by_index, sizes)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]
     suffix: frozenset[int] = frozenset()
     for group in sorted(groups, key=lambda g: -g.index):  # the groups backward needs first

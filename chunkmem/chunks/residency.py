@@ -119,6 +119,8 @@ class Residency:
             self.report(chunk, "device", "host", chunk.nbytes, time.perf_counter() - start, reason)
         elif chunk.state is ChunkState.FREE:
             chunk.materialize_host()
+        elif chunk.state is ChunkState.DISK:
+            chunk.host  # its tier reads it back (chunks/hostcache.py): HOST again
 
     def report(self, chunk: Chunk, src: str, dst: str, nbytes: int, seconds: float, reason: str) -> None:
         for observer in self.observers:

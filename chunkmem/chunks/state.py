@@ -1,11 +1,14 @@
 """The states of tensors and chunks, and the one table of moves between them.
 
 [Note: chunk states]
-A chunk always owns a host payload; the device payload is a cache of it.
+A chunk owns a host payload; the device payload is a cache of it. A disk-backed chunk (master weights
+and optimizer states under a disk tier, chunks/hostcache.py) may give its host payload up for a slot
+in the disk tier's file, from HOST only:
   FREE          nothing valid anywhere: the chunk reads as zeros (a gradient chunk after zero_grad).
   HOST          the host payload holds the data; no device copy.
   DEVICE        a device copy exists and equals the host payload (evicting it copies nothing).
   DEVICE_DIRTY  a device copy exists and is newer than the host payload (evicting it copies back).
+  DISK          the disk slot holds the data; no host payload, no device copy.
 A chunk may drop its device copy only when none of its tensors is in COMPUTE.
 
 [Note: tensor states]
@@ -26,6 +29,7 @@ class ChunkState(enum.Enum):
     HOST = "host"
     DEVICE = "device"
     DEVICE_DIRTY = "device_dirty"
+    DISK = "disk"
 
     @property
     def on_device(self) -> bool:
@@ -52,6 +56,9 @@ CHUNK_MOVES: dict[tuple[ChunkState, str], ChunkState] = {
     (_C.DEVICE, "reset"): _C.FREE,
     (_C.DEVICE_DIRTY, "reset"): _C.FREE,
     (_C.FREE, "reset"): _C.FREE,
+    (_C.HOST, "spill"): _C.DISK,
+    (_C.DISK, "load"): _C.HOST,
+    (_C.DISK, "reset"): _C.FREE,
 }
 
 _T = TensorState

@@ -14,7 +14,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.chunk import Chunk, HostTier
 from chunkmem.chunks.layout import Layout, Slot, pack
 from chunkmem.chunks.state import TensorState, next_tensor_state
 from chunkmem.memory.device import Device
@@ -69,13 +69,15 @@ class ChunkGroup:
 
 
 class ParamStore:
-    """All chunk groups of one model and the parameters in them."""
+    """All chunk groups of one model and the parameters in them. With a disk tier (`host_tier`), the chunks only
+    the optimizer touches (fp32 master weights and optimizer states) are disk-backed (hostcache's Note)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device, chunk_size: int,
-                 world: int = 1, rank: int = 0) -> None:
+                 world: int = 1, rank: int = 0, host_tier: HostTier | None = None) -> None:
         self.dtype = dtype
         self.device = device
         self.chunk_size = chunk_size
+        self.host_tier = host_tier
         self.world, self.rank = world, rank
         self.groups: list[ChunkGroup] = []
         self.records: dict[nn.Parameter, ParamRecord] = {}
@@ -92,7 +94,8 @@ class ParamStore:
             families = ["param", "grad"] + (["master"] if self.dtype != torch.float32 else [])
             owned = index % self.world == self.rank  # other ranks' chunks have records but no storage here
             group = ChunkGroup(index, trainable, {
-                kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype)
+                kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype,
+                                  disk_backed=kind == "master")
                 for kind in (families if trainable else ["param"]) if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
@@ -101,13 +104,13 @@ class ParamStore:
                 self.records[param] = record
             self.groups.append(group)
 
-    def _chunk(self, name: str, dtype: torch.dtype) -> Chunk:
-        return Chunk(name, self.chunk_size, dtype, self.device)
+    def _chunk(self, name: str, dtype: torch.dtype, disk_backed: bool = False) -> Chunk:
+        return Chunk(name, self.chunk_size, dtype, self.device, self.host_tier if disk_backed else None)
 
     def add_family(self, kind: str) -> None:
         """Give every trainable group a zeroed fp32 chunk of `kind` (an optimizer state)."""
         for group in self.trainable_groups():
-            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32)
+            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32, disk_backed=True)
 
     def owned_groups(self) -> Iterator[ChunkGroup]:
         """Groups whose chunks this rank stores (all of them without sharding)."""

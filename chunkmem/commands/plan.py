@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cuda: keep margins for the CUDA context and host libraries (default); cpu: plan a "
                            "run in the CPU simulation (Config(device='cpu')), as --simulate does")
     run_.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-momentum"])
+    run_.add_argument("--disk", action="store_true", help="with a disk tier (Config(disk=DIR)): master weights and "
+                      "optimizer states that host memory cannot hold go to disk")
     run_.add_argument("--attention", choices=["math", "fused"],
                       help="math: PyTorch's unfused path (CPU, eager); fused: flash/memory-efficient "
                            "(default: fused on CUDA, math with --device cpu or --simulate)")
@@ -97,12 +99,14 @@ def run(args: argparse.Namespace) -> int:
     attention = args.attention or ("math" if args.simulate or args.device == "cpu" else "fused")
     request = Request(device_memory, host_memory, args.batch_size, args.seq_len, args.dtype, args.grad_ckpt,
                       args.offload_activations, args.world_size, args.optimizer, attention,
-                      cuda=args.device == "cuda" and not args.simulate, ranks_per_host=args.ranks_per_host)
+                      cuda=args.device == "cuda" and not args.simulate, ranks_per_host=args.ranks_per_host,
+                      disk=args.disk)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
                               "fixes": [{"fix": label, "verdict": e.verdict, "device_need": e.device_need,
                                          "host_need": e.host_need, "host_need_per_host": e.host_need_per_host,
+                                         "disk_bytes": e.disk_bytes,
                                          "ranks_per_host": e.request.hosted_ranks} for label, e in fixes(spec, request)]}
     if args.simulate:
         from chunkmem.trace.simulate import simulate
@@ -142,10 +146,14 @@ def _text(r: dict[str, Any]) -> str:
              f"  host need            {_host(r['host_need'], r['host_need_per_host'], r['request']['hosted_ranks'])}"
              f" of {_gib(q['host_memory'])} (pinned {_gib(r['pinned_bytes']).strip()} per rank)",
              f"verdict: {r['verdict']} (binding: {r['binding']})"]
+    if r["disk_bytes"]:
+        lines.insert(-1, f"  disk tier            {_gib(r['disk_bytes'])} per rank on disk, about that read and "
+                         "written back each step")
     for i, fix in enumerate(r["fixes"], 1):
         host = _host(fix["host_need"], fix["host_need_per_host"], fix["ranks_per_host"]).strip()
+        disk = f", disk {_gib(fix['disk_bytes']).strip()}" if fix["disk_bytes"] else ""
         lines.append(f"  {i}. {fix['fix']}: {fix['verdict']} (device {_gib(fix['device_need']).strip()} per rank, "
-                     f"host {host})")
+                     f"host {host}{disk})")
     if "simulated" in r:
         s = r["simulated"]
         lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "

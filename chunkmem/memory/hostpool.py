@@ -75,8 +75,11 @@ class HostAllocator(Protocol):
     def free(self, block: Block) -> None: ...
 
 
+PAGE = 4096  # every allocator's blocks start on a page, as the disk tier's direct I/O needs (memory/disk.py)
+
+
 class PlainAllocator:
-    """Ordinary memory from torch's CPU allocator (64-byte aligned, exact size).
+    """Ordinary memory from torch's CPU allocator, page-aligned, `nbytes` counted.
 
     pinned=True is the CPU simulation's twin of a pinned allocator: same accounting, no page locking.
     pinned=False is the pageable fallback on every device.
@@ -86,8 +89,9 @@ class PlainAllocator:
         self.pinned = pinned
 
     def alloc(self, nbytes: int) -> Block:
-        base = torch.empty(nbytes, dtype=torch.uint8)  # [nbytes] bytes on CPU
-        return Block(base.data_ptr(), nbytes, self.pinned, base)
+        base = torch.empty(nbytes + PAGE - 1, dtype=torch.uint8)  # [nbytes + PAGE - 1] bytes on CPU
+        ptr = -(-base.data_ptr() // PAGE) * PAGE
+        return Block(ptr, nbytes, self.pinned, base)
 
     def free(self, block: Block) -> None:
         block.owner = None

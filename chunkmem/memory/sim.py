@@ -37,7 +37,7 @@ import logging
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -231,13 +231,18 @@ def _landing_rng(landing: str) -> random.Random | None:
 
 # -- the happens-before checker ------------------------------------------------------------------------
 
+class Knower(Protocol):
+    def knows(self, copy: Any, side: str) -> bool: ...
+
+
 @dataclasses.dataclass(eq=False)
 class Hazard:
     """Bytes [start, end) of a storage that a copy in flight writes (any access races) or reads
-    (only writes race), until `side` knows the copy landed."""
+    (only writes race), until `side` knows the copy landed. `device` answers that: the simulated
+    device for its copies, a disk I/O token for itself (memory/disk.py)."""
 
-    device: SimulatedDevice
-    copy: Copy
+    device: Knower
+    copy: Any  # a Copy, or anything with `what`, `id` and `stream` (a disk IoToken)
     tensor: torch.Tensor  # kept alive, as record_stream keeps a GPU buffer a copy uses
     storage: int
     start: int
@@ -327,7 +332,8 @@ def _describe(func: Any, written: bool, hazard: Hazard) -> str:
            ("device", "comm"): "compute must wait for the collective (Device.wait on its token) first",
            ("host", "d2h"): "the host must wait for the download (Device.wait_host) before it touches the buffer",
            ("host", "h2d"): "the host may change a buffer an upload reads only once it knows the upload landed "
-                            "(Device.wait_host on its token, or on a later copy fenced after it)"}
+                            "(Device.wait_host on its token, or on a later copy fenced after it)",
+           ("host", "disk"): "the host must wait for the disk I/O (IoToken.wait) before it touches the buffer"}
     return (f"chunkmem simulation: {who} op {func} {'writes' if written else 'reads'} bytes "
             f"[{hazard.start}, {hazard.end}) of a {hazard.side} buffer while the {copy.what} (copy #{copy.id} on "
             f"the {copy.stream} stream) may still be in flight: {how.get((hazard.side, copy.stream), 'wait first')}")
@@ -345,6 +351,22 @@ def guard(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, side: str, 
     span = _span(tensor)
     if span is not None:
         _active.add(Hazard(device, copy, tensor, *span, side, write_only))
+
+
+def guard_io(token: Knower, tensor: torch.Tensor, write_only: bool) -> None:
+    """Register the bytes of host buffer `tensor` as in use by an asynchronous file read (`write_only` False:
+    it fills them) or write (it reads them) until `learned(token)`: the disk tier's fence, checked as copies are."""
+    if _active is None:
+        return
+    span = _span(tensor)
+    if span is not None:
+        _active.add(Hazard(token, token, tensor, *span, "host", write_only))
+
+
+def learned(token: object) -> None:
+    """The host waited for the I/O behind `token`: its buffer is free again."""
+    if _active is not None:
+        _active.forget(lambda hazard: hazard.copy is token)
 
 
 @contextlib.contextmanager

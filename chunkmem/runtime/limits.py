@@ -10,9 +10,11 @@ import psutil
 import torch
 from torch import nn
 
-from chunkmem.chunks.store import pinned_chunks, planned_model_data_bytes
+from chunkmem.chunks.store import layouts, pinned_chunks, planned_model_data_bytes
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
+from chunkmem.memory.disk import aligned
+from chunkmem.memory.hostpool import reserve_bytes
 
 
 def check_sizes(config: Config, device: torch.device) -> None:
@@ -43,8 +45,51 @@ def check_budgets(module: nn.Module, config: Config, size: int, world: int, stat
             f"{config.torch_dtype}), more than the device budget holds: {limit} bytes ({_limit_source(config)}): "
             f"lower chunk_size (the largest parameter has {largest} elements), or leave it None to search")
     working_set = _check_working_set(module, config, size, world, limit)
-    _check_host(config, planned_model_data_bytes(module, size, config.torch_dtype, states, world), size)
+    if config.disk is None:
+        _check_host(config, planned_model_data_bytes(module, size, config.torch_dtype, states, world), size)
     return working_set
+
+
+MIN_DISK_GROUPS = 2  # optimizer groups the disk tier's host room holds at least: one updating, one read ahead
+
+
+def tier_bytes(module: nn.Module, size: int, dtype: torch.dtype, states: int, world: int) -> tuple[int, int, int]:
+    """(bytes that stay in host memory: parameter and gradient chunks; bytes a disk tier may hold: master and
+    optimizer-state chunks, each rounded up to the disk's alignment; one trainable group's share of the latter)."""
+    trainable, frozen = layouts(module, size, world)
+    own_trainable, own_frozen = trainable.num_chunks // world, frozen.num_chunks // world
+    fixed = (own_trainable * 2 + own_frozen) * size * dtype.itemsize
+    group = ((1 if dtype != torch.float32 else 0) + states) * aligned(size * 4)
+    return fixed, own_trainable * group, group
+
+
+def disk_room(module: nn.Module, config: Config, size: int, world: int, states: int) -> int | None:
+    """With Config.disk: the host bytes disk-backed chunks may hold (chunks/hostcache.py's Note on three tiers),
+    or None when all model data fits host memory and no disk tier is needed."""
+    if config.disk is None:
+        return None
+    fixed, spilled, group = tier_bytes(module, size, config.torch_dtype, states, world)
+    allowed, what = _host_allowed(config)
+    if fixed + spilled <= allowed:
+        return None
+    least = fixed + MIN_DISK_GROUPS * group
+    if not spilled or least > allowed:
+        fixes = ["raise host_memory", "lower Config.chunk_size" if config.chunk_size else "shard over more ranks"]
+        if config.dtype == "fp32":
+            fixes.insert(1, "use dtype='bf16' (parameters and gradients take half, master weights go to disk)")
+        raise MemoryBudgetError(
+            f"with a disk tier, host memory still holds the parameter and gradient chunks ({fixed} bytes, "
+            f"{gib(fixed)}) and the master and optimizer-state chunks of {MIN_DISK_GROUPS} groups at once "
+            f"({MIN_DISK_GROUPS * group} bytes): {least} bytes ({gib(least)}), but {what}: {', '.join(fixes)}")
+    return allowed - fixed
+
+
+def _host_allowed(config: Config) -> tuple[int, str]:
+    if config.host_memory is not None:
+        return int(config.host_memory), f"Config.host_memory allows {config.host_memory}"
+    memory = psutil.virtual_memory()
+    spare = max(0, memory.available - reserve_bytes(memory.total))
+    return spare, f"this machine can spare {spare} ({gib(spare)}; host_memory=None)"
 
 
 def _check_working_set(module: nn.Module, config: Config, size: int, world: int, limit: int) -> int:

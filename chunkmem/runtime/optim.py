@@ -8,6 +8,7 @@ arithmetic is PyTorch's: in fp32 the result is bit-identical to the plain optimi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -177,6 +178,13 @@ class ChunkOptimizer(Optimizer):
         needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
                                 *(chunk_group.chunks[k] for k in self.rule.states)])
         runtime.placer.access(list(needed), "optim", chunk_group.index)
+        # With a disk tier, master and states stay in host memory while they update, then are written back.
+        with runtime.host_cache.using(needed) if runtime.host_cache is not None else contextlib.nullcontext():
+            self._update(chunk_group, members, group_of, inv_scale, on_device)
+
+    def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
+                inv_scale: float, on_device: bool) -> None:
+        runtime = self.runtime
         uniform = self._uniform(chunk_group, members, group_of)
         if self.native is not None and not on_device and uniform is not None:
             self._native_step(chunk_group, members, uniform, inv_scale)

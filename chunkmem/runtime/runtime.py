@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.hostcache import HostCache
 from chunkmem.chunks.layout import search_chunk_size
 from chunkmem.chunks.observe import Moment, Observer, kind_of
 from chunkmem.chunks.placement import Phase, Placer
@@ -31,9 +32,10 @@ from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import make_device
+from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.runtime.activations import ActivationMeter, Saved
-from chunkmem.runtime.limits import check_budgets, check_sizes
+from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.values import ModelData
 from chunkmem.zero.agreement import as_agreed, check_agreed
@@ -71,10 +73,11 @@ class Runtime:
         state_kinds = list(state_kinds)
         size = self._chunk_size(module, world)
         working_set = check_budgets(module, config, size, world, len(state_kinds), self.limit)
-        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank)
+        self.observers: list[Observer] = []
+        self.host_cache = self._disk_tier(module, size, world, len(state_kinds))
+        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank, self.host_cache)
         for kind in state_kinds:
             self.store.add_family(kind)
-        self.observers: list[Observer] = []
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
@@ -113,6 +116,15 @@ class Runtime:
         itemsize = self.config.torch_dtype.itemsize
         return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
+
+    def _disk_tier(self, module: nn.Module, size: int, world: int, states: int) -> HostCache | None:
+        """The disk tier when Config.disk is set and host memory cannot hold all model data (hostcache's Note)."""
+        room = disk_room(module, self.config, size, world, states)
+        if room is None:
+            return None
+        pool = self.device.host_pool
+        return HostCache(DiskTier(self.config.disk, self.config.disk_memory), room,  # type: ignore[arg-type]
+                         lambda nbytes: pool.tensor(nbytes, torch.uint8, tag="disk"), self.observers)
 
     def _host_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host buffer for a copy of `tensor` that is not model data (offloaded activations, staged gradients):
@@ -218,6 +230,8 @@ class Runtime:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
         the non-model data measured now (placement.Placer.moment)."""
         self.placer.moment()
+        if self.host_cache is not None:
+            self.host_cache.tick()
         self.device_bytes_peak = max(self.device_bytes_peak,
                                      self.residency.stats.device_chunk_bytes + self.nonmodel_bytes())
         if self.observers:
@@ -230,6 +244,8 @@ class Runtime:
         if self.shards is not None:
             self.shards.step_done()
         self.placer.step_done()
+        if self.host_cache is not None:
+            self.host_cache.step_done()
         self.warmup = self.placer.phase is not Phase.FOLLOW
         self.step_count += 1
         self.moment_index = 0
@@ -312,6 +328,8 @@ class Runtime:
         stats = dataclasses.asdict(self.residency.stats)
         stats["activation_offload_bytes"] = self.activations.offload_bytes
         stats.update(self.device.host_pool.stats())
+        if self.host_cache is not None:
+            stats.update(self.host_cache.stats())
         if self.shards is not None:
             stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reduced_bytes,
                          gathered_bytes_peak=self.shards.gathered_peak, transient_bytes_peak=self.shards.live_peak,

@@ -10,7 +10,7 @@ import torch
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.observe import kind_of
 from chunkmem.chunks.residency import Residency
-from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ParamRecord, ParamStore
 from chunkmem.zero.shards import Shards
 
@@ -74,14 +74,15 @@ class ModelData:
                 record.view(self.writable(chunk, chunk.state.on_device)).copy_(value)
 
     def model_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device and host.
+        """Bytes of model data by kind ("param", "grad", "master", "exp_avg", ...) on device, host and disk.
 
-        Every chunk keeps a host payload (the device copy is a cache), so the host side is constant.
+        Every chunk keeps a host payload (the device copy is a cache), but a disk-backed chunk on disk.
         """
-        out: dict[str, dict[str, int]] = {"device": {}, "host": {}}
+        out: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}}
         for chunk in self.store.chunks():
             kind = kind_of(chunk.name)
-            out["host"][kind] = out["host"].get(kind, 0) + chunk.nbytes
+            side = "disk" if chunk.state is ChunkState.DISK else "host"
+            out[side][kind] = out[side].get(kind, 0) + chunk.nbytes
             if chunk.state.on_device:
                 out["device"][kind] = out["device"].get(kind, 0) + chunk.nbytes
         return out

@@ -10,7 +10,10 @@ data is chunkmem/trace/activation_model.py's estimate plus fixed margins:
   HOST_OVERHEAD the resident memory of torch and the CUDA libraries in the host process
 Constraints: the device must hold one module's chunks (the working set) with the activation peak
 and margins; the host must hold all model data (chunkmem keeps every chunk's host copy) and the
-overhead. Verdict: "does not fit" if a constraint fails, "tight" if one is above TIGHT of its
+overhead. With a disk tier (`disk`, Config(disk=...)), when all model data does not fit the host,
+the host holds the parameter and gradient chunks and the master and optimizer states of a few
+groups (chunkmem/runtime/limits.py `disk_room`); the rest lives on disk, and every step reads it
+back and writes it again (about the disk tier's bytes each way). Verdict: "does not fit" if a constraint fails, "tight" if one is above TIGHT of its
 budget, else "fits". The binding constraint is the one closest to (or furthest past) its budget.
 """
 
@@ -26,6 +29,7 @@ from chunkmem.chunks.layout import search_chunk_size
 from chunkmem.chunks.placement import SAFETY_FRACTION
 from chunkmem.chunks.store import layouts, working_set_chunks
 from chunkmem.config import DEFAULT_DTYPE
+from chunkmem.runtime.limits import MIN_DISK_GROUPS, tier_bytes
 from chunkmem.trace.activation_model import Shape, estimate
 from chunkmem.zero.shards import least_device_bytes
 
@@ -33,6 +37,7 @@ CUDA_CONTEXT = 512 * 2**20
 HOST_OVERHEAD = 2 * 2**30
 TIGHT = 0.9
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STATES = {"adam": 2, "sgd": 0, "sgd-momentum": 1}
 
 
@@ -53,6 +58,7 @@ class Request:
     attention: str = "fused"
     cuda: bool = True  # margins for a CUDA device (False: the CPU simulation)
     ranks_per_host: int | None = None
+    disk: bool = False  # a disk tier (Config(disk=...)) takes what host memory cannot hold
 
     @property
     def hosted_ranks(self) -> int:
@@ -90,6 +96,7 @@ class Estimate:
     pinned_bytes: int
     verdict: str
     binding: str
+    disk_bytes: int = 0  # per rank, on disk (disk tier); also read and written back every step
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -137,7 +144,12 @@ def plan(spec: ModelSpec, request: Request) -> Estimate:
     margin = int(request.device_memory * SAFETY_FRACTION) + (CUDA_CONTEXT if request.cuda else 0)
     total = sum(kinds.values())
     device_need = working + device_acts + margin
-    host_need = total + host_acts + (HOST_OVERHEAD if request.cuda else 0)
+    overhead = host_acts + (HOST_OVERHEAD if request.cuda else 0)
+    host_need, disk_bytes = total + overhead, 0
+    if request.disk and host_need * request.hosted_ranks > request.host_memory:
+        fixed, disk_bytes, group = tier_bytes(spec.module, size, DTYPES[request.dtype], STATES[request.optimizer],
+                                              request.world_size)
+        host_need = fixed + min(disk_bytes, MIN_DISK_GROUPS * group) + overhead
     per_host = host_need * request.hosted_ranks
     ratios = {"device memory": device_need / request.device_memory, "host memory": per_host / request.host_memory}
     binding = max(ratios, key=ratios.__getitem__)
@@ -145,8 +157,8 @@ def plan(spec: ModelSpec, request: Request) -> Estimate:
     verdict = "does not fit" if worst > 1.0 else "tight" if worst > TIGHT else "fits"
     return Estimate(request, size, trainable, frozen, total, kinds, working, device_acts, acts.forward_peak,
                     margin, device_need,
-                    total + device_acts + margin, host_need, per_host, (total + host_acts) if request.cuda else 0,
-                    verdict, binding)
+                    total + device_acts + margin, host_need, per_host, host_need - overhead + host_acts if request.cuda else 0,
+                    verdict, binding, disk_bytes)
 
 
 def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:
@@ -167,6 +179,9 @@ def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:
     hosts = "one host" if request.ranks_per_host is None else f"hosts of {request.ranks_per_host}"
     candidates.append((f"shard over {request.world_size * 2} GPUs on {hosts} (torchrun, ZeRO)",
                        dataclasses.replace(request, world_size=request.world_size * 2)))
+    if base.binding == "host memory" and base.verdict != "fits" and not request.disk:
+        candidates.append(("master weights and optimizer states on disk (Config(disk=DIR), --disk)",
+                           dataclasses.replace(request, disk=True)))
     if base.binding == "host memory" and base.verdict != "fits":
         candidates.append((f"allow {_gib(base.host_need_per_host / TIGHT)} of host memory",
                            dataclasses.replace(request, host_memory=int(base.host_need_per_host / TIGHT) + 1)))

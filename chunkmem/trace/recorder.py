@@ -36,6 +36,9 @@ from chunkmem.trace.sources import Source, host_readings, kinds_of
 log = logging.getLogger("chunkmem")
 
 LEVELS = ("counters", "exact")
+# A move's (src, dst) -> the step summary's counter ("<direction>_bytes"); the disk tier's are the last two.
+DIRECTIONS = {("host", "device"): "h2d", ("device", "host"): "d2h", ("disk", "host"): "disk_read",
+              ("host", "disk"): "disk_write"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,8 @@ class _Step:
     warmup: bool = False
     device_peak: int = 0
     host_rss_peak: int = 0
-    moved: dict[str, int] = dataclasses.field(default_factory=lambda: {"h2d": 0, "d2h": 0})
+    disk_peak: int = 0  # most model data only on disk (the disk tier, chunks/hostcache.py)
+    moved: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(DIRECTIONS.values(), 0))
 
 
 class Recorder:
@@ -105,11 +109,11 @@ class Recorder:
         step.warmup |= moment.warmup
         step.device_peak = max(step.device_peak, record["device"].get("allocated", 0))
         step.host_rss_peak = max(step.host_rss_peak, record["host"].get("rss", 0))
+        step.disk_peak = max(step.disk_peak, total(record.get("disk", {})))
         self._add(record)
 
     def moved(self, move: Move) -> None:
-        direction = "h2d" if move.dst == "device" else "d2h"
-        self.current.moved[direction] += move.nbytes
+        self.current.moved[DIRECTIONS.get((move.src, move.dst), "d2h")] += move.nbytes
         self._add({"type": "move", "step": self.current.step, "i": self.index, "t": self._now(), "chunk": move.chunk,
                    "kind": move.kind, "src": move.src, "dst": move.dst, "bytes": move.nbytes,
                    "seconds": round(move.seconds, 9), "reason": move.reason})
@@ -149,6 +153,8 @@ class Recorder:
         host["nonmodel"] = max(0, host["rss"] - host_model - simulated_device)
         record: dict[str, Any] = {"device": {k: v for k, v in device.items() if v},
                                   "host": {k: v for k, v in host.items() if v}}
+        if any(sides.get("disk", {}).values()):
+            record["disk"] = {k: v for k, v in sides["disk"].items() if v}
         resident = self.source.resident()
         if resident is not None and resident != self.last_resident:
             record["resident"] = resident  # only when it changed: readers carry it forward
@@ -175,7 +181,8 @@ class Recorder:
             self._write({"type": "step", "step": step.step, "t_start": step.start, "t_end": self._now(),
                          "moments": step.moments, "warmup": step.warmup, "records_dropped": step.dropped,
                          "device_peak": step.device_peak, "host_rss_peak": step.host_rss_peak,
-                         "h2d_bytes": step.moved["h2d"], "d2h_bytes": step.moved["d2h"]})
+                         **{f"{direction}_bytes": n for direction, n in step.moved.items()},
+                         "disk_peak": step.disk_peak})
             self._retain(step)
         self.current = _Step(next_step, self._now())
         self.last_resident = None  # each kept step starts with its full resident set

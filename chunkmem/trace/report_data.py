@@ -88,6 +88,10 @@ def phase_summary(rank: RankTrace) -> dict[str, dict[str, float]]:
                       "device_peak": max(s["device_peak"] for s in chosen),
                       "h2d_per_step": sum(s["h2d_bytes"] for s in chosen) / count,
                       "d2h_per_step": sum(s["d2h_bytes"] for s in chosen) / count,
+                      # The disk tier (absent in traces from before it): read and written per step, and held.
+                      "disk_read_per_step": sum(s.get("disk_read_bytes", 0) for s in chosen) / count,
+                      "disk_write_per_step": sum(s.get("disk_write_bytes", 0) for s in chosen) / count,
+                      "disk_peak": max(s.get("disk_peak", 0) for s in chosen),
                       "seconds_per_step": sum(s["t_end"] - s["t_start"] for s in chosen) / count}
     return out
 

@@ -137,7 +137,9 @@ def _plan_line(plan: dict[str, Any]) -> str:
 def render(data: dict[str, Any], title: str) -> str:
     rank = data["ranks"][0]
     phases = [{"phase": k, **v} for k, v in rank["phases"].items()]
-    phase_table = _table(phases, ["phase", "steps", "device_peak", "h2d_per_step", "d2h_per_step", "seconds_per_step"])
+    disk = ["disk_read_per_step", "disk_write_per_step", "disk_peak"] if any(p["disk_peak"] for p in phases) else []
+    phase_table = _table(phases, ["phase", "steps", "device_peak", "h2d_per_step", "d2h_per_step", *disk,
+                                  "seconds_per_step"])
     compare = (_plan_line(data["plan"]) + _table(data["compare"], ["what", "predicted", "actual", "difference"])
                if data["compare"]
                else "<p class=muted>No plan.json in the trace directory: run <code>chunkmem plan ... --json "

@@ -7,11 +7,13 @@ version before anything else, so an old report never misreads a newer trace.
 
 Record types (the "type" field of each JSONL line):
   header  first line: schema, rank, source ("chunks" | "observer"), level, retention policy
-  moment  step, i, t, name, stage, where, warmup, device {...}, host {...} (bytes; absent = 0)
+  moment  step, i, t, name, stage, where, warmup, device {...}, host {...} (bytes; absent = 0), and
+          disk {...} (model data only on disk, by kind) when a disk tier holds any
   move    step, i (the moment it follows), t, chunk, kind, src, dst, bytes, seconds, reason
   marker  step, i (the moment it follows; -1: before the step's first), t, name, phase ("point" |
           "begin" | "end") — from chunkmem.annotate
-  step    step, t, moments, kept, peaks and bytes moved — one per step, never dropped
+  step    step, t, moments, kept, peaks and bytes moved (h2d, d2h, disk_read, disk_write; disk_peak:
+          most model data only on disk) — one per step, never dropped
   gap     first, last: steady-state steps whose moments and moves were dropped by the policy
   footer  last line of a trace closed cleanly
 """

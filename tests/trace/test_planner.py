@@ -14,6 +14,7 @@ from transformers import AutoConfig
 import chunkmem
 from chunkmem.chunks.placement import SAFETY_FRACTION
 from chunkmem.cli import main
+from chunkmem.memory.disk import ALIGN
 from chunkmem.trace.planner import Request, fixes, gpt2_config, plan, spec_from_config
 from chunkmem.trace.simulate import simulate
 from tests.multiproc import run_workers
@@ -179,3 +180,36 @@ def test_host_memory_is_per_machine_when_ranks_share_one(capsys) -> None:
     assert main([*args, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["host_need_per_host"] == 2 * result["host_need"] and result["request"]["hosted_ranks"] == 2
+
+
+def test_plan_suggests_the_disk_tier_when_host_memory_binds_and_shows_its_bytes(capsys) -> None:
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config(layers=6, hidden=64, vocab=320, positions=1024)  # as the command builds it
+    spec = spec_from_config(config, "gpt2")
+    roomy = Request(2**30, 2**30, batch_size=1, seq_len=16, dtype="bf16", cuda=False)
+    whole = plan(spec, roomy).model_data_bytes
+    tight = dataclasses.replace(roomy, host_memory=int(whole * 0.8))
+    assert plan(spec, dataclasses.replace(roomy, disk=True)).disk_bytes == 0, "it fits: no disk tier"
+    base = plan(spec, tight)
+    assert (base.verdict, base.binding, base.disk_bytes) == ("does not fit", "host memory", 0)
+    label, tiered = fixes(spec, tight)[0]
+    assert "disk" in label and tiered.verdict != "does not fit" and tiered.request.disk
+    kinds = tiered.model_data_by_kind
+    spilled = kinds["master"] + kinds["exp_avg"] + kinds["exp_avg_sq"]  # each chunk's slot rounded up to ALIGN
+    assert spilled <= tiered.disk_bytes < spilled + 3 * tiered.trainable_chunks * ALIGN
+    assert tiered.host_need < tight.host_memory < base.host_need
+    # The bytes on disk are the runtime's, exactly.
+    model = GPT2LMHeadModel(config)
+    prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory=2**30, host_memory=tight.host_memory, dtype="bf16", disk=str(Path.cwd())))
+    try:
+        assert prepared.memory_stats()["disk_bytes"] == tiered.disk_bytes
+    finally:
+        prepared.runtime.host_cache.close()
+    args = ["plan", "--layers", "6", "--hidden", "64", "--vocab", "320", "--batch-size", "1", "--seq-len", "16",
+            "--dtype", "bf16", "--device", "cpu", "--device-memory", "1GiB", "--host-memory", str(tight.host_memory)]
+    assert main(args) == 1
+    assert "on disk (Config(disk=DIR), --disk): fits" in capsys.readouterr().out
+    assert main([*args, "--disk"]) == 0
+    assert "disk tier" in capsys.readouterr().out

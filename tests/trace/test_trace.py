@@ -18,6 +18,7 @@ from chunkmem.trace.recorder import Retention
 from chunkmem.trace.report_data import build
 from chunkmem.trace.schema import MODEL_KINDS, SCHEMA, total
 from tests.helpers import gpt2_batches, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2
+from tests.runtime.test_disk_tier import model_data
 
 
 class Books:
@@ -231,3 +232,28 @@ def test_a_directory_with_other_files_is_refused_untouched(tmp_path: Path) -> No
     done = run_trace(out, sys.executable, "-c", "pass")
     assert done.returncode == 2 and "notes.txt" in done.stderr and "new or empty directory" in done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.txt"]
+
+
+def test_the_disk_tier_shows_in_the_trace_and_the_report(tmp_path: Path) -> None:
+    model = mlp(width=64, depth=6)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(
+        device="cpu", chunk_size=4096, host_memory=int(model_data(model) * 0.6), disk=str(tmp_path / "disk")))
+    assert model.runtime.host_cache is not None
+    with chunkmem.trace(tmp_path / "trace", model=model, optimizer=optimizer, keep_warmup=10):
+        for x, y in mlp_batches(3, width=64):
+            mlp_loss(model, (x, y)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    stats = model.memory_stats()
+    rank = read_trace(tmp_path / "trace").ranks[0]
+    assert sum(s["disk_read_bytes"] for s in rank.steps) == stats["disk_read_bytes"] > 0
+    assert sum(s["disk_write_bytes"] for s in rank.steps) == stats["disk_write_bytes"] > 0
+    # Disk moves are not host<->device copies.
+    assert sum(s["h2d_bytes"] for s in rank.steps) == stats["h2d_bytes"]
+    assert sum(s["d2h_bytes"] for s in rank.steps) == stats["d2h_bytes"]
+    on_disk = [total(m.get("disk", {})) for m in rank.moments]
+    assert 0 < max(on_disk) <= stats["disk_bytes"] and max(s["disk_peak"] for s in rank.steps) == max(on_disk)
+    assert {k for m in rank.moments for k in m.get("disk", {})} <= {"exp_avg", "exp_avg_sq"}
+    steady = build(read_trace(tmp_path / "trace"))["ranks"][0]["phases"]["steady"]
+    assert steady["disk_read_per_step"] > 0 and steady["disk_write_per_step"] > 0 and steady["disk_peak"] > 0

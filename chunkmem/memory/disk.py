@@ -1,0 +1,286 @@
+"""The disk tier under host memory: chunk payloads in one preallocated file per run, moved by asynchronous
+direct I/O in large aligned blocks.
+
+Why O_DIRECT and a thread pool rather than an io_uring or libaio binding: a chunk is megabytes, so one
+`preadv`/`pwritev` per 16 MiB block costs microseconds of system call against milliseconds of transfer,
+and a few threads already keep an NVMe queue full; io_uring's gain is in many small requests, which the
+tier never makes. `os.preadv`/`os.pwritev` release the GIL, need nothing beyond the standard library
+and run wherever Linux does, where the Python bindings of io_uring and libaio on the package index are
+single-maintainer projects with native builds. O_DIRECT keeps the page cache out: the tier exists
+because RAM is short, and cached pages would both take RAM and make reads look faster than the disk.
+On a file system that refuses O_DIRECT (tmpfs), files are opened buffered, with one warning.
+
+[Note: run directories]
+Each tier lives in `<disk>/chunkmem-<host>-<pid>-<n>/` holding `lock` (flock'ed while the run lives) and
+`chunks.bin` (slots, each a chunk's bytes rounded up to ALIGN, reserved with posix_fallocate so a full
+disk shows at prepare, not mid-run). `close()` and interpreter exit remove the directory; a run killed
+before that leaves it, and the next tier started on the same disk directory removes every
+`chunkmem-*` directory whose lock it can take (its owner is dead). Nothing is written outside.
+
+[Note: tokens]
+`read` and `write` return an IoToken at once; the I/O runs on the pool. Until `IoToken.wait()` returns,
+the buffer is in use: a read fills it (no access may touch it), a write reads it (nothing may change it).
+With the simulation's checker on (the whole test suite), an op that does raises HazardError, as for a
+copy (sim.guard_io). A failed or overlong I/O raises DiskTierError from `wait()`, naming the file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+import torch
+
+from chunkmem.errors import DiskTierError
+from chunkmem.memory import sim
+
+log = logging.getLogger("chunkmem")
+
+ALIGN = 4096  # O_DIRECT: buffer addresses, file offsets and lengths are multiples of the logical block size
+BLOCK = 16 << 20  # bytes per system call: large enough to stream, small enough to spread over the threads
+THREADS = 4
+TIMEOUT_S = float(os.environ.get("CHUNKMEM_DISK_TIMEOUT", "300"))  # a wait longer than this is a fault
+PREFIX = "chunkmem-"
+_OWN_FILES = {"lock", "chunks.bin"}
+_runs = itertools.count()
+_tokens = itertools.count(1)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class IoToken:
+    """An asynchronous read or write of one buffer (the Note on tokens)."""
+
+    def __init__(self, tier: DiskTier, what: str, futures: list[Future], nbytes: int) -> None:
+        self.tier = tier
+        self.what = what  # "read of exp_avg.3"
+        self.futures = futures
+        self.nbytes = nbytes
+        self.waited = False
+        self.id = next(_tokens)
+        self.stream = "disk"  # for the simulation's messages
+
+    def done(self) -> bool:
+        """Whether the I/O has finished (without waiting, and without telling the checker anything)."""
+        return self.waited or all(f.done() for f in self.futures)
+
+    def wait(self) -> None:
+        """Block the host until the I/O is done; DiskTierError if it failed or took longer than the timeout."""
+        if self.waited:
+            return
+        start = time.perf_counter()
+        deadline = start + self.tier.timeout
+        try:
+            for future in self.futures:
+                future.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except FutureTimeout:
+            raise DiskTierError(
+                f"{self.what} ({self.nbytes} bytes) in {self.tier.file} has not finished after "
+                f"{self.tier.timeout:.0f} s: the disk under {self.tier.root} is too slow or hung. Check it "
+                "(`chunkmem env`, dmesg), put Config.disk on a faster one, or raise CHUNKMEM_DISK_TIMEOUT") from None
+        finally:
+            self.tier.stats["wait_seconds"] += time.perf_counter() - start
+        self.waited = True
+        self.tier.forget(self)
+        sim.learned(self)
+
+    def knows(self, copy: object, side: str) -> bool:  # the checker's question (sim.Hazard)
+        return self.waited
+
+
+class DiskTier:
+    """One run's file of chunk slots under `root`, and the threads that read and write it."""
+
+    def __init__(self, root: str | os.PathLike, limit: int | None = None, threads: int = THREADS) -> None:
+        self.root = Path(root)
+        self.limit = limit
+        self.timeout = TIMEOUT_S
+        self.directory, self._lock_fd = _claim(self.root)
+        self.file = self.directory / "chunks.bin"
+        self.direct = True
+        try:
+            self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            log.warning("chunkmem: %s refuses O_DIRECT (%s): the disk tier reads and writes through the page "
+                        "cache there, which takes RAM; put Config.disk on a disk file system", self.root, error)
+            self.direct = False
+            self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o600)
+        self.size = 0  # bytes reserved in the file
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="chunkmem-disk")
+        self.stats = {"read_bytes": 0, "write_bytes": 0, "reads": 0, "writes": 0, "wait_seconds": 0.0}
+        self._flight: dict[int, tuple[int, int, bool, IoToken]] = {}  # id -> (start, end, is_read, token)
+        self._guard = threading.Lock()
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self.fd, self._lock_fd, self.pool)
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.file}, {self.size} bytes)"
+
+    # -- slots --------------------------------------------------------------------------------------
+    def slot(self, nbytes: int) -> int:
+        """Reserve room for `nbytes` (rounded up to ALIGN) at the end of the file; returns its offset."""
+        offset, length = self.size, aligned(nbytes)
+        if self.limit is not None and offset + length > self.limit:
+            raise DiskTierError(f"the disk tier needs more than Config.disk_memory={self.limit} bytes in "
+                                f"{self.root}: raise disk_memory (or leave it None), or raise host_memory")
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+        except OSError as error:
+            free = shutil.disk_usage(self.root).free
+            raise DiskTierError(f"cannot reserve {length} more bytes in {self.file} ({error.strerror}; {free} bytes "
+                                f"free there): free space under {self.root}, or point Config.disk elsewhere") from None
+        self.size = offset + length
+        return offset
+
+    # -- I/O ----------------------------------------------------------------------------------------
+    def read(self, offset: int, buffer: torch.Tensor, what: str) -> IoToken:
+        """Start filling `buffer` (host, ALIGN-aligned, its bytes a multiple of ALIGN) from the file at `offset`."""
+        return self._submit(offset, buffer, what, is_read=True)
+
+    def write(self, offset: int, buffer: torch.Tensor, what: str) -> IoToken:
+        """Start writing `buffer` to the file at `offset`."""
+        return self._submit(offset, buffer, what, is_read=False)
+
+    def _submit(self, offset: int, buffer: torch.Tensor, what: str, is_read: bool) -> IoToken:
+        address, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+        if address % ALIGN or nbytes % ALIGN or offset % ALIGN or offset + nbytes > self.size:
+            raise ValueError(f"disk {what}: buffer at {address:#x} of {nbytes} bytes to offset {offset} of {self.size}: "
+                             f"expected {ALIGN}-aligned addresses, offsets and lengths inside the file")
+        self._check_overlap(address, nbytes, is_read, what)
+        memory = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+        run = self._read_block if is_read else self._write_block
+        futures = [self.pool.submit(run, memory[at:at + BLOCK], offset + at, what)
+                   for at in range(0, nbytes, BLOCK)]
+        token = IoToken(self, f"{'read' if is_read else 'write'} of {what}", futures, nbytes)
+        token.buffer = buffer  # type: ignore[attr-defined]  # kept alive until the I/O is done
+        with self._guard:
+            self._flight[token.id] = (address, address + nbytes, is_read, token)
+        self.stats["read_bytes" if is_read else "write_bytes"] += nbytes
+        self.stats["reads" if is_read else "writes"] += 1
+        sim.guard_io(token, buffer, write_only=not is_read)
+        return token
+
+    def _check_overlap(self, address: int, nbytes: int, is_read: bool, what: str) -> None:
+        """Two I/Os on one buffer at once race unless both only read it (writes to the file). An I/O holds its
+        buffer until its token is waited for, finished or not (the Note on tokens): the race is the missing wait."""
+        with self._guard:
+            for start, end, other_read, token in self._flight.values():
+                if start < address + nbytes and address < end and (is_read or other_read):
+                    raise sim.HazardError(f"disk {what}: its buffer is still in use by the {token.what}: wait for "
+                                          "that token before reusing the buffer")
+
+    def forget(self, token: IoToken) -> None:
+        with self._guard:
+            self._flight.pop(token.id, None)
+
+    def _read_block(self, memory: memoryview, offset: int, what: str) -> None:
+        self._check_file(what)
+        done = 0
+        while done < len(memory):
+            try:
+                got = os.preadv(self.fd, [memory[done:]], offset + done)
+            except OSError as error:
+                raise self._failed("reading", what, error) from None
+            if got == 0:
+                size = os.fstat(self.fd).st_size
+                raise DiskTierError(f"reading {what} from {self.file} needs bytes [{offset}, {offset + len(memory)}) "
+                                    f"but the file ends at {size}: it was truncated under the running job. The run "
+                                    "cannot continue; resume from the last checkpoint")
+            done += got
+
+    def _write_block(self, memory: memoryview, offset: int, what: str) -> None:
+        self._check_file(what)
+        done = 0
+        while done < len(memory):
+            try:
+                done += os.pwritev(self.fd, [memory[done:]], offset + done)
+            except OSError as error:
+                raise self._failed("writing", what, error) from None
+
+    def _check_file(self, what: str) -> None:
+        if os.fstat(self.fd).st_nlink == 0:
+            raise DiskTierError(f"{self.file}, which holds {what}, was deleted under the running job: its model data "
+                                f"is gone with it. Keep other programs out of {self.root}; resume from the last "
+                                "checkpoint")
+
+    def _failed(self, doing: str, what: str, error: OSError) -> DiskTierError:
+        hint = {errno.ENOSPC: f"the file system under {self.root} is full: free space there",
+                errno.EDQUOT: f"the disk quota under {self.root} is used up",
+                errno.EIO: "the disk reported an I/O error: check it (dmesg)"}.get(error.errno or 0, "check the disk")
+        return DiskTierError(f"{doing} {what} {'from' if doing == 'reading' else 'to'} {self.file} failed "
+                             f"({error.strerror or error}): {hint}; resume from the last checkpoint")
+
+    def close(self) -> None:
+        """Wait for nothing, stop the threads, remove the run directory. Idempotent."""
+        self._finalizer()
+
+
+def _remove(directory: Path, fd: int, lock_fd: int, pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
+    for handle in (fd, lock_fd):
+        try:
+            os.close(handle)
+        except OSError:
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _claim(root: Path) -> tuple[Path, int]:
+    """A new run directory under `root` (made if missing, its parent must exist), stale ones removed first, and
+    its lock, held. It is made under a name `remove_stale` ignores and renamed once locked."""
+    if root.exists() and not root.is_dir():
+        raise DiskTierError(f"Config.disk={str(root)!r} is a file, expected a directory for the disk tier's files")
+    if not root.exists():
+        if not root.parent.is_dir():
+            raise DiskTierError(f"Config.disk={str(root)!r}: its parent {root.parent} does not exist; create it (or "
+                                "the directory itself) first")
+        root.mkdir(exist_ok=True)
+    remove_stale(root)
+    name = f"{socket.gethostname()}-{os.getpid()}-{next(_runs)}"
+    making = root / f".{PREFIX}{name}"
+    making.mkdir()
+    lock = os.open(making / "lock", os.O_RDONLY | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    directory = root / f"{PREFIX}{name}"
+    making.rename(directory)
+    return directory, lock
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Remove the run directories under `root` whose owners died (their lock is free); returns them."""
+    removed = []
+    for entry in sorted(root.glob(f"{PREFIX}*")):
+        lock = entry / "lock"
+        if not entry.is_dir() or not lock.exists() or {p.name for p in entry.iterdir()} - _OWN_FILES:
+            continue  # not a run directory of ours (or one still being made): leave it
+        try:
+            handle = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live run holds it
+        finally:
+            os.close(handle)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        log.info("chunkmem: removed %d disk-tier directories left by runs that died: %s", len(removed),
+                 ", ".join(str(p) for p in removed))
+    return removed
