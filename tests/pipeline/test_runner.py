@@ -27,9 +27,8 @@ from torch import nn
 
 import chunkmem
 from chunkmem.pipeline import pipeline
-from chunkmem.pipeline.schedule import simulate, validate
+from chunkmem.pipeline.schedule import order_of, simulate, validate
 from tests.multiproc import free_port, run_workers
-from tests.pipeline.test_schedule import textbook
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 BATCH = {1: 5, 3: 7, 4: 10, 8: 11}  # rows per mini-batch for each micro-batch count: never a multiple
@@ -188,7 +187,7 @@ def test_pipeline_matches_one_process_on_the_whole_batch(stages: int, tmp_path: 
         order = {s: r["order"] for s, r in enumerate(ranks)}
         validate(order, stages, case["m"])
         runs = "gpipe" if case["m"] < stages else case["schedule"]  # torch's 1F1B needs M >= K
-        assert order == textbook(runs, stages, case["m"]), what
+        assert order == order_of(runs, stages, case["m"]), what
         if case["budget"]:
             for r in ranks:
                 stats = r["stats"]
@@ -210,7 +209,7 @@ def check_activation_peaks(stages: int, peaks: list[dict]) -> None:
         assert one > 0
         assert peak[("gpipe", 4)] == 4 * one, f"stage {s}"
         assert peak[("1f1b", 4)] == min(4, stages - s) * one, f"stage {s}"
-    order = textbook("1f1b", stages, 4)
+    order = order_of("1f1b", stages, 4)
     assert simulate(order, stages).peak_in_flight == {s: min(4, stages - s) for s in range(stages)}
 
 
@@ -288,7 +287,7 @@ def one_rank_group() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(schedule="zigzag"), ValueError, r"schedule='zigzag': expected one of \['gpipe', '1f1b'\]"),
+    (dict(schedule="zigzag"), ValueError, r"schedule='zigzag': expected one of \['gpipe', '1f1b', 'interleaved'"),
     (dict(checkpoint="sometimes"), ValueError, r"checkpoint='sometimes'"),
     (dict(reduction="none"), ValueError, r"reduction='none'"),
     (dict(n_microbatches=0), ValueError, r"n_microbatches=0: expected a positive int"),
