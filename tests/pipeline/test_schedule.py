@@ -151,3 +151,43 @@ def test_simulation_charges_costs_and_dependencies() -> None:
     timeline = simulate(split, 2, costs=unit_costs())
     assert timeline.start[Action(0, I, 0)] == 3.0, "stage 0's input backward waits for stage 1's I, not its W"
     assert timeline.makespan == 5.0
+
+
+def closed_form(name: str, k: int, m: int, v: int = 2) -> float | None:
+    """The bubble of a schedule from first principles, with unit costs: F 1, B 2 (I and W 1 each), a virtual stage
+    a v-th of a rank's layers. Each rank has M(F+B) = 3M of work; the bubble is its idle share. None where the
+    schedule is not held to one (torch's zero-bubble heuristics with few micro-batches: bounded instead)."""
+    if name in ("gpipe", "1f1b"):  # fill and drain: rank r idles (K-1)(F+B) in all
+        return (k - 1) / (m + k - 1)
+    if name == "interleaved":
+        if m >= k:  # Megatron's interleaving: the fill and drain shrink v times, (K-1)(F+B)/v
+            return (k - 1) / (v * m + k - 1)
+        # with M < K a rank's v stages never contend: a pipeline of vK stages of cost (F+B)/v, run M times
+        return (v * k - 1 - (v - 1) * m) / (m + v * k - 1)
+    if name in ("zero-bubble", "zbv") and m >= (k if name == "zero-bubble" else 2 * k):
+        # the least any order can idle: rank r waits r forwards of F/v for its first input; after that W
+        # fills every gap, so the makespan is 3M + (K-1)/v
+        return (k - 1) / (3 * v * m + k - 1)
+    return None
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_simulated_bubble_matches_the_closed_forms(k: int, m: int) -> None:
+    simulated = {name: bubble(name, k, m) for name in ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv")}
+    for name, value in simulated.items():
+        expected = closed_form(name, k, m)
+        if expected is not None:
+            assert value == pytest.approx(expected, abs=1e-9), name
+        else:  # at least the least any order idles, and still less than 1F1B
+            assert (k - 1) / (6 * m + k - 1) - 1e-9 <= value < simulated["1f1b"], name
+    assert simulated["zero-bubble"] < simulated["interleaved"] < simulated["1f1b"] == simulated["gpipe"]
+    if m < k - 1:  # 2BW would need a third weight version
+        with pytest.raises(ValueError, match="needs n_microbatches"):
+            bubble("2bw", k, m)
+        return
+    # 2BW never flushes: each further mini-batch adds exactly its work, 3M, to the makespan ...
+    assert bubble("2bw", k, m) == pytest.approx(0.0, abs=1e-9)
+    # ... and T mini-batches pay one fill and one drain in all, as 1F1B over T*M micro-batches
+    for t in (1, 3):
+        assert simulate(twobw(k, m, t), k, m).bubble == pytest.approx((k - 1) / (t * m + k - 1), abs=1e-9)
