@@ -55,8 +55,10 @@ class Flow:
         self.shapes, self.comm_device = shapes, comm_device
         self.versions, self.m = versions, n_microbatches
         self.loss_group, self.executed = loss_group, executed
-        self.minibatch = 0  # mini-batches started
-        self.base = 0  # the first mini-batch since the pipeline last filled
+        # Mini-batches started, counted from the first the weights saw (a flow starts drained: after a
+        # checkpoint's load, or a change of shape, as many as there were updates).
+        self.minibatch = versions.newest
+        self.base = self.minibatch  # the first mini-batch since the pipeline last filled
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output or loss)
         self.feed: Feed | None = None
         self.sends: list[tuple[Any, torch.Tensor]] = []  # isends in flight, with the tensors they read

@@ -224,6 +224,7 @@ class Pipeline:
     def flush(self) -> float:
         """Under 2BW, finish what is in flight (the last mini-batches' backwards and updates) and return the
         last mini-batch's loss; the weights are what they would be without the flush. Else NaN: nothing waits."""
+        self.last_order.clear()  # from now on, what the drain runs
         return self._flow.flush() if self._flow is not None else math.nan
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:

@@ -8,8 +8,8 @@ version (what the optimizer updates, as without versions), "stale" the one befor
 listed among the optimizer's state families, so the runtime places it by the same plan as the others
 (on the device for groups homed there, streamed from the host otherwise), counts it in
 `memory_stats()["model_data_bytes"]`, and checkpoints save and restore it.
-An update first copies "param" into "stale" (where "stale" lives: on the device for a homed group,
-else on the host, from the host copy when the device one is clean), then steps the optimizer.
+An update first copies "param" into "stale" where "stale" is (on the device when it is resident, else
+on the host, from the freshest copy of "param"), then steps the optimizer.
 A micro-batch of the older version computes with the groups' "param" and "stale" chunks exchanged
 (`ParamStore.swap_param_chunk`), so modules acquire, and parameters view, the older chunk. Tensors
 saved for backward that are views of either chunk are kept by version, not by chunk: a micro-batch
@@ -85,6 +85,10 @@ class WeightVersions:
     def update(self) -> None:
         """Keep the newest version as the older one, then step the optimizer on the coalesced gradient."""
         self.use(self.newest)
+        if any(not stale.state.on_device for _, _, stale in self.pairs):
+            # The host is about to write stale payloads that an upload (the older version, streamed in for
+            # the backward just run) may still be reading: it must know those uploads landed.
+            self.runtime.device.synchronize()
         for _, newest, stale in self.pairs:
             self._keep(newest, stale)
         self.optimizer.step()
@@ -94,14 +98,12 @@ class WeightVersions:
     def _keep(self, newest: Chunk, stale: Chunk) -> None:
         """Copy `newest` into `stale` where `stale` lives (see the Note)."""
         residency = self.runtime.residency
-        if stale.state.on_device and newest.state.on_device:
-            self.runtime.data.writable(stale, True).copy_(newest.device)  # type: ignore[arg-type]
+        source = newest.payload()
+        if stale.state.on_device:
+            self.runtime.data.writable(stale, True).copy_(source)
             return
-        dirty = newest.state is ChunkState.DEVICE_DIRTY
-        source = newest.device if dirty else newest.host
-        residency.reset(stale)  # what it held is not needed: no write-back
-        residency.host_for_write(stale).copy_(source)  # type: ignore[arg-type]
-        if dirty:
+        residency.host_for_write(stale).copy_(source)
+        if newest.state is ChunkState.DEVICE_DIRTY:  # the bytes came down from the device
             residency.stats.d2h_bytes += stale.nbytes
             residency.report(stale, "device", "host", stale.nbytes, 0.0, "optimizer")
 
