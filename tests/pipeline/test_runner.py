@@ -295,6 +295,9 @@ def one_rank_group() -> Iterator[None]:
     (dict(data_parallel=3), ValueError, r"data_parallel=3 does not divide the world of 1"),
     (dict(config=chunkmem.Config(device="cpu", dtype="fp16")), ValueError, r"dtype='fp16' is not supported"),
     (dict(config=[chunkmem.Config(device="cpu")] * 2), ValueError, r"got 2 Configs for 1 stages"),
+    (dict(virtual_stages=2), ValueError, r"virtual_stages=2 with schedule='1f1b': only \['interleaved'"),
+    (dict(schedule="zbv", virtual_stages=3), ValueError, r"schedule='zbv' runs exactly 2 stages per rank"),
+    (dict(schedule="interleaved", virtual_stages=1), ValueError, r"needs at least 2 stages per rank"),
 ])
 def test_bad_arguments_say_what_to_change(one_rank_group: None, kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
@@ -306,6 +309,9 @@ def test_a_batch_smaller_than_the_micro_batch_count_and_a_non_sequential_model_a
     pipe = pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=4, config=chunkmem.Config(device="cpu"))
     with pytest.raises(ValueError, match=r"a batch of 3 rows cannot be split into n_microbatches=4"):
         pipe.step(torch.randn(3, WIDTH), torch.randn(3, 3))
+    twobw = pipeline(model(), ADAMW, loss_fn("mean"), schedule="2bw", config=chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match=r"step\(update=False\) under schedule='2bw'"):
+        twobw.step(torch.randn(8, WIDTH), torch.randn(8, 3), update=False)
     with pytest.raises(TypeError, match=r"splits an nn.Sequential .* got Linear"):
         pipeline(nn.Linear(WIDTH, 3), ADAMW, loss_fn("mean"))
 
