@@ -11,7 +11,8 @@ for inputs, targets in loader:          # the same batch on every rank
 Modules: runner (the Pipeline object), layout (which rank runs which stage), stage (a rank's layers,
 the Part that runs one stage, micro-batches, shapes between stages), scheduled (torch's schedules over
 a rank's stages), flow (PipeDream-2BW's executor) and versions (its two weight versions in chunks),
-balance (profiling and partitioning layers), schedule (schedules as data: orders, validate, simulate).
+balance (profiling and partitioning layers), schedule (schedules as data: orders, validate, simulate),
+planner (which layout of N GPUs: `chunkmem plan --gpus N`).
 """
 
 from __future__ import annotations
