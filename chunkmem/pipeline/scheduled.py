@@ -105,7 +105,8 @@ def check(name: str, n_ranks: int, n_microbatches: int, virtual: int, data_paral
     rounds = max(1, n_microbatches // n_ranks)
     if n_microbatches % rounds:
         raise ValueError(f"n_microbatches={n_microbatches}: schedule={name!r} on {n_ranks} ranks runs micro-batches "
-                         f"in {rounds} rounds, so it needs a multiple of {rounds}: use {rounds * (n_microbatches // rounds)}"
+                         f"in {rounds} rounds, so it needs a multiple of {rounds}: use "
+                         f"{rounds * (n_microbatches // rounds)}"
                          f" or {rounds * (n_microbatches // rounds + 1)}")
     if name != "interleaved" and data_parallel > 1:
         raise ValueError(f"schedule={name!r} with data_parallel={data_parallel}: zero-bubble weight gradients reach "

@@ -58,7 +58,8 @@ class Part(nn.Module):
         self.n_microbatches, self.forwards = n_microbatches, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.runtime.device.torch_device, self.runtime.config.torch_dtype if x.is_floating_point() else x.dtype)
+        dtype = self.runtime.config.torch_dtype if x.is_floating_point() else x.dtype
+        x = x.to(self.runtime.device.torch_device, dtype)
         with self.hooks.forward(), _saved_tensors(self.saved):
             if not torch.is_grad_enabled():
                 return self.layers(x)

@@ -5,9 +5,9 @@ Mini-batch u computes (forward and backward) with weights version u-1; the updat
 backward makes version u+1 from version u and u's coalesced gradient: W(u+1) = W(u) - lr * grad(W(u-1)).
 Each trainable chunk group gets a "stale" chunk beside its "param" chunk: "param" holds the newest
 version (what the optimizer updates, as without versions), "stale" the one before. The stale family is
-listed among the optimizer's state families, so the runtime places it by the same plan as the others
-(on the device for groups homed there, streamed from the host otherwise), counts it in
-`memory_stats()["model_data_bytes"]`, and checkpoints save and restore it.
+kept with the optimizer's state (`Rule.kept`: saved and restored, never stepped, so an update does not
+move it), the runtime places it by the same plan as the others (on the device for groups homed there,
+streamed from the host otherwise) and counts it in `memory_stats()["model_data_bytes"]`.
 An update first copies "param" into "stale" where "stale" is (on the device when it is resident, else
 on the host, from the freshest copy of "param"), then steps the optimizer.
 A micro-batch of the older version computes with the groups' "param" and "stale" chunks exchanged
@@ -58,7 +58,7 @@ class WeightVersions:
             self.pairs.append((group, group.param, stale))
         self._role = {id(c): (i, newest) for i, (_, p, s) in enumerate(self.pairs) for c, newest in ((p, True),
                                                                                                    (s, False))}
-        optimizer.rule = dataclasses.replace(optimizer.rule, states=(*optimizer.rule.states, STALE))
+        optimizer.rule = dataclasses.replace(optimizer.rule, kept=(*optimizer.rule.kept, STALE))
         # The placer reads the chunk families when it is built: build it again, before the first step.
         old = runtime.placer
         runtime.placer = Placer(runtime.residency, store, old.limit, old.working_set, runtime.nonmodel_bytes)
@@ -85,10 +85,10 @@ class WeightVersions:
     def update(self) -> None:
         """Keep the newest version as the older one, then step the optimizer on the coalesced gradient."""
         self.use(self.newest)
-        if any(not stale.state.on_device for _, _, stale in self.pairs):
-            # The host is about to write stale payloads that an upload (the older version, streamed in for
-            # the backward just run) may still be reading: it must know those uploads landed.
-            self.runtime.device.synchronize()
+        # The host is about to write payloads (the older version's, the optimizer's) that an upload for the
+        # backward just run, or a prefetch that compute has waited for since, may still be reading: mid-flow,
+        # no later copy tells the host they landed, so it waits for everything once per update.
+        self.runtime.device.synchronize()
         for _, newest, stale in self.pairs:
             self._keep(newest, stale)
         self.optimizer.step()

@@ -43,7 +43,8 @@ def llama_7b() -> object:
                        num_key_value_heads=32, vocab_size=32000)
 
 
-@pytest.mark.parametrize("name,config", [("gpt2-xl", lambda: gpt2_config(48, 1600, 50257, 1024)), ("llama-7b", llama_7b)])
+@pytest.mark.parametrize("name,config", [("gpt2-xl", lambda: gpt2_config(48, 1600, 50257, 1024)),
+                                         ("llama-7b", llama_7b)])
 def test_rankings_for_large_models(name: str, config, capsys) -> None:  # noqa: ANN001
     winners = {}
     for memory in (24, 80):
