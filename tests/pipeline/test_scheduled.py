@@ -98,3 +98,32 @@ def test_virtual_stage_schedules_match_one_process(ranks: int) -> None:
                 stats = r["stats"]
                 assert stats["model_data_bytes"] > stats["device_limit_bytes"] >= stats["device_chunk_bytes_peak"], what
                 assert stats["h2d_bytes"] > 0, what
+
+
+def dp_worker(rank: int, world: int) -> list[dict]:
+    out = []
+    for reduction, budget in [("mean", False), ("sum", True)]:
+        pipe = pipeline(model(), ADAMW, loss_fn(reduction), n_microbatches=4, schedule="interleaved",
+                        balance=[4, 3, 3, 3], reduction=reduction, config=config(budget, 2), data_parallel=2)
+        out.append({"losses": [pipe.step(x, y) for x, y in batches(11)], "state": pipe.state_dict()})
+    return out
+
+
+def test_two_interleaved_pipelines_of_two_ranks_match_one_process() -> None:
+    """Data parallel x interleaved 1F1B on 4 ranks: each rank's two stages sharded over 2 replicas (ZeRO)."""
+    results = run_workers(dp_worker, 4, timeout=150)
+    for i, reduction in enumerate(["mean", "sum"]):
+        plain = model()
+        opt = ADAMW(plain.parameters())
+        expected = []
+        for x, y in batches(11):
+            loss = loss_fn(reduction)(plain(x), y)
+            (loss if reduction == "mean" else loss / 2).backward()  # DP averages, as DDP and ZeRO do
+            expected.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        for rank, result in enumerate(results):
+            got = result[i]
+            assert got["losses"] == pytest.approx(expected, rel=1e-5), (reduction, rank)
+            for name, value in plain.state_dict().items():  # sums of ~30: Adam shows the order of the reductions
+                torch.testing.assert_close(got["state"][name], value, rtol=1e-4, atol=1e-5)
