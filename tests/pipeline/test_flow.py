@@ -5,7 +5,7 @@ older copy; version 0 for the first two), then the newest copy becomes the older
 newest with that gradient: W(u+1) = W(u) - lr * grad(W(u-1)). Compared: every mini-batch's loss, every
 parameter after the drain, with and without a flush in the middle and across a checkpoint, over
 micro-batch counts and device budgets below the stage's model data; the order each rank ran against
-schedule.twobw, and the memory the second version costs.
+schedule.twobw, the memory the second version costs, and the activations a stage holds (K - s micro-batches).
 """
 
 from __future__ import annotations
@@ -78,8 +78,26 @@ def resume(tmp: Path) -> dict:
     return {"resumed": second.state_dict()}
 
 
+def activation_peaks(stages: int) -> dict:
+    """Each stage's peak of saved activations: one micro-batch of 2 rows alone (GPipe), then 2BW over 3
+    mini-batches of 4."""
+    out = {}
+    for schedule, m in [("gpipe", 1), ("2bw", 4)]:
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(*[m_ for _ in range(stages)
+                                       for m_ in (torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH))])
+        pipe = pipeline(layers, ADAMW, loss_fn("mean"), n_microbatches=m, schedule=schedule,
+                        balance=[2] * stages, config=chunkmem.Config(device="cpu"))
+        for _ in range(3):
+            pipe.step(torch.randn(2 * m, WIDTH), torch.randn(2 * m, WIDTH))
+        pipe.flush()
+        assert pipe.model is not None
+        out[schedule] = pipe.model.runtime.activations.peak
+    return out
+
+
 def worker(rank: int, world: int, tmp: str) -> dict:
-    out: dict = {"cases": [run_case(c) for c in cases(world)]}
+    out: dict = {"cases": [run_case(c) for c in cases(world)], "peaks": activation_peaks(world)}
     if world == 2:
         out["resume"] = resume(Path(tmp))
     return out
@@ -134,6 +152,8 @@ def test_2bw_matches_a_plain_2bw_loop(stages: int, tmp_path: Path) -> None:
                 assert stats["model_data_bytes"] > stats["device_limit_bytes"] > 0, what
                 assert stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"], what
                 assert stats["h2d_bytes"] > 0, what
+    for s, peaks in enumerate(r["peaks"] for r in results):  # stage s holds K - s micro-batches, as 1F1B
+        assert peaks["gpipe"] > 0 and peaks["2bw"] == (stages - s) * peaks["gpipe"], f"stage {s}"
     if stages == 2:
         _, five = reference(2)
         assert_close(results[0]["resume"]["resumed"], five, "resumed across a checkpoint")
