@@ -71,6 +71,7 @@ class Flow:
         self.part.start_step(self.m)
         for action in self._shifted(twobw_segment(self.stage, self.n_stages, self.m, self.minibatch - self.base)):
             self._run(action)
+        self.versions.use(self.versions.newest)  # between steps, parameters are the newest (state_dict, saving)
         self.minibatch += 1
         self._share_loss(feed.losses)
         self._reap_sends()

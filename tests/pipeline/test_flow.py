@@ -45,6 +45,7 @@ def run_case(case: dict) -> dict:
     for step, (x, y) in enumerate(batches(case["m"])):
         losses.append(pipe.step(x, y))
         orders.append(list(pipe.last_order))
+        assert pipe.versions is not None and not pipe.versions.swapped, "between steps, the newest version"
         if step + 1 == case["flush_after"]:
             losses.append(pipe.flush())
             orders.append(list(pipe.last_order))
