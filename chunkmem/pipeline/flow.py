@@ -55,16 +55,19 @@ class Flow:
         self.shapes, self.comm_device = shapes, comm_device
         self.versions, self.m = versions, n_microbatches
         self.loss_group, self.executed = loss_group, executed
-        # Mini-batches started, counted from the first the weights saw (a flow starts drained: after a
-        # checkpoint's load, or a change of shape, as many as there were updates).
-        self.minibatch = versions.newest
-        self.base = self.minibatch  # the first mini-batch since the pipeline last filled
+        self.minibatch = self.base = 0
+        self.restart()
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output or loss)
         self.feed: Feed | None = None
         self.sends: list[tuple[Any, torch.Tensor]] = []  # isends in flight, with the tensors they read
         self.pending: list[tuple[torch.Tensor, Any]] = []  # loss broadcasts not yet collected
 
     # -- steps -------------------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Count mini-batches from the updates the weights have seen: a flow starts drained (first, after a
+        checkpoint's load, or after another shape's flow ran)."""
+        self.minibatch = self.base = self.versions.newest  # mini-batches started; the first since the last fill
+
     def step(self, feed: Feed) -> float:
         """Run this stage's segment of mini-batch `self.minibatch`; the loss of the one before (the Note)."""
         self.feed = feed

@@ -81,7 +81,8 @@ class Pipeline:
         self.parts: dict[int, Part] = {}  # this rank's stages, by index
         self.versions: WeightVersions | None = None  # 2BW's
         self._runners: dict[tuple, Any] = {}
-        self._flow: Flow | None = None
+        self._flow: Flow | None = None  # the 2BW flow that ran last
+        self._carried = math.nan  # the loss its flush returned, for the next step to return
         self._loss_group: Any = None
         self._micro_loss: LossFn | None = None
         self.last_order: list[Action] = []  # what this rank ran in the last step
@@ -161,7 +162,8 @@ class Pipeline:
         key = (micro.rows, tuple(first.shape[1:]), first.dtype)
         if key not in self._runners:
             if self._flow is not None:  # in-flight micro-batches of the old shape finish first
-                self._flow.flush()
+                self._carried = self._flow.flush()
+                self._flow = None
             shapes = scheduled.exchange_shapes(self.parts, first, self.stage_ranks, self.layout, self.comm_device)
             if self.schedule_name == "2bw":
                 assert self.versions is not None
@@ -210,9 +212,15 @@ class Pipeline:
         has_first, has_last = 0 in self.stages, self.n_stages - 1 in self.stages
         target = micro.pad(local_target) if has_last else None
         if isinstance(runner, Flow):
-            self._flow = runner
+            if runner is not self._flow:  # another shape ran since: drain it, and count from its updates
+                if self._flow is not None:
+                    self._carried = self._flow.flush()
+                runner.restart()
+                self._flow = runner
             split = lambda t: list(t.split(micro.rows)) if t is not None else None  # noqa: E731
-            return runner.step(Feed(split(padded_in if has_first else None), split(target), self._micro_loss, losses))
+            loss = runner.step(Feed(split(padded_in if has_first else None), split(target), self._micro_loss, losses))
+            loss, self._carried = (self._carried if math.isnan(loss) else loss), math.nan
+            return loss
         for part in self.parts.values():
             part.start_step(self.n_microbatches)
         runner.step(*((padded_in,) if has_first else ()), target=target, return_outputs=False)
