@@ -1,5 +1,8 @@
 """Pipeline throughput in the CPU simulation: K = 2 and 4 chunk-managed stages against one stage.
 
+    python -m benchmarks.pipeline --width 1024 --batch 256 --microbatches 4 --stages 2 \
+        --schedules 1f1b,2bw,interleaved,zero-bubble --json benchmarks/results/pipeline_cpu_schedules.json
+
     python -m benchmarks.pipeline --device-memory 4MiB --json benchmarks/results/pipeline_cpu.json
     python -m benchmarks.pipeline --width 1024 --batch 256 --microbatches 4 \
         --json benchmarks/results/pipeline_cpu_compute_bound.json
@@ -72,6 +75,7 @@ def stage_worker(rank: int, world: int, port: int, args: argparse.Namespace, sch
             dist.barrier()
             begin = time.perf_counter()
         pipe.step(x, y)
+    pipe.flush()  # 2BW: the last mini-batches' backwards and updates are part of the work (else a no-op)
     dist.barrier()
     if rank == 0:
         out["samples_per_s"] = args.steps * args.batch / (time.perf_counter() - begin)
@@ -104,13 +108,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--device-memory", default=None, help="each stage's device budget, e.g. 4MiB")
+    parser.add_argument("--stages", default="2,4", help="pipeline depths, e.g. 2,4")
+    parser.add_argument("--schedules", default="gpipe,1f1b,2bw", help="any of chunkmem.pipeline's schedules")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [{"stages": 1, "schedule": "-", "balance": [2 * args.depth + 1],
              "samples_per_s": round(one_stage(args), 1)}]
-    for stages in (2, 4):
-        for schedule in ("gpipe", "1f1b"):
+    for stages in map(int, args.stages.split(",")):
+        for schedule in args.schedules.split(","):
             result = pipelined(args, stages, schedule)
             rows.append({"stages": stages, "schedule": schedule, "balance": result["balance"],
                          "samples_per_s": round(result["samples_per_s"], 1)})

@@ -244,7 +244,7 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
     for record, count in steps.items():
         if count <= 0:
             continue
-        for kind in optimizer.rule.states:
+        for kind in optimizer.rule.families:
             key = f"optim/{kind}/{record.name}"
             value = tensors.get(key)
             if value is None:
@@ -307,7 +307,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
         group.update(saved)
     for record, step in optimizer.steps.items():
         step.fill_(restore.steps[record])
-        for kind in optimizer.rule.states if record.group.owned else ():
+        for kind in optimizer.rule.families if record.group.owned else ():
             chunk = record.group.chunks[kind]
             value = restore.states.get((record, kind))
             if value is not None or chunk.state is not TensorState.FREE:
@@ -322,7 +322,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     runtime = model.runtime
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.state_dict()).items()}
     steps = _steps(optimizer)
-    for kind in optimizer.rule.states:
+    for kind in optimizer.rule.families:
         for record, value in runtime.data.values(kind).items():
             if steps.get(record.name, 0) > 0:
                 tensors[f"optim/{kind}/{record.name}"] = value.contiguous()

@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=10, help="any size: need not divide by --microbatches")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=["gpipe", "1f1b", "interleaved", "zero-bubble", "zbv", "2bw"])
     parser.add_argument("--data-parallel", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -61,10 +62,16 @@ def main() -> None:
     for step in range(args.steps):
         tokens = torch.randint(0, vocab, (args.batch_size, seq + 1), generator=gen)  # the same on every rank
         loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
+        shown = step - 1 if args.schedule == "2bw" else step  # 2BW: the loss of the mini-batch before
+        if torch.distributed.get_rank() == 0 and shown >= 0:
+            print(f"step {shown} loss {loss:.4f}", flush=True)
+    if args.schedule == "2bw":  # drain: the last mini-batch's backwards and update, and its loss
+        loss = pipe.flush()
         if torch.distributed.get_rank() == 0:
-            print(f"step {step} loss {loss:.4f}", flush=True)
+            print(f"step {args.steps - 1} loss {loss:.4f}", flush=True)
     stats = pipe.model.memory_stats()
-    print(f"rank {torch.distributed.get_rank()}: stage {pipe.stage} of {pipe.n_stages}, balance {pipe.balance}, "
+    where = f"stage {pipe.stage}" if len(pipe.stages) == 1 else f"stages {pipe.stages}"  # interleaved: several
+    print(f"rank {torch.distributed.get_rank()}: {where} of {pipe.n_stages}, balance {pipe.balance}, "
           f"model data {stats['model_data_bytes']} bytes, device limit {stats['device_limit_bytes']}", flush=True)
     state = pipe.state_dict()  # consolidated, with the original keys, on every rank
     if torch.distributed.get_rank() == 0:

@@ -112,6 +112,18 @@ class ParamStore:
         for group in self.trainable_groups():
             group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32, disk_backed=True)
 
+    def swap_param_chunk(self, group: ChunkGroup, kind: str) -> None:
+        """Exchange the group's "param" chunk with its chunk of `kind`, a second version of the parameters in the
+        same layout and dtype: from now on the parameters view that one, and compute acquires it."""
+        old, other = group.param, group.chunks[kind]
+        if other.numel != old.numel or other.dtype != old.dtype:
+            raise ValueError(f"{other.name} ({other.numel} x {other.dtype}) cannot stand in for {old.name} "
+                             f"({old.numel} x {old.dtype}): a parameter version needs the same layout and dtype")
+        group.chunks["param"], group.chunks[kind] = other, old
+        del self._group_of_param_chunk[old.name]
+        self._group_of_param_chunk[other.name] = group
+        self.point_views(other)
+
     def owned_groups(self) -> Iterator[ChunkGroup]:
         """Groups whose chunks this rank stores (all of them without sharding)."""
         return (g for g in self.groups if g.chunks)

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--attention", choices=["math", "fused"],
                       help="math: PyTorch's unfused path (CPU, eager); fused: flash/memory-efficient "
                            "(default: fused on CUDA, math with --device cpu or --simulate)")
+    run_.add_argument("--gpus", type=int, help="rank parallel layouts (data parallel x pipeline stages x "
+                      "micro-batch size x schedule) of this many GPUs on one machine; --batch-size is the mini-batch")
     parser.add_argument("--simulate", action="store_true", help="also run one real step in the CPU simulation "
                         "with this budget and compare")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from chunkmem.finetune.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
 
-    for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab"):
+    for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab", "gpus"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
@@ -101,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
                       args.offload_activations, args.world_size, args.optimizer, attention,
                       cuda=args.device == "cuda" and not args.simulate, ranks_per_host=args.ranks_per_host,
                       disk=args.disk)
+    if args.gpus:
+        return _layouts(config, args.gpus, request, args.json)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
@@ -119,6 +123,24 @@ def run(args: argparse.Namespace) -> int:
                                    max(1, measured.activation_peak) - 1)
     print(json.dumps(result, indent=1) if args.json else _text(result))
     return 1 if estimate.verdict == "does not fit" else 0
+
+
+def _layouts(config: Any, gpus: int, request: Any, as_json: bool, shown: int = 10) -> int:
+    """`--gpus N`: the layouts ranked (chunkmem/pipeline/planner.py); exit status 1 when none fits."""
+    from chunkmem.pipeline.planner import rank_layouts, why
+
+    ranked = rank_layouts(config, gpus, request)
+    if as_json:
+        print(json.dumps({"gpus": gpus, "request": request.to_json(), "why": why(ranked),
+                          "layouts": [c.to_json() for c in ranked]}, indent=1))
+    else:
+        print(f"{gpus} GPUs of {_gib(request.device_memory).strip()}, host {_gib(request.host_memory).strip()}, "
+              f"mini-batch {request.batch_size} x {request.seq_len} tokens, {request.dtype}")
+        for i, c in enumerate(ranked[:shown], 1):
+            print(f"  {i:2}. {c.name}: {c.verdict}, {c.seconds:.3g} s/mini-batch (predicted), device "
+                  f"{_gib(c.device_need).strip()}, host {_gib(c.host_need_per_host).strip()}, bubble {c.bubble:.0%}")
+        print(why(ranked))
+    return 0 if ranked and ranked[0].verdict == "fits" else 1
 
 
 def _gib(n: float) -> str:

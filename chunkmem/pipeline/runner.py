@@ -1,10 +1,11 @@
-"""`chunkmem.pipeline`: an nn.Sequential trained as K chunk-managed stages, one per rank.
+"""`chunkmem.pipeline`: an nn.Sequential trained as chunk-managed stages, one (or a few) per rank.
 
-Each rank builds the whole (CPU or meta-free) model, keeps its stage's layers, and prepares them
-with chunkmem under its own Config (its own device budget); torch.distributed.pipelining's
-PipelineStage and schedules (GPipe, 1F1B) move activations and gradients between ranks. With
-data_parallel=D, world = D x K ranks form D pipelines; stage s of every pipeline shards its model
-data over their data-parallel group (chunkmem's ZeRO), which also averages their gradients.
+Each rank builds the whole (CPU or meta-free) model, keeps its stages' layers, and prepares them with
+chunkmem under its own Config (its own device budget). torch.distributed.pipelining's PipelineStage
+and schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) move activations and gradients between
+ranks; PipeDream-2BW runs on chunkmem's own executor (flow.py). With data_parallel=D, world = D x K
+ranks form D pipelines; position s of every pipeline shards its model data over their data-parallel
+group (chunkmem's ZeRO), which also averages their gradients.
 
 [Note: what stays exact]
 Every micro-batch's loss is weighted so that the sum of micro-batch gradients (and the average
@@ -16,8 +17,8 @@ gradients live in chunks, not in `p.grad`, where it would look for them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,89 +27,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from chunkmem.checkpoint import load_checkpoint, save_checkpoint
 from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
 from chunkmem.memory.device import use_device
 from chunkmem.pipeline import balance as balancing
-from chunkmem.pipeline.schedule import Action, Kind
-from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, StageBody, layers_of, recv_shape, send_shape
+from chunkmem.pipeline import scheduled
+from chunkmem.pipeline.flow import Feed, Flow
+from chunkmem.pipeline.layout import make_layout, stage_ranks
+from chunkmem.pipeline.schedule import SCHEDULES, Action, check_twobw, in_flight
+from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, Part, StageBody, layers_of
+from chunkmem.pipeline.versions import WeightVersions
 from chunkmem.runtime.optim import ChunkOptimizer
-from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
-from chunkmem.zero.collectives import default_group
+from chunkmem.wrapper import ChunkedModel, prepare
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where this rank sits: stage `stage` of pipeline `replica`, and the groups it talks in."""
-
-    stage: int
-    n_stages: int
-    replica: int
-    n_replicas: int
-    pipe_group: Any  # the K ranks of this pipeline
-    data_group: Any  # the D ranks that run this stage (chunkmem.LOCAL when D = 1)
-
-    def global_rank(self, stage: int) -> int:
-        return dist.get_global_rank(self.pipe_group, stage)
-
-
-def make_layout(data_parallel: int, device: str) -> Layout:
-    if default_group(None, device) is None:
-        raise RuntimeError("chunkmem.pipeline needs one process per stage: launch with torchrun "
-                           "(torchrun --nproc-per-node K script.py) or initialise a process group first")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if data_parallel < 1 or world % data_parallel:
-        raise ValueError(f"data_parallel={data_parallel} does not divide the world of {world} ranks: "
-                         f"use a divisor of {world}")
-    k = world // data_parallel
-    pipes = [dist.new_group(list(range(p * k, (p + 1) * k))) for p in range(data_parallel)] \
-        if data_parallel > 1 else [dist.group.WORLD]
-    datas = [dist.new_group(list(range(s, world, k))) for s in range(k)] if data_parallel > 1 else []
-    return Layout(rank % k, k, rank // k, data_parallel, pipes[rank // k],
-                  datas[rank % k] if datas else LOCAL)
-
-
-class _RecordingStage(PipelineStage):
-    """torch's stage that notes the order it actually ran forwards and backwards in (schedule.py)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.executed: list[Action] = []
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.executed.append(Action(self.stage_index, Kind.FORWARD, fwd_chunk_id))
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.executed.append(Action(self.stage_index, Kind.BACKWARD, bwd_chunk_id))
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+VIRTUAL = ("interleaved", "zero-bubble", "zbv")  # schedules with several stages per rank
 
 
 class Pipeline:
-    """See `pipeline()`. After the first `step`, `model`/`optimizer` are this rank's prepared stage."""
+    """See `pipeline()`. After the first `step`, `model`/`optimizer` are this rank's prepared stages."""
 
     def __init__(self, model: nn.Module, optimizer_factory: OptimizerFactory, loss_fn: LossFn, *,
                  n_microbatches: int, schedule: str, balance: str | Sequence[int], checkpoint: str,
-                 reduction: str, config: Config | Sequence[Config] | None, data_parallel: int) -> None:
-        _check_choice("schedule", schedule, tuple(SCHEDULES))
-        _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
-        _check_choice("reduction", reduction, ("mean", "sum"))
-        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-            raise ValueError(f"n_microbatches={n_microbatches!r}: expected a positive int")
+                 reduction: str, config: Config | Sequence[Config] | None, data_parallel: int,
+                 virtual_stages: int | None = None) -> None:
+        _check_arguments(schedule, checkpoint, reduction, n_microbatches, virtual_stages)
         first = config[0] if isinstance(config, (list, tuple)) and config else config
         self.layout = make_layout(data_parallel, first.device if isinstance(first, Config) else Config().device)
-        self.configs = _stage_configs(config, self.layout.n_stages)
+        self.virtual = (virtual_stages or 2) if schedule in VIRTUAL else 1
+        k, m = self.layout.n_ranks, n_microbatches
+        check_twobw(k, m) if schedule == "2bw" else scheduled.check(schedule, k, m, self.virtual, data_parallel)
+        if schedule == "2bw" and data_parallel > 1:
+            raise ValueError(f"schedule='2bw' with data_parallel={data_parallel}: 2BW's weight versions are not "
+                             "sharded by ZeRO yet; use data_parallel=1, or schedule='1f1b'/'interleaved'")
+        self.stage_ranks = stage_ranks(k, self.virtual, "v" if schedule == "zbv" else "loop")
+        self.stages = [i for i, r in enumerate(self.stage_ranks) if r == self.layout.position]
+        self.configs = _rank_configs(config, k)
         self.device = use_device(self.configs[self.stage].device)
         # What collectives carry tensors on: NCCL only device memory, gloo host memory.
         self.comm_device = self.device if dist.get_backend(self.layout.pipe_group) == "nccl" else torch.device("cpu")
         self._layers: list[tuple[str, nn.Module]] | None = layers_of(model)
+        self._keys = list(nn.Sequential(OrderedDict(self._layers)).state_dict().keys())
         self._check_balance(balance)
         self.optimizer_factory, self.loss_fn = optimizer_factory, loss_fn
         self.n_microbatches, self.schedule_name, self.checkpoint = n_microbatches, schedule, checkpoint
@@ -116,18 +78,24 @@ class Pipeline:
         self.balance: list[int] | None = None  # layer counts per stage, once built
         self.model: ChunkedModel | None = None
         self.optimizer: ChunkOptimizer | None = None
-        self._runners: dict[tuple, tuple[_RecordingStage, Any]] = {}
+        self.parts: dict[int, Part] = {}  # this rank's stages, by index
+        self.versions: WeightVersions | None = None  # 2BW's
+        self._runners: dict[tuple, Any] = {}
+        self._flow: Flow | None = None  # the 2BW flow that ran last
+        self._carried = math.nan  # the loss its flush returned, for the next step to return
+        self._loss_group: Any = None
         self._micro_loss: LossFn | None = None
         self.last_order: list[Action] = []  # what this rank ran in the last step
-        self._pending_load: Path | None = None  # a checkpoint to restore once the stage is built
+        self._pending_load: Path | None = None  # a checkpoint to restore once the stages are built
 
     @property
     def stage(self) -> int:
-        return self.layout.stage
+        """This rank's position in its pipeline (its stage, with one stage per rank)."""
+        return self.layout.position
 
     @property
     def n_stages(self) -> int:
-        return self.layout.n_stages
+        return len(self.stage_ranks)
 
     @property
     def effective_schedule(self) -> str:
@@ -138,7 +106,7 @@ class Pipeline:
         return self.schedule_name
 
     def _check_balance(self, balance: str | Sequence[int]) -> None:
-        n, k = len(self._layers or []), self.layout.n_stages
+        n, k = len(self._layers or []), self.n_stages
         if balance == "auto":
             return
         if isinstance(balance, str) or not all(isinstance(c, int) and c >= 1 for c in balance) \
@@ -146,17 +114,25 @@ class Pipeline:
             raise ValueError(f"balance={balance!r}: expected 'auto' or {k} positive layer counts (one per stage) "
                              f"adding up to the model's {n} layers, e.g. {balancing.even_counts(n, k)}")
 
-    # -- building this rank's stage -----------------------------------------------------------------
+    # -- building this rank's stages ----------------------------------------------------------------
     def _build(self, sample: torch.Tensor) -> None:
         assert self._layers is not None
         counts = self._choose_balance(sample)
-        start = sum(counts[:self.stage])
-        body = StageBody(OrderedDict(self._layers[start:start + counts[self.stage]]), self.checkpoint)
-        if not any(p.requires_grad for p in body.parameters()):
-            raise ValueError(f"balance {counts} leaves stage {self.stage} ({list(body._modules)}) without trainable "
-                             "parameters: give every stage a layer with parameters, or use balance='auto'")
+        bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+        names = {i: [name for name, _ in self._layers[bounds[i]:bounds[i + 1]]] for i in self.stages}
+        layers = dict(self._layers)
+        body = StageBody(OrderedDict((name, layers[name]) for i in self.stages for name in names[i]))
+        for i in self.stages:
+            if not any(p.requires_grad for name in names[i] for p in layers[name].parameters()):
+                raise ValueError(f"balance {counts} leaves stage {i} ({names[i]}) without trainable parameters: "
+                                 "give every stage a layer with parameters, or use balance='auto'")
         self.model, self.optimizer = prepare(body, self.optimizer_factory(body.parameters()),
                                              self.configs[self.stage], group=self.layout.data_group)
+        self.parts = {i: Part(self.model, names[i], self.checkpoint) for i in self.stages}
+        if self.schedule_name == "2bw":
+            self.versions = WeightVersions(self.model, self.optimizer)
+            for part in self.parts.values():
+                part.saved = (self.versions.pack, self.versions.unpack)
         self.balance, self._layers = counts, None  # the other stages' layers are no longer ours to keep
         if self._pending_load is not None:
             self.load_checkpoint(self._pending_load)
@@ -169,48 +145,38 @@ class Pipeline:
         assert self._layers is not None
         choice: list[Any] = [None]
         if dist.get_rank() == 0:  # one rank measures and decides; all follow its choice
-            config = self.configs[0]
-            costs = balancing.profile([layer for _, layer in self._layers], sample,
-                                      self.device, config.torch_dtype)
-            k, m = self.n_stages, self.n_microbatches
-            needs = [balancing.StageNeeds(m if self.effective_schedule == "gpipe" else min(m, k - s), self.checkpoint)
-                     for s in range(k)]
-            budgets = [int(c.device_memory) if c.device_memory else None for c in self.configs]
+            costs = balancing.profile([layer for _, layer in self._layers], sample, self.device,
+                                      self.configs[0].torch_dtype)
+            flights = in_flight(self.effective_schedule, self.layout.n_ranks, self.n_microbatches, self.virtual)
+            needs = [balancing.StageNeeds(flights[i], self.checkpoint) for i in range(self.n_stages)]
+            budgets = [int(c.device_memory) // self.virtual if c.device_memory else None
+                       for c in (self.configs[r] for r in self.stage_ranks)]
             input_bytes = sample.nbytes if sample.is_floating_point() else 0
-            choice[0] = balancing.partition(costs, k, input_bytes, budgets, needs)
+            choice[0] = balancing.partition(costs, self.n_stages, input_bytes, budgets, needs)
         dist.broadcast_object_list(choice, src=0, device=self.comm_device)
         return choice[0]
 
-    def _runner(self, micro: Microbatches, first: torch.Tensor) -> tuple[_RecordingStage, Any]:
-        """torch's stage and schedule for micro-batches of `micro.rows` rows (built once per shape)."""
+    def _runner(self, micro: Microbatches, first: torch.Tensor) -> Any:
+        """torch's schedule over this rank's stages, or 2BW's Flow, for micro-batches of `micro.rows` rows
+        (built once per shape)."""
         key = (micro.rows, tuple(first.shape[1:]), first.dtype)
         if key not in self._runners:
-            stage_in, stage_out = self._exchange_shapes(first)
-            model = self.model
-            assert model is not None
-            stage = _RecordingStage(model, self.stage, self.n_stages, model.runtime.device.torch_device,
-                                    input_args=stage_in, output_args=stage_out, group=self.layout.pipe_group)
-            schedule = SCHEDULES[self.effective_schedule](stage, self.n_microbatches, loss_fn=self._loss,
-                                                     scale_grads=False)
-            self._runners[key] = (stage, schedule)
+            if self._flow is not None:  # in-flight micro-batches of the old shape finish first
+                self._carried = self._flow.flush()
+                self._flow = None
+            shapes = scheduled.exchange_shapes(self.parts, first, self.stage_ranks, self.layout, self.comm_device)
+            if self.schedule_name == "2bw":
+                assert self.versions is not None
+                if self._loss_group is None:
+                    self._loss_group = dist.new_group([self.layout.global_rank(p) for p in range(self.n_stages)])
+                self._runners[key] = Flow(self.parts[self.stage], self.stage, self.layout, shapes[self.stage],
+                                          self.comm_device, self.versions, self.n_microbatches, self._loss_group,
+                                          self.last_order)
+            else:
+                self._runners[key] = scheduled.build(self.effective_schedule, self.parts, shapes, self.n_stages,
+                                                     self.n_microbatches, self._loss, self.layout.pipe_group,
+                                                     self.last_order)
         return self._runners[key]
-
-    def _exchange_shapes(self, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This stage's input and output for one micro-batch: stage s learns its input shape from s-1."""
-        layout, model = self.layout, self.model
-        assert model is not None
-        device = model.runtime.device.torch_device
-        comm_device = self.comm_device
-        if self.stage == 0:
-            stage_in = first
-        else:
-            stage_in = recv_shape(layout.global_rank(self.stage - 1), layout.pipe_group, comm_device).to(device)
-            stage_in.requires_grad_(stage_in.is_floating_point())
-        with torch.no_grad():
-            out = model(stage_in)
-        if self.stage < self.n_stages - 1:
-            send_shape(out, layout.global_rank(self.stage + 1), layout.pipe_group, comm_device)
-        return stage_in, out.detach().requires_grad_(out.is_floating_point())
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._micro_loss is not None
@@ -220,10 +186,15 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, update: bool = True) -> float:
         """One optimizer step on the mini-batch (`inputs`, `targets`), the same tensors on every rank.
 
-        Returns the mini-batch loss on every rank (under data parallelism, the global batch's).
+        Returns the mini-batch loss on every rank (under data parallelism, the global batch's); under 2BW
+        the loss of the mini-batch before (NaN on the first: flow.py's Note), and `flush()` gives the last.
         update=False leaves the gradients in place (they accumulate, as `loss.backward()` does) and
-        the stepping to the caller: `pipe.optimizer.step(); pipe.optimizer.zero_grad()`.
+        the stepping to the caller: `pipe.optimizer.step(); pipe.optimizer.zero_grad()` (not under 2BW,
+        whose updates are part of the schedule).
         """
+        if not update and self.schedule_name == "2bw":
+            raise ValueError("step(update=False) under schedule='2bw': 2BW's updates are part of its order (each "
+                             "mini-batch's update comes mid-step of the next); use update=True")
         layout = self.layout
         rows = torch.tensor_split(torch.arange(inputs.size(0)), layout.n_replicas)[layout.replica]
         local_in, local_target = inputs[rows], targets[rows]
@@ -232,36 +203,50 @@ class Pipeline:
         if self.model is None:
             self._build(padded_in[:micro.rows])
         assert self.model is not None and self.optimizer is not None
-        stage, schedule = self._runner(micro, padded_in[:micro.rows])
+        runner = self._runner(micro, padded_in[:micro.rows])
         d, total = layout.n_replicas, inputs.size(0)
         weight = (lambda n: d * n / total) if self.reduction == "mean" else (lambda n: float(d))
         losses: list[torch.Tensor] = []
         self._micro_loss = micro.loss(self.loss_fn, weight, losses)
-        body = self.model.module
-        assert isinstance(body, StageBody)
-        body.start_step(self.n_microbatches)
-        stage.executed = []
-        args = (padded_in,) if self.stage == 0 else ()
-        last = self.stage == self.n_stages - 1
-        schedule.step(*args, target=micro.pad(local_target) if last else None, return_outputs=False)
-        self.last_order = list(stage.executed)
+        self.last_order.clear()
+        has_first, has_last = 0 in self.stages, self.n_stages - 1 in self.stages
+        target = micro.pad(local_target) if has_last else None
+        if isinstance(runner, Flow):
+            if runner is not self._flow:  # another shape ran since: drain it, and count from its updates
+                if self._flow is not None:
+                    self._carried = self._flow.flush()
+                runner.restart()
+                self._flow = runner
+            split = lambda t: list(t.split(micro.rows)) if t is not None else None  # noqa: E731
+            loss = runner.step(Feed(split(padded_in if has_first else None), split(target), self._micro_loss, losses))
+            loss, self._carried = (self._carried if math.isnan(loss) else loss), math.nan
+            return loss
+        for part in self.parts.values():
+            part.start_step(self.n_microbatches)
+        runner.step(*((padded_in,) if has_first else ()), target=target, return_outputs=False)
         if update:
             self.optimizer.step()
             self.optimizer.zero_grad()
         return self._share_loss(losses)
+
+    def flush(self) -> float:
+        """Under 2BW, finish what is in flight (the last mini-batches' backwards and updates) and return the
+        last mini-batch's loss; the weights are what they would be without the flush. Else NaN: nothing waits."""
+        self.last_order.clear()  # from now on, what the drain runs
+        return self._flow.flush() if self._flow is not None else math.nan
 
     def _share_loss(self, losses: list[torch.Tensor]) -> float:
         """The mini-batch loss, from the last stage to every rank (and summed over pipelines)."""
         layout = self.layout
         value = torch.stack(losses).double().sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         value = value.to(self.comm_device)
-        dist.broadcast(value, src=layout.global_rank(self.n_stages - 1), group=layout.pipe_group)
+        dist.broadcast(value, src=layout.global_rank(self.stage_ranks[-1]), group=layout.pipe_group)
         if layout.n_replicas > 1:
             dist.all_reduce(value, group=layout.data_group)
         return value.item() / layout.n_replicas
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """This rank's stage's gradients by parameter name, fp32 on CPU (under ZeRO, its share only)."""
+        """This rank's stages' gradients by parameter name, fp32 on CPU (under ZeRO, its share only)."""
         model, _ = self._built()
         runtime = model.runtime
         return {r.name: r.view(runtime.data.read(r.group.chunks["grad"])).detach().to("cpu", torch.float32, copy=True)
@@ -270,9 +255,10 @@ class Pipeline:
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's consolidated fp32 state dict on CPU, with the original keys, on every rank.
+        Under 2BW the newest weights: `flush()` first to include every mini-batch's update.
 
         A collective: every rank calls it. Names, shapes and dtypes cross first, then the tensors one at a
-        time from the stage that holds them (through the device under NCCL), so no device ever holds more
+        time from the rank that holds them (through the device under NCCL), so no device ever holds more
         than one tensor of it; every rank's host memory holds the whole model at the end.
         """
         if self.model is None:
@@ -282,28 +268,31 @@ class Pipeline:
         first_name: dict[int, str] = {}
         mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), first_name.setdefault(id(t), name))
                 for name, t in local.items()]  # tied tensors cross once
-        specs: list[Any] = [None] * self.n_stages
+        specs: list[Any] = [None] * self.layout.n_ranks
         dist.all_gather_object(specs, mine, group=self.layout.pipe_group)
         out: dict[str, torch.Tensor] = {}
-        for stage, spec in enumerate(specs):
+        for position, spec in enumerate(specs):
             for name, shape, dtype, tied_to in spec:
                 if tied_to != name:
                     out[name] = out[tied_to]
                     continue
-                ours = stage == self.stage
+                ours = position == self.stage
                 tensor = (local[name] if ours else torch.empty(shape, dtype=getattr(torch, dtype))).to(self.comm_device)
-                dist.broadcast(tensor, src=self.layout.global_rank(stage), group=self.layout.pipe_group)
+                dist.broadcast(tensor, src=self.layout.global_rank(position), group=self.layout.pipe_group)
                 out[name] = local[name] if ours else tensor.cpu()
-        return out
+        return {key: out[key] for key in self._keys}
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Each stage writes `path/stage-<s>` (chunkmem's checkpoint format); rank 0 adds pipeline.json."""
+        """Each rank writes `path/stage-<position>` (chunkmem's checkpoint format); rank 0 adds pipeline.json.
+        Under 2BW the pipeline drains first (`flush`), and the older weights version is saved too."""
         model, optimizer = self._built()
+        self.flush()
         path = Path(path)
         save_checkpoint(path / f"stage-{self.stage}", model, optimizer)  # under ZeRO, a collective of the stage
         if dist.get_rank() == 0:
-            (path / "pipeline.json").write_text(json.dumps({"balance": self.balance, "n_stages": self.n_stages,
-                                                            "schedule": self.schedule_name}))
+            (path / "pipeline.json").write_text(json.dumps({
+                "balance": self.balance, "n_stages": self.n_stages, "schedule": self.schedule_name,
+                "updates": self.versions.newest if self.versions is not None else None}))
         dist.barrier()
         return path
 
@@ -323,7 +312,14 @@ class Pipeline:
         if meta["balance"] != self.balance:
             raise ValueError(f"checkpoint {path} was saved with balance {meta['balance']}, this pipeline has "
                              f"{self.balance}: pass balance={meta['balance']} to chunkmem.pipeline")
-        return load_checkpoint(path / f"stage-{self.stage}", model, optimizer)
+        if (meta.get("updates") is None) != (self.versions is None):
+            raise ValueError(f"checkpoint {path} was saved with schedule={meta.get('schedule')!r}, this pipeline runs "
+                             f"{self.schedule_name!r}: 2BW's older weights version is in one and not the other; "
+                             f"resume with schedule={meta.get('schedule')!r}")
+        result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer)
+        if self.versions is not None:
+            self.versions.newest = int(meta["updates"])
+        return result
 
     def _built(self) -> tuple[ChunkedModel, ChunkOptimizer]:
         if self.model is None or self.optimizer is None:
@@ -332,16 +328,32 @@ class Pipeline:
         return self.model, self.optimizer
 
 
+def _check_arguments(schedule: str, checkpoint: str, reduction: str, n_microbatches: int,
+                     virtual_stages: int | None) -> None:
+    _check_choice("schedule", schedule, SCHEDULES)
+    _check_choice("checkpoint", checkpoint, CHECKPOINT_MODES)
+    _check_choice("reduction", reduction, ("mean", "sum"))
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches={n_microbatches!r}: expected a positive int")
+    if virtual_stages is not None:
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"virtual_stages={virtual_stages!r}: expected a positive int (stages per rank)")
+        if schedule not in VIRTUAL and virtual_stages != 1:
+            raise ValueError(f"virtual_stages={virtual_stages} with schedule={schedule!r}: only {list(VIRTUAL)} "
+                             "run several stages per rank; leave virtual_stages out")
+
+
 def _check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ValueError(f"{field}={value!r}: expected one of {list(allowed)}")
 
 
-def _stage_configs(config: Config | Sequence[Config] | None, n_stages: int) -> list[Config]:
+def _rank_configs(config: Config | Sequence[Config] | None, n_ranks: int) -> list[Config]:
     configs: list[Config] = list(config) if isinstance(config, (list, tuple)) else \
-        [config if isinstance(config, Config) else Config()] * n_stages
-    if len(configs) != n_stages:
-        raise ValueError(f"config: got {len(configs)} Configs for {n_stages} stages: pass one Config, or one per stage")
+        [config if isinstance(config, Config) else Config()] * n_ranks
+    if len(configs) != n_ranks:
+        raise ValueError(f"config: got {len(configs)} Configs for {n_ranks} stages: pass one Config, or one per "
+                         "stage (per rank, with several stages per rank)")
     for c in configs:
         if c.dtype == "fp16":
             raise ValueError("Config.dtype='fp16' is not supported in a pipeline (every stage would scale the "

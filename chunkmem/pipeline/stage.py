@@ -1,4 +1,4 @@
-"""One stage's module, micro-batches of any size, and the shapes torch's pipeline stage needs.
+"""A rank's layers and the stages that run them, micro-batches of any size, and the shapes between stages.
 
 [Note: padded micro-batches]
 torch.distributed.pipelining allocates one receive buffer per micro-batch from one shape, so all
@@ -11,44 +11,68 @@ over the batch), as micro-batching itself does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from chunkmem.wrapper import ChunkedModel
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 class StageBody(nn.Sequential):
-    """Consecutive layers of the user's model, with the user's names (so state dict keys match).
+    """The layers of the user's model this rank runs (of one stage, or of its virtual stages), with the
+    user's names, so that the prepared model's state dict keys match. `Part`s run them."""
+
+
+class Part(nn.Module):
+    """One stage: consecutive layers of a rank's prepared body, run inside the prepared model's hooks
+    (what `ChunkedModel.forward` does for a whole model), on inputs cast to the compute device and dtype.
 
     Activation checkpointing is chosen per micro-batch: "always", "except_last" (the last
     micro-batch's backward follows its forward at once under GPipe, so re-computing it saves
     nothing) or "never". Forwards with gradients run in micro-batch order under every schedule
-    here, so counting them tells which micro-batch is running.
+    here, so counting them tells which micro-batch is running. `saved` are saved-tensor hooks to run
+    inside the runtime's (2BW's weight versions: versions.py).
     """
 
-    def __init__(self, layers: OrderedDict[str, nn.Module], checkpoint_mode: str = "never") -> None:
-        super().__init__(layers)
+    def __init__(self, model: ChunkedModel, names: Sequence[str], checkpoint_mode: str = "never") -> None:
+        super().__init__()
+        body = model.module
+        self.layers = nn.Sequential(OrderedDict((name, body.get_submodule(name)) for name in names))
+        self.hooks = model.hooks  # the prepared model is not a submodule: its parameters are these layers'
+        self.runtime = model.runtime
         self.checkpoint_mode = checkpoint_mode
         self.n_microbatches = 1
         self.forwards = 0  # gradient-enabled forwards since `start_step`
+        self.saved: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
 
     def start_step(self, n_microbatches: int) -> None:
         self.n_microbatches, self.forwards = n_microbatches, 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if not torch.is_grad_enabled():
-            return super().forward(x)
-        index, self.forwards = self.forwards, self.forwards + 1
-        mode = self.checkpoint_mode
-        if mode == "always" or (mode == "except_last" and index < self.n_microbatches - 1):
-            return checkpoint(super().forward, x, use_reentrant=False)  # runs whole: see hooks.Hooks.forward
-        return super().forward(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.runtime.config.torch_dtype if x.is_floating_point() else x.dtype
+        x = x.to(self.runtime.device.torch_device, dtype)
+        with self.hooks.forward(), _saved_tensors(self.saved):
+            if not torch.is_grad_enabled():
+                return self.layers(x)
+            index, self.forwards = self.forwards, self.forwards + 1
+            mode = self.checkpoint_mode
+            if mode == "always" or (mode == "except_last" and index < self.n_microbatches - 1):
+                return checkpoint(self.layers, x, use_reentrant=False)  # runs whole: see hooks.Hooks.forward
+            return self.layers(x)
+
+
+def _saved_tensors(hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
+                   ) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if hooks is None else torch.autograd.graph.saved_tensors_hooks(*hooks)
 
 
 def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:

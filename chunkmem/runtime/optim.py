@@ -34,6 +34,12 @@ class Rule:
 
     states: tuple[str, ...]
     update: Callable[[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list[torch.Tensor]], None]
+    kept: tuple[str, ...] = ()  # per-parameter chunk families saved with the state that the update leaves alone
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """Every family a checkpoint saves and restores."""
+        return self.states + self.kept
 
 
 def rule_for(optimizer: Optimizer) -> Rule:

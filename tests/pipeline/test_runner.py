@@ -27,9 +27,8 @@ from torch import nn
 
 import chunkmem
 from chunkmem.pipeline import pipeline
-from chunkmem.pipeline.schedule import simulate, validate
+from chunkmem.pipeline.schedule import order_of, simulate, validate
 from tests.multiproc import free_port, run_workers
-from tests.pipeline.test_schedule import textbook
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 BATCH = {1: 5, 3: 7, 4: 10, 8: 11}  # rows per mini-batch for each micro-batch count: never a multiple
@@ -188,7 +187,7 @@ def test_pipeline_matches_one_process_on_the_whole_batch(stages: int, tmp_path: 
         order = {s: r["order"] for s, r in enumerate(ranks)}
         validate(order, stages, case["m"])
         runs = "gpipe" if case["m"] < stages else case["schedule"]  # torch's 1F1B needs M >= K
-        assert order == textbook(runs, stages, case["m"]), what
+        assert order == order_of(runs, stages, case["m"]), what
         if case["budget"]:
             for r in ranks:
                 stats = r["stats"]
@@ -210,7 +209,7 @@ def check_activation_peaks(stages: int, peaks: list[dict]) -> None:
         assert one > 0
         assert peak[("gpipe", 4)] == 4 * one, f"stage {s}"
         assert peak[("1f1b", 4)] == min(4, stages - s) * one, f"stage {s}"
-    order = textbook("1f1b", stages, 4)
+    order = order_of("1f1b", stages, 4)
     assert simulate(order, stages).peak_in_flight == {s: min(4, stages - s) for s in range(stages)}
 
 
@@ -288,7 +287,7 @@ def one_rank_group() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(schedule="zigzag"), ValueError, r"schedule='zigzag': expected one of \['gpipe', '1f1b'\]"),
+    (dict(schedule="zigzag"), ValueError, r"schedule='zigzag': expected one of \['gpipe', '1f1b', 'interleaved'"),
     (dict(checkpoint="sometimes"), ValueError, r"checkpoint='sometimes'"),
     (dict(reduction="none"), ValueError, r"reduction='none'"),
     (dict(n_microbatches=0), ValueError, r"n_microbatches=0: expected a positive int"),
@@ -296,6 +295,9 @@ def one_rank_group() -> Iterator[None]:
     (dict(data_parallel=3), ValueError, r"data_parallel=3 does not divide the world of 1"),
     (dict(config=chunkmem.Config(device="cpu", dtype="fp16")), ValueError, r"dtype='fp16' is not supported"),
     (dict(config=[chunkmem.Config(device="cpu")] * 2), ValueError, r"got 2 Configs for 1 stages"),
+    (dict(virtual_stages=2), ValueError, r"virtual_stages=2 with schedule='1f1b': only \['interleaved'"),
+    (dict(schedule="zbv", virtual_stages=3), ValueError, r"schedule='zbv' runs exactly 2 stages per rank"),
+    (dict(schedule="interleaved", virtual_stages=1), ValueError, r"needs at least 2 stages per rank"),
 ])
 def test_bad_arguments_say_what_to_change(one_rank_group: None, kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
@@ -307,6 +309,9 @@ def test_a_batch_smaller_than_the_micro_batch_count_and_a_non_sequential_model_a
     pipe = pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=4, config=chunkmem.Config(device="cpu"))
     with pytest.raises(ValueError, match=r"a batch of 3 rows cannot be split into n_microbatches=4"):
         pipe.step(torch.randn(3, WIDTH), torch.randn(3, 3))
+    twobw = pipeline(model(), ADAMW, loss_fn("mean"), schedule="2bw", config=chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match=r"step\(update=False\) under schedule='2bw'"):
+        twobw.step(torch.randn(8, WIDTH), torch.randn(8, 3), update=False)
     with pytest.raises(TypeError, match=r"splits an nn.Sequential .* got Linear"):
         pipeline(nn.Linear(WIDTH, 3), ADAMW, loss_fn("mean"))
 
