@@ -17,7 +17,7 @@ import re
 import runpy
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -227,19 +227,24 @@ def dp_worker(rank: int, world: int) -> list[dict]:
     return out
 
 
+def data_parallel_reference(plain: nn.Module, data: Iterable, reduction: str) -> tuple[nn.Module, list[float]]:
+    """One process on the global batches, averaged over 2 replicas as DDP and ZeRO do: the model, the losses."""
+    opt = ADAMW(plain.parameters())
+    losses = []
+    for x, y in data:
+        loss = loss_fn(reduction)(plain(x), y)
+        (loss if reduction == "mean" else loss / 2).backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return plain, losses
+
+
 def test_two_pipelines_of_two_stages_match_one_process() -> None:
     """Data parallel x pipeline on 4 ranks: each stage's model data is sharded over its 2 replicas (ZeRO)."""
     results = run_workers(dp_worker, 4, timeout=120)
     for i, reduction in enumerate(["mean", "sum"]):
-        plain = model()
-        opt = ADAMW(plain.parameters())
-        expected = []
-        for x, y in batches(11):
-            loss = loss_fn(reduction)(plain(x), y)
-            (loss if reduction == "mean" else loss / 2).backward()  # DP averages, as DDP and ZeRO do
-            expected.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+        plain, expected = data_parallel_reference(model(), batches(11), reduction)
         for rank, result in enumerate(results):
             got = result[i]
             assert got["losses"] == pytest.approx(expected, rel=1e-5), (reduction, rank)

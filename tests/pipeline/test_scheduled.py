@@ -19,7 +19,8 @@ from torch import nn
 from chunkmem.pipeline import pipeline
 from chunkmem.pipeline.schedule import merge, torch_order, validate
 from tests.multiproc import run_workers
-from tests.pipeline.test_runner import ADAMW, BATCH, STEPS, WIDTH, assert_close, config, loss_fn
+from tests.pipeline.test_runner import (ADAMW, BATCH, STEPS, WIDTH, assert_close, config, data_parallel_reference,
+                                        loss_fn)
 
 SCHEDULES = ("interleaved", "zero-bubble", "zbv")
 
@@ -113,15 +114,7 @@ def test_two_interleaved_pipelines_of_two_ranks_match_one_process() -> None:
     """Data parallel x interleaved 1F1B on 4 ranks: each rank's two stages sharded over 2 replicas (ZeRO)."""
     results = run_workers(dp_worker, 4, timeout=150)
     for i, reduction in enumerate(["mean", "sum"]):
-        plain = model()
-        opt = ADAMW(plain.parameters())
-        expected = []
-        for x, y in batches(11):
-            loss = loss_fn(reduction)(plain(x), y)
-            (loss if reduction == "mean" else loss / 2).backward()  # DP averages, as DDP and ZeRO do
-            expected.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+        plain, expected = data_parallel_reference(model(), batches(11), reduction)
         for rank, result in enumerate(results):
             got = result[i]
             assert got["losses"] == pytest.approx(expected, rel=1e-5), (reduction, rank)
