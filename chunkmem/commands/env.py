@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from chunkmem.commands import json_output
+
 HELP = "versions, devices, host RAM, locked-memory limit and a pinned-copy bandwidth probe"
 
 
@@ -20,9 +22,10 @@ def run(args: argparse.Namespace) -> int:
     if args.probe_mib <= 0:
         print(f"chunkmem env: --probe-mib {args.probe_mib}: expected a positive number of MiB", file=sys.stderr)
         return 2
-    info = describe(args.probe_mib)
+    with json_output(args.json) as stdout:
+        info = describe(args.probe_mib)
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps(info, indent=1), file=stdout)
         return 0
     for key, value in info.items():
         print(f"{key:22} {value}")

@@ -13,6 +13,7 @@ import math
 import sys
 from typing import Any
 
+from chunkmem.commands import json_output
 from chunkmem.config import DEFAULT_DTYPE
 
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
@@ -85,6 +86,11 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    with json_output(args.json) as stdout:
+        return _run(args, stdout)
+
+
+def _run(args: argparse.Namespace, stdout: Any) -> int:
     from chunkmem.finetune.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
 
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                       cuda=args.device == "cuda" and not args.simulate, ranks_per_host=args.ranks_per_host,
                       disk=args.disk)
     if args.gpus:
-        return _layouts(config, args.gpus, request, args.json)
+        return _layouts(config, args.gpus, request, args.json, stdout)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
@@ -121,18 +127,18 @@ def run(args: argparse.Namespace) -> int:
             return _error(str(error))
         result["simulated"] = dict(vars(measured), estimate_error=estimate.activation_forward_bytes /
                                    max(1, measured.activation_peak) - 1)
-    print(json.dumps(result, indent=1) if args.json else _text(result))
+    print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
     return 1 if estimate.verdict == "does not fit" else 0
 
 
-def _layouts(config: Any, gpus: int, request: Any, as_json: bool, shown: int = 10) -> int:
+def _layouts(config: Any, gpus: int, request: Any, as_json: bool, stdout: Any, shown: int = 10) -> int:
     """`--gpus N`: the layouts ranked (chunkmem/pipeline/planner.py); exit status 1 when none fits."""
     from chunkmem.pipeline.planner import rank_layouts, why
 
     ranked = rank_layouts(config, gpus, request)
     if as_json:
         print(json.dumps({"gpus": gpus, "request": request.to_json(), "why": why(ranked),
-                          "layouts": [c.to_json() for c in ranked]}, indent=1))
+                          "layouts": [c.to_json() for c in ranked]}, indent=1), file=stdout)
     else:
         print(f"{gpus} GPUs of {_gib(request.device_memory).strip()}, host {_gib(request.host_memory).strip()}, "
               f"mini-batch {request.batch_size} x {request.seq_len} tokens, {request.dtype}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,21 @@ def test_plan_suggests_the_disk_tier_when_host_memory_binds_and_shows_its_bytes(
     assert "on disk (Config(disk=DIR), --disk): fits" in capsys.readouterr().out
     assert main([*args, "--disk"]) == 0
     assert "disk tier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpus", [None, 2])
+def test_plan_json_stays_parseable_when_a_library_prints(capsys, monkeypatch, gpus):
+    # Loading a config imports transformers, which imports DeepSpeed when installed; its logger prints to stdout.
+    command = importlib.import_module("chunkmem.commands.plan")
+
+    def noisy(*args: Any, **kwargs: Any) -> Any:
+        print("[WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.")
+        return load(*args, **kwargs)
+
+    load = command._config
+    monkeypatch.setattr(command, "_config", noisy)
+    code = main(["plan", "--layers", "2", "--hidden", "64", "--vocab", "320", "--device", "cpu", "--device-memory",
+                 "64MiB", "--batch-size", "1", "--seq-len", "16", "--json", *(["--gpus", str(gpus)] if gpus else [])])
+    captured = capsys.readouterr()
+    assert code in (0, 1) and isinstance(json.loads(captured.out), dict)
+    assert "Setting accelerator" in captured.err
