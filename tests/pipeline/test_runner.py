@@ -17,7 +17,7 @@ import re
 import runpy
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,11 +84,13 @@ def run_case(case: dict) -> dict:
             "order": pipe.last_order, "stats": pipe.model.memory_stats()}
 
 
-def reference(case: dict) -> dict:
-    plain = model()
+def reference(case: dict, make: Callable[[], nn.Module] = model,
+              data: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] = batches) -> dict:
+    """Plain PyTorch on the whole mini-batches: the losses, the first step's gradients, the parameters."""
+    plain = make()
     opt = ADAMW(plain.parameters())
     losses, grads = [], {}
-    for step, (x, y) in enumerate(batches(BATCH[case["m"]])):
+    for step, (x, y) in enumerate(data(BATCH[case["m"]])):
         loss = loss_fn(case["reduction"])(plain(x), y)
         loss.backward()
         losses.append(loss.item())

@@ -19,6 +19,7 @@ from torch import nn
 from chunkmem.pipeline import pipeline
 from chunkmem.pipeline.schedule import merge, torch_order, validate
 from tests.multiproc import run_workers
+from tests.pipeline import test_runner as runner
 from tests.pipeline.test_runner import (ADAMW, BATCH, STEPS, WIDTH, assert_close, config, data_parallel_reference,
                                         loss_fn)
 
@@ -66,18 +67,7 @@ def worker(rank: int, world: int) -> list[dict]:
 
 
 def reference(case: dict) -> dict:
-    plain = model()
-    opt = ADAMW(plain.parameters())
-    losses, grads = [], {}
-    for step, (x, y) in enumerate(batches(BATCH[case["m"]])):
-        loss = loss_fn(case["reduction"])(plain(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in plain.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads, "state": plain.state_dict()}
+    return runner.reference(case, model, batches)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
