@@ -68,12 +68,16 @@ def config(budget: bool, data_parallel: int = 1) -> chunkmem.Config:
                            chunk_size=80 if budget else None)
 
 
-def run_case(case: dict) -> dict:
-    pipe = pipeline(model(), ADAMW, loss_fn(case["reduction"]), n_microbatches=case["m"],
+Data = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def run_case(case: dict, make: Callable[[], nn.Module] = model, data: Data = batches) -> dict:
+    """A case of the grid on this rank: each step's loss, the first step's gradients, the order it ran."""
+    pipe = pipeline(make(), ADAMW, loss_fn(case["reduction"]), n_microbatches=case["m"],
                     schedule=case["schedule"], balance=case["balance"], checkpoint=case["checkpoint"],
                     reduction=case["reduction"], config=config(case["budget"]))
     losses, grads = [], {}
-    for step, (x, y) in enumerate(batches(BATCH[case["m"]])):
+    for step, (x, y) in enumerate(data(BATCH[case["m"]])):
         losses.append(pipe.step(x, y, update=step > 0))
         if step == 0:
             grads = pipe.gradients()
@@ -81,11 +85,10 @@ def run_case(case: dict) -> dict:
             pipe.optimizer.zero_grad()
     state = pipe.state_dict()  # a collective: every rank takes part
     return {"losses": losses, "grads": grads, "state": state if pipe.stage == 0 else None,
-            "order": pipe.last_order, "stats": pipe.model.memory_stats()}
+            "order": list(pipe.last_order), "stats": pipe.model.memory_stats()}
 
 
-def reference(case: dict, make: Callable[[], nn.Module] = model,
-              data: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] = batches) -> dict:
+def reference(case: dict, make: Callable[[], nn.Module] = model, data: Data = batches) -> dict:
     """Plain PyTorch on the whole mini-batches: the losses, the first step's gradients, the parameters."""
     plain = make()
     opt = ADAMW(plain.parameters())

@@ -47,19 +47,7 @@ def cases(ranks: int) -> list[dict]:
 
 
 def run_case(case: dict) -> dict:
-    pipe = pipeline(model(), ADAMW, loss_fn(case["reduction"]), n_microbatches=case["m"],
-                    schedule=case["schedule"], balance=case["balance"], checkpoint=case["checkpoint"],
-                    reduction=case["reduction"], config=config(case["budget"]))
-    losses, grads = [], {}
-    for step, (x, y) in enumerate(batches(BATCH[case["m"]])):
-        losses.append(pipe.step(x, y, update=step > 0))
-        if step == 0:
-            grads = pipe.gradients()
-            pipe.optimizer.step()
-            pipe.optimizer.zero_grad()
-    assert pipe.model is not None
-    return {"losses": losses, "grads": grads, "state": pipe.state_dict(), "order": list(pipe.last_order),
-            "stats": pipe.model.memory_stats()}
+    return runner.run_case(case, model, batches)
 
 
 def worker(rank: int, world: int) -> list[dict]:
