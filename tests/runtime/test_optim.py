@@ -21,13 +21,21 @@ def outside_the_optimizer(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if name.split(".")[0] not in ("2", "4")]
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_optimizer_zero_grad_clears_only_its_parameters_as_pytorch_does(set_to_none: bool) -> None:
-    model, batches = mlp(), mlp_batches(5)
+def twins(model: nn.Module, budget: int | None = None) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module,
+                                                                torch.optim.Optimizer]:
+    """A plain copy of `model` with its optimizer, and `model` prepared with its own (both over
+    `outside_the_optimizer`): the reference and the prepared twin."""
     ref = copy.deepcopy(model)
     ref_opt = ADAMW(outside_the_optimizer(ref))
     cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
-                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+                               chunkmem.Config(device="cpu", device_memory=budget))
+    return ref, ref_opt, cm, opt
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_optimizer_zero_grad_clears_only_its_parameters_as_pytorch_does(set_to_none: bool) -> None:
+    model, batches = mlp(), mlp_batches(5)
+    ref, ref_opt, cm, opt = twins(model, param_bytes(model) // 2)
     for prepared, optimizer in ((ref, ref_opt), (cm, opt)):
         optimizer.zero_grad = functools.partial(optimizer.zero_grad, set_to_none=set_to_none)
     expected = train(ref, ref_opt, batches, mlp_loss, clip=0.5)
@@ -42,10 +50,7 @@ def test_optimizer_zero_grad_clears_only_its_parameters_as_pytorch_does(set_to_n
 
 def test_model_zero_grad_clears_every_gradient() -> None:
     model, batches = mlp(), mlp_batches(4)
-    ref = copy.deepcopy(model)
-    ref_opt = ADAMW(outside_the_optimizer(ref))
-    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
-                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    ref, ref_opt, cm, opt = twins(model, param_bytes(model) // 2)
     for prepared, optimizer in ((ref, ref_opt), (cm, opt)):
         optimizer.zero_grad = prepared.zero_grad
     assert train(cm, opt, batches, mlp_loss, clip=0.5) == train(ref, ref_opt, batches, mlp_loss, clip=0.5)
@@ -67,12 +72,8 @@ def test_fp16_gradients_kept_across_a_clipped_step_keep_their_scale() -> None:
 
 def test_a_param_group_added_after_prepare_trains_as_in_pytorch() -> None:
     model, batches = mlp(), mlp_batches(6)
-    later = [p for name, p in model.named_parameters() if name.split(".")[0] in ("2", "4")]
-    ref = copy.deepcopy(model)
-    ref_later = [p for name, p in ref.named_parameters() if name.split(".")[0] in ("2", "4")]
-    ref_opt = ADAMW(outside_the_optimizer(ref))
-    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)),
-                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 2))
+    ref, ref_opt, cm, opt = twins(model, param_bytes(model) // 2)
+    later, ref_later = ([p for name, p in m.named_parameters() if name.split(".")[0] in ("2", "4")] for m in (model, ref))
     expected = train(ref, ref_opt, batches[:3], mlp_loss)
     assert train(cm, opt, batches[:3], mlp_loss) == expected
     ref_opt.add_param_group({"params": ref_later, "lr": 3e-2})
@@ -113,9 +114,7 @@ def test_unfreezing_a_parameter_after_prepare_is_an_error_not_a_silent_no_op() -
 
 def test_parameters_put_into_a_param_group_by_hand_train_as_in_pytorch() -> None:
     model, batches = mlp(), mlp_batches(4)
-    ref = copy.deepcopy(model)
-    ref_opt = ADAMW(outside_the_optimizer(ref))
-    cm, opt = chunkmem.prepare(model, ADAMW(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
+    ref, ref_opt, cm, opt = twins(model)
     assert train(cm, opt, batches[:2], mlp_loss) == train(ref, ref_opt, batches[:2], mlp_loss)
     ref_opt.param_groups[0]["params"].append(ref[2].weight)
     opt.param_groups[0]["params"].append(model[2].weight)
