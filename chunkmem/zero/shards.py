@@ -344,16 +344,16 @@ class Shards:
         """Every trainable group of a unit, on every rank: zeros where this rank's gradients skipped it.
         Which parameters got a gradient on some rank is agreed too, so that every owner steps those (and
         only those, as PyTorch leaves a parameter without gradient untouched)."""
+        keys = [key for key in keys if key[0]]
+        records = [r for key in keys for g in self.members[key] for r in g.members]
+        if records:  # one collective for the unit
+            got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
+            for record, anywhere in zip(records, self.all_reduce(got, dist.ReduceOp.MAX).tolist()):
+                if anywhere and record.grad_state is TensorState.FREE:
+                    record.move_grad("write")
         for key in keys:
-            if key[0]:
-                records = [r for g in self.members[key] for r in g.members]
-                got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
-                self.all_reduce(got, dist.ReduceOp.MAX)
-                for record, anywhere in zip(records, got.tolist()):
-                    if anywhere and record.grad_state is TensorState.FREE:
-                        record.move_grad("write")
-                full = self.unit_grads.pop(key, None)
-                self._start_reduce(key, full if full is not None else self._zeros())
+            full = self.unit_grads.pop(key, None)
+            self._start_reduce(key, full if full is not None else self._zeros())
 
     def unpin(self, key: Key) -> None:
         self.pins[key] -= 1
