@@ -36,12 +36,12 @@ import torch
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.observe import Move, Observer, kind_of
+from chunkmem.chunks.plan import INFINITY
 from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.disk import DiskTier, IoToken, aligned
 
 log = logging.getLogger("chunkmem")
-INFINITY = 1 << 62
 STATS = ("disk_read_bytes", "disk_write_bytes", "disk_prefetch_bytes", "disk_on_demand_bytes", "disk_stall_seconds",
          "host_cache_bytes_peak")
 

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.plan import INFINITY, Plan, next_uses, victim
+from chunkmem.chunks.plan import Plan, next_uses, victim
 from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
@@ -72,9 +72,6 @@ class Follower:
     def next_uses_now(self) -> dict[str, int]:
         """When each chunk is needed next, counted from the cursor (INFINITY: not this step or the next)."""
         return self.nexts[self.cursor - 1] if self.cursor > 0 else {}
-
-    def finished(self) -> bool:
-        return self.cursor == len(self.accesses)
 
 
 class Placer:
@@ -141,11 +138,11 @@ class Placer:
     def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""
-        names = tuple(c.name for c in chunks)
-        held = self._held(names)
         if self.off_path:
             self._fetch(chunks)
             return
+        names = tuple(c.name for c in chunks)
+        held = self._held(names)
         nonmodel = self.nonmodel()
         self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:

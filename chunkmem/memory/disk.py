@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -189,28 +190,27 @@ class DiskTier:
             self._flight.pop(token.id, None)
 
     def _read_block(self, memory: memoryview, offset: int, what: str) -> None:
-        self._check_file(what)
-        done = 0
-        while done < len(memory):
-            try:
-                got = os.preadv(self.fd, [memory[done:]], offset + done)
-            except OSError as error:
-                raise self._failed("reading", what, error) from None
-            if got == 0:
-                size = os.fstat(self.fd).st_size
-                raise DiskTierError(f"reading {what} from {self.file} needs bytes [{offset}, {offset + len(memory)}) "
-                                    f"but the file ends at {size}: it was truncated under the running job. The run "
-                                    "cannot continue; resume from the last checkpoint")
-            done += got
+        self._transfer(os.preadv, "reading", memory, offset, what)
 
     def _write_block(self, memory: memoryview, offset: int, what: str) -> None:
+        self._transfer(os.pwritev, "writing", memory, offset, what)
+
+    def _transfer(self, call: Callable[[int, list, int], int], doing: str, memory: memoryview, offset: int,
+                  what: str) -> None:
+        """All of `memory` at `offset`, however many calls it takes; a call that moves nothing fails."""
         self._check_file(what)
         done = 0
         while done < len(memory):
             try:
-                done += os.pwritev(self.fd, [memory[done:]], offset + done)
+                moved = call(self.fd, [memory[done:]], offset + done)
             except OSError as error:
-                raise self._failed("writing", what, error) from None
+                raise self._failed(doing, what, error) from None
+            if moved == 0:
+                size = os.fstat(self.fd).st_size
+                raise DiskTierError(f"{doing} {what} at {self.file} needs bytes [{offset}, {offset + len(memory)}) "
+                                    f"but the file ends at {size}: it was truncated under the running job. The run "
+                                    "cannot continue; resume from the last checkpoint")
+            done += moved
 
     def _check_file(self, what: str) -> None:
         if os.fstat(self.fd).st_nlink == 0:

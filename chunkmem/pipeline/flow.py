@@ -90,10 +90,6 @@ class Flow:
         self.sends = []
         return self._collect(keep=0)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self.saved)
-
     def _shifted(self, actions: list[Action]) -> list[Action]:
         """Actions of the order that started at mini-batch `base`, numbered from the first mini-batch."""
         return [dataclasses.replace(a, microbatch=a.microbatch + (self.base if a.kind is Kind.UPDATE

@@ -33,9 +33,11 @@ class FetchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if type(func) is _DESCRIPTOR_CALL:  # attribute accesses (.shape, .data =): nothing to fetch or retry
+            return func(*args, **kwargs)
         # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
         # parameters its module's hook already acquired; it pays one scan of its arguments.
-        params = _parameters(args, kwargs) if type(func) is not _DESCRIPTOR_CALL else None
+        params = _parameters(args, kwargs)
         records = self.runtime.unannounced(params) if params else None
         if records:
             self.runtime.acquire(records)

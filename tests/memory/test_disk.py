@@ -100,6 +100,15 @@ def test_a_full_disk_fails_naming_the_file(tmp_path, monkeypatch):
     tier.close()
 
 
+def test_a_write_that_moves_nothing_fails_instead_of_spinning(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path)
+    offset = tier.slot(ALIGN)
+    monkeypatch.setattr(disk_module.os, "pwritev", lambda *args: 0)
+    with pytest.raises(DiskTierError, match=rf"writing master.2 at {tier.file}"):
+        tier.write(offset, buffer(ALIGN), "master.2").wait()
+    tier.close()
+
+
 def test_a_slow_disk_fails_after_the_timeout_naming_the_file(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path)
     offset = tier.slot(ALIGN)
