@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from chunkmem.chunks.state import ChunkState, next_chunk_state
+from chunkmem.chunks.state import CHUNK_MOVES, ChunkState, next_chunk_state
 from chunkmem.errors import ChunkStateError
 from chunkmem.memory.device import Device
 
@@ -135,7 +135,7 @@ class Chunk:
         return self.device if self.state.on_device else self.host  # type: ignore[return-value]
 
     def _check(self, move: str) -> ChunkState:
-        return next_chunk_state(self.state, move, repr(self))
+        return CHUNK_MOVES.get((self.state, move)) or next_chunk_state(self.state, move, repr(self))
 
     def materialize_host(self) -> None:
         new = self._check("materialize_host")

@@ -55,9 +55,11 @@ class Follower:
         self.plan = plan
         self.accesses = step.accesses
         self.nexts = next_uses(step.accesses, step.carried)
-        self.by_index: dict[int, list] = {}
+        self.evicts: dict[int, list[str]] = {}  # access index -> what the plan evicts (prefetches) before it
+        self.prefetches: dict[int, list[str]] = {}
         for action in plan.actions:
-            self.by_index.setdefault(action.at, []).append(action)
+            if action.verb != "fetch":
+                (self.evicts if action.verb == "evict" else self.prefetches).setdefault(action.at, []).append(action.chunk)
         self.positions: dict[tuple[str, ...], list[int]] = {}
         for i, access in enumerate(step.accesses):
             self.positions.setdefault(access.chunks, []).append(i)
@@ -211,9 +213,9 @@ class Placer:
         if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
             self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
         follower.cursor = index
-        for action in follower.by_index.get(index, []):
-            chunk = self.chunks[action.chunk]
-            if action.verb == "evict" and chunk.state.on_device and not chunk.pins:
+        for name in follower.evicts.get(index, ()):
+            chunk = self.chunks[name]
+            if chunk.state.on_device and not chunk.pins:
                 self.residency.evict(chunk)
         self._budget(follower.plan.budgets[index], nonmodel, names)
         return index
@@ -230,14 +232,14 @@ class Placer:
 
     def _prefetch(self, index: int) -> None:
         follower = self._following
-        if index >= len(follower.accesses):
+        names = follower.prefetches.get(index)
+        if not names:
             return
         # Into free room only: a prefetch never evicts (the limit may sit below the plan's, giving way).
         room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index], self.residency.limit)
-        for action in follower.by_index.get(index, []):
-            chunk = self.chunks[action.chunk]
-            if action.verb == "prefetch" and not chunk.state.on_device and \
-                    self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
+        for name in names:
+            chunk = self.chunks[name]
+            if not chunk.state.on_device and self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
                 self.residency.to_device(chunk, "prefetch")
 
     def _diverge(self, why: str) -> None:

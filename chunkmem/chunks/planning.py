@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 from chunkmem.chunks.plan import Access, Plan, build_plan, planned_rule, simulate
 
@@ -31,8 +32,7 @@ SAFETY_FRACTION = 0.05  # of the device budget: temporaries the estimate cannot 
 EVALUATIONS_PER_SEED = 1000  # bounds the search on models with many groups (an evaluation replays one step)
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):  # a tuple: one is made at every chunk access of every step
     """One recorded moment. kind: "use" (chunks needed together), "grad" (a gradient written to a
     group's gradient chunk), "optim" (a group's optimizer update). `held`: chunks the modules around
     this moment keep pinned on the device meanwhile (runtime's Note: a module's chunks stay pinned

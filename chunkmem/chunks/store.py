@@ -16,7 +16,7 @@ from torch import nn
 
 from chunkmem.chunks.chunk import Chunk, HostTier
 from chunkmem.chunks.layout import Layout, Slot, pack
-from chunkmem.chunks.state import TensorState, next_tensor_state
+from chunkmem.chunks.state import TENSOR_MOVES, TensorState, next_tensor_state
 from chunkmem.memory.device import Device
 
 
@@ -35,10 +35,12 @@ class ParamRecord:
     grad_state: TensorState = TensorState.FREE
 
     def move(self, move: str) -> None:
-        self.state = next_tensor_state(self.state, move, f"parameter {self.name}")
+        # The hot path (every module call): a lookup, the message only for an illegal move.
+        self.state = TENSOR_MOVES.get((self.state, move)) or next_tensor_state(self.state, move, f"parameter {self.name}")
 
     def move_grad(self, move: str) -> None:
-        self.grad_state = next_tensor_state(self.grad_state, move, f"gradient of {self.name}")
+        self.grad_state = TENSOR_MOVES.get((self.grad_state, move)) or \
+            next_tensor_state(self.grad_state, move, f"gradient of {self.name}")
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         """This parameter's slice of a chunk payload, in its shape."""

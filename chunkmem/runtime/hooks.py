@@ -83,11 +83,19 @@ def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
 def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
     found = []
     for arg in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(arg, nn.Parameter):
+        if _is_parameter(arg):
             found.append(arg)
         elif isinstance(arg, (list, tuple)):
-            found.extend(item for item in arg if isinstance(item, nn.Parameter))
+            found.extend(item for item in arg if _is_parameter(item))
     return found
+
+
+def _is_parameter(arg: Any) -> bool:
+    """isinstance(arg, nn.Parameter), whose check runs Python code for every argument: plain tensors and
+    non-tensors are answered by their type first (this runs for every argument of every op)."""
+    kind = type(arg)
+    return kind is nn.Parameter or (kind is not torch.Tensor and isinstance(arg, torch.Tensor)
+                                     and isinstance(arg, nn.Parameter))
 
 
 class Hooks:

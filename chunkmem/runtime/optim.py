@@ -120,7 +120,8 @@ class ChunkOptimizer(Optimizer):
             self.param_groups.pop()
             raise
         for param in group["params"]:
-            self.steps.setdefault(records[param], torch.tensor(0.0))
+            if records[param] not in self.steps:
+                self.steps[records[param]] = torch.tensor(0.0)
 
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
@@ -131,7 +132,8 @@ class ChunkOptimizer(Optimizer):
                 if param not in records:
                     raise ValueError(_NOT_IN_MODEL)
                 out[records[param]] = group
-                self.steps.setdefault(records[param], torch.tensor(0.0))
+                if records[param] not in self.steps:
+                    self.steps[records[param]] = torch.tensor(0.0)
         return out
 
     @torch.no_grad()
