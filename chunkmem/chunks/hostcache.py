@@ -42,8 +42,7 @@ from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.disk import DiskTier, IoToken, aligned
 
 log = logging.getLogger("chunkmem")
-STATS = ("disk_read_bytes", "disk_write_bytes", "disk_prefetch_bytes", "disk_on_demand_bytes", "disk_stall_seconds",
-         "host_cache_bytes_peak")
+STATS = ("disk_prefetch_bytes", "disk_on_demand_bytes", "disk_stall_seconds", "host_cache_bytes_peak")
 
 
 class HostCache:
@@ -156,7 +155,6 @@ class HostCache:
         read = None
         if chunk.state is ChunkState.DISK:
             read = self.disk.read(self.slots[name], buffer, name)
-            self.stats_["disk_read_bytes"] += size
             self.stats_["disk_prefetch_bytes" if reason == "prefetch" else "disk_on_demand_bytes"] += size
             self._report(name, "disk", "host", size, reason)
         elif chunk.state is not ChunkState.FREE:
@@ -175,7 +173,6 @@ class HostCache:
         chunk.io.append(token)  # whoever touches the payload next waits for the write
         self.writes[name] = token
         self.dirty.discard(name)
-        self.stats_["disk_write_bytes"] += token.nbytes
         self._report(name, "host", "disk", token.nbytes, "write-back")
 
     def _release(self, name: str) -> None:
@@ -240,8 +237,10 @@ class HostCache:
     # -- books ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
         out = dict(self.stats_)
-        out.update(host_cache_bytes=self.used, disk_bytes=self.disk.size,
-                   disk_wait_seconds=round(self.disk.stats["wait_seconds"], 6))
+        # Bytes read and written are the disk tier's own counts: one counter per figure.
+        disk = self.disk.stats
+        out.update(host_cache_bytes=self.used, disk_bytes=self.disk.size, disk_read_bytes=disk["read_bytes"],
+                   disk_write_bytes=disk["write_bytes"], disk_wait_seconds=round(disk["wait_seconds"], 6))
         return out
 
     def close(self) -> None:
