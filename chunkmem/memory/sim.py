@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -77,6 +78,8 @@ class SimulatedDevice:
 
     def __init__(self, host_memory: int | None = None, landing: str | None = None) -> None:
         self.fail_allocations = 0
+        # Time spent moving copies' bytes, on the thread that computes: a GPU's copy engines do it beside compute.
+        self.copy_seconds = 0.0
         self.memory_limit: int | None = None  # what limit_memory was told
         self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
@@ -199,11 +202,13 @@ class SimulatedDevice:
     def _land(self, copies: list[Copy]) -> None:
         if not copies:
             return
+        start = time.perf_counter()
         with paused():
             for copy in sorted(copies, key=lambda c: c.id):
                 if copy.land is not None:
                     copy.land()
                     copy.land = None
+        self.copy_seconds += time.perf_counter() - start
         self._in_flight = [c for c in self._in_flight if c.land is not None]
 
     def knows(self, copy: Copy, side: str) -> bool:

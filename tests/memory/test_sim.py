@@ -25,6 +25,18 @@ def test_an_upload_lands_only_when_compute_waits_for_it():
     assert torch.equal(device, host)
 
 
+def test_the_copy_clock_runs_while_bytes_land_not_when_copies_are_issued():
+    dev = SimulatedDevice()
+    host, device = dev.host_alloc(1 << 22, torch.float32), dev.alloc(1 << 22, torch.float32)
+    token = dev.upload(host, device, "param.0")
+    assert dev.copy_seconds == 0.0, "issuing a copy moves no bytes"
+    dev.wait(token)
+    landed = dev.copy_seconds
+    assert landed > 0.0
+    dev.wait(token)
+    assert dev.copy_seconds == landed, "a copy lands once"
+
+
 @pytest.mark.parametrize("op", [lambda d: d.sum(), lambda d: d.add_(1)], ids=["read", "write"])
 def test_compute_touching_an_upload_it_did_not_wait_for_raises(op):
     dev = SimulatedDevice()
