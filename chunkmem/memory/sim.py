@@ -80,6 +80,7 @@ class SimulatedDevice:
         self.fail_allocations = 0
         # Time spent moving copies' bytes, on the thread that computes: a GPU's copy engines do it beside compute.
         self.copy_seconds = 0.0
+        self._blocks: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # (numel, dtype) -> bases, in use or free
         self.memory_limit: int | None = None  # what limit_memory was told
         self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
@@ -96,11 +97,19 @@ class SimulatedDevice:
         if self.fail_allocations > 0:
             self.fail_allocations -= 1
             raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
-        # Fresh device memory holds garbage; NaN makes a read before the upload lands show in every result.
+        # Freed memory is reused, as CUDA's caching allocator reuses it, rather than taken fresh from the
+        # kernel page by page (faults a GPU does not take): a block whose storage no tensor holds any more
+        # (nor a copy in flight, whose closure holds its tensor). Callers get a view; the cache keeps the base.
+        blocks = self._blocks.setdefault((numel, dtype), [])
+        block = next((b for b in blocks if torch._C._storage_Use_Count(b.untyped_storage()._cdata) <= 2), None)
+        if block is None:
+            block = torch.empty(numel, dtype=dtype)
+            blocks.append(block)
+        # Device memory holds garbage; NaN makes a read before the upload lands show in every result.
         # Filling costs a pass over the buffer that a GPU does not pay, so only while checking.
         if _active is not None and dtype.is_floating_point:
-            return torch.full((numel,), float("nan"), dtype=dtype)
-        return torch.empty(numel, dtype=dtype)
+            block.fill_(float("nan"))
+        return block.view(numel)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host_pool.tensor(numel, dtype)

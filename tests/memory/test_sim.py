@@ -141,3 +141,26 @@ def test_synchronize_lands_everything_and_both_sides_know():
     dev.upload(later_host, later_device)  # issued after the synchronize: not known yet
     with pytest.raises(HazardError):
         later_device.sum()
+
+
+def test_freed_device_memory_is_reused_only_once_no_tensor_holds_it():
+    dev = SimulatedDevice()
+    first = dev.alloc(1024, torch.float32)
+    address = first.data_ptr()
+    view = first[10:20]
+    del first
+    second = dev.alloc(1024, torch.float32)
+    assert second.data_ptr() != address, "a view still holds the block: it is not free"
+    del view
+    assert dev.alloc(1024, torch.float32).data_ptr() == address, "no tensor holds it: the cache gives it back"
+    assert dev.alloc(512, torch.float32).data_ptr() not in (address, second.data_ptr())
+
+
+def test_a_block_under_a_copy_in_flight_is_not_reused():
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    address = device.data_ptr()
+    token = dev.upload(host, device, "param.0")
+    del device
+    assert dev.alloc(8, torch.float32).data_ptr() != address, "the upload still writes it"
+    dev.wait(token)

@@ -53,6 +53,7 @@ def test_an_interrupt_while_saved_tensors_die_is_not_swallowed(monkeypatch: Any)
             raise KeyboardInterrupt
 
     interrupted = False
+    gc.collect()  # garbage earlier tests left (their finalizers run Python code) goes before the hook is on
     sys.setprofile(interrupt)
     try:
         del loss  # autograd's graph, and with it every saved activation, goes now
