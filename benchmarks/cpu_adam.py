@@ -21,6 +21,12 @@ Each round times every contender once, in a fresh random order, so that a shared
 on all of them alike; "x floor" is the ratio to the floor in the same round, reported as min/median/max
 over rounds, as are the times. The load average is recorded before and after.
 
+"x floor (best)" compares the best times, what a quiet machine gives. "arithmetic / floor" (chunkmem's row)
+is the kernel's time per parameter on a chunk that stays in cache, where memory costs little, over the
+floor's per parameter at this size: near 1, the arithmetic alone (two divisions and a square root per
+element, which bit-identity with torch.optim keeps) takes as long as the traffic, and the step can only
+approach the floor as far as the two overlap.
+
 Targets: bf16 >= 1.25x faster than fused+casts (issue 4); chunkmem within 1.05x of the floor (issue 14).
 """
 
@@ -128,6 +134,18 @@ def spread(values: list[float], digits: int) -> str:
     return " / ".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
 
 
+def arithmetic_ns(precision: str, n: int = 1 << 16, repeats: int = 200) -> float:
+    """chunkmem's step per parameter on a chunk that stays in cache (64K parameters, 1.75 MiB): what its
+    arithmetic costs with hardly any memory traffic; best of five runs of `repeats` steps."""
+    step, best = chunkmem_step(n, precision), float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        best = min(best, (time.perf_counter() - start) / repeats / n * 1e9)
+    return best
+
+
 def measure(n: int, precision: str, rounds: int, rng: random.Random) -> list[dict]:
     contenders: dict[str, Step | None] = {
         "chunkmem": chunkmem_step(n, precision),
@@ -146,6 +164,8 @@ def measure(n: int, precision: str, rounds: int, rng: random.Random) -> list[dic
         for name in names:
             times[name].append(time_ms(runs[name]))
     bytes_moved = adam_floor.bytes_per_param(grad_dtype(precision), LOWP[precision]) * n
+    floor_ns = min(times["floor"]) * 1e6 / n
+    arithmetic = arithmetic_ns(precision)
     rows = []
     for name in runs:
         x_floor = [t / f for t, f in zip(times[name], times["floor"])]
@@ -155,6 +175,8 @@ def measure(n: int, precision: str, rounds: int, rng: random.Random) -> list[dic
                      "ms min/med/max": spread(times[name], 1), "x floor min/med/max": spread(x_floor, 2),
                      "vs fused (med)": f"{statistics.median(speedup):.2f}",
                      "GB/s (best)": f"{bytes_moved / (best * 1e-3) / 1e9:.1f}",
+                     "x floor (best)": f"{best / min(times['floor']):.2f}",
+                     "arithmetic / floor": f"{arithmetic / floor_ns:.2f}" if name == "chunkmem" else "",
                      "x_floor_median": round(statistics.median(x_floor), 4),
                      "all_ms": [round(t, 2) for t in times[name]]})
     return rows
