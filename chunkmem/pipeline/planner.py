@@ -28,6 +28,7 @@ import math
 from typing import Any
 
 from chunkmem.pipeline.schedule import bubble, in_flight
+from chunkmem.pipeline.scheduled import check_layout
 from chunkmem.trace.planner import ModelSpec, Request, plan, shape_of
 
 FLOPS = 200e12  # dense bf16 a GPU sustains on large GEMMs
@@ -36,6 +37,7 @@ LINK = 100e9  # device <-> device bytes per second (NVLink class)
 HALF_ROWS = 2048  # tokens per micro-batch at which GEMMs run at half their peak
 SCHEDULES = ("1f1b", "2bw", "interleaved", "zero-bubble")
 VIRTUAL = 2  # stages per rank for the interleaved schedules
+VIRTUAL_SCHEDULES = ("interleaved", "zero-bubble", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +102,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def _runs(name: str, k: int, m: int, d: int) -> bool:
-    """Whether chunkmem.pipeline runs `name` so (runner.py, scheduled.check, schedule.check_twobw)."""
-    if name == "1f1b":
-        return m >= k
-    if name == "2bw":
-        return d == 1 and m >= k - 1
-    rounds = max(1, m // k)
-    return m % rounds == 0 and m >= k and (name == "interleaved" or d == 1)
+    """Whether chunkmem.pipeline runs `name` so: the runner's own check, and a micro-batch per stage at least,
+    which torch's schedules want (2BW, chunkmem's own, one fewer)."""
+    try:
+        check_layout(name, k, m, VIRTUAL if name in VIRTUAL_SCHEDULES else 1, d)
+    except ValueError:
+        return False
+    return name == "2bw" or m >= k
 
 
 def _candidate(spec: ModelSpec, params: int, d: int, k: int, rows: int, m: int, name: str,
                request: Request) -> Candidate:
     stage = plan(spec, dataclasses.replace(request, batch_size=rows, world_size=d))
-    v = VIRTUAL if name in ("interleaved", "zero-bubble") else 1
+    v = VIRTUAL if name in VIRTUAL_SCHEDULES else 1
     flights = in_flight(name, k, m, v)
     held = max(sum(n for s, n in flights.items() if s % k == r) for r in range(k)) / v  # micro-batches a rank holds
     stale = stage.model_data_by_kind["param"] if name == "2bw" else 0

@@ -36,7 +36,7 @@ from chunkmem.pipeline import balance as balancing
 from chunkmem.pipeline import scheduled
 from chunkmem.pipeline.flow import Feed, Flow
 from chunkmem.pipeline.layout import make_layout, stage_ranks
-from chunkmem.pipeline.schedule import SCHEDULES, Action, check_twobw, in_flight
+from chunkmem.pipeline.schedule import SCHEDULES, Action, in_flight
 from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, Part, StageBody, layers_of
 from chunkmem.pipeline.versions import WeightVersions
 from chunkmem.runtime.optim import ChunkOptimizer
@@ -59,10 +59,7 @@ class Pipeline:
         self.layout = make_layout(data_parallel, first.device if isinstance(first, Config) else Config().device)
         self.virtual = (virtual_stages or 2) if schedule in VIRTUAL else 1
         k, m = self.layout.n_ranks, n_microbatches
-        check_twobw(k, m) if schedule == "2bw" else scheduled.check(schedule, k, m, self.virtual, data_parallel)
-        if schedule == "2bw" and data_parallel > 1:
-            raise ValueError(f"schedule='2bw' with data_parallel={data_parallel}: 2BW's weight versions are not "
-                             "sharded by ZeRO yet; use data_parallel=1, or schedule='1f1b'/'interleaved'")
+        scheduled.check_layout(schedule, k, m, self.virtual, data_parallel)
         self.stage_ranks = stage_ranks(k, self.virtual, "v" if schedule == "zbv" else "loop")
         self.stages = [i for i, r in enumerate(self.stage_ranks) if r == self.layout.position]
         self.configs = _rank_configs(config, k)

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from chunkmem.pipeline.layout import Layout
-from chunkmem.pipeline.schedule import Action, Kind
+from chunkmem.pipeline.schedule import Action, Kind, check_twobw
 from chunkmem.pipeline.stage import Part, recv_shape, send_shape
 
 SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per rank
@@ -90,6 +90,17 @@ def build(name: str, parts: dict[int, Part], shapes: Shapes, n_stages: int, n_mi
     if name in SINGLE:
         return SINGLE[name](stages[0], n_microbatches, loss_fn=loss, scale_grads=False)
     return MULTI[name](stages, n_microbatches, loss_fn=loss, scale_grads=False)
+
+
+def check_layout(name: str, n_ranks: int, n_microbatches: int, virtual: int, data_parallel: int) -> None:
+    """Whether chunkmem.pipeline runs schedule `name` on this layout: a clear error before any step if not."""
+    if name != "2bw":
+        check(name, n_ranks, n_microbatches, virtual, data_parallel)
+        return
+    check_twobw(n_ranks, n_microbatches)
+    if data_parallel > 1:
+        raise ValueError(f"schedule='2bw' with data_parallel={data_parallel}: 2BW's weight versions are not "
+                         "sharded by ZeRO yet; use data_parallel=1, or schedule='1f1b'/'interleaved'")
 
 
 def check(name: str, n_ranks: int, n_microbatches: int, virtual: int, data_parallel: int) -> None:
