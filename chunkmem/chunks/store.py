@@ -109,10 +109,11 @@ class ParamStore:
     def _chunk(self, name: str, dtype: torch.dtype, disk_backed: bool = False) -> Chunk:
         return Chunk(name, self.chunk_size, dtype, self.device, self.host_tier if disk_backed else None)
 
-    def add_family(self, kind: str) -> None:
-        """Give every trainable group a zeroed fp32 chunk of `kind` (an optimizer state)."""
+    def add_family(self, kind: str, dtype: torch.dtype = torch.float32, disk_backed: bool = True) -> None:
+        """Give every trainable group a zeroed chunk of `kind`: an optimizer state (fp32, on the disk tier if there
+        is one), or another version of the parameters."""
         for group in self.trainable_groups():
-            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", torch.float32, disk_backed=True)
+            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", dtype, disk_backed)
 
     def swap_param_chunk(self, group: ChunkGroup, kind: str) -> None:
         """Exchange the group's "param" chunk with its chunk of `kind`, a second version of the parameters in the

@@ -23,9 +23,7 @@ import dataclasses
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.placement import Placer
 from chunkmem.chunks.state import ChunkState
-from chunkmem.chunks.store import ChunkGroup
 from chunkmem.runtime.activations import Saved
 from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.runtime.runtime import ChunkRef
@@ -50,18 +48,11 @@ class WeightVersions:
         if runtime.shards is not None:
             raise ValueError("weight versions (schedule='2bw') are not supported with ZeRO sharding: use "
                              "data_parallel=1")
-        store = runtime.store
-        self.pairs: list[tuple[ChunkGroup, Chunk, Chunk]] = []
-        for group in store.trainable_groups():
-            stale = Chunk(f"{STALE}.{group.index}", store.chunk_size, store.dtype, store.device)
-            group.chunks[STALE] = stale
-            self.pairs.append((group, group.param, stale))
+        runtime.add_family(STALE, runtime.store.dtype)
+        self.pairs = [(g, g.param, g.chunks[STALE]) for g in runtime.store.trainable_groups()]
         self._role = {id(c): (i, newest) for i, (_, p, s) in enumerate(self.pairs) for c, newest in ((p, True),
                                                                                                    (s, False))}
         optimizer.rule = dataclasses.replace(optimizer.rule, kept=(*optimizer.rule.kept, STALE))
-        # The placer reads the chunk families when it is built: build it again, before the first step.
-        old = runtime.placer
-        runtime.placer = Placer(runtime.residency, store, old.limit, old.working_set, runtime.nonmodel_bytes)
         runtime.placer.param_chunks += [s for _, _, s in self.pairs]  # modules pin these too, when swapped in
         self.optimizer = optimizer
         self.newest = 0

@@ -286,3 +286,15 @@ def test_device_peak_under_a_tight_budget_stays_within_it() -> None:
     assert stats["h2d_bytes"] > 0  # chunks moved
     assert max(stats["device_chunk_bytes_peak"], activations) < stats["device_bytes_peak"] <= budget
     assert stats["device_bytes_peak"] < stats["device_chunk_bytes_peak"] + activations  # not two peaks added
+
+
+def test_a_chunk_family_is_added_before_the_first_step_or_refused():
+    model = mlp()
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config())
+    runtime = cm.runtime
+    runtime.add_family("stale", runtime.store.dtype)
+    assert all("stale" in g.chunks for g in runtime.store.trainable_groups())
+    assert "stale.0" in runtime.placer.chunks, "the placer was built again and places the new family"
+    train(cm, opt, mlp_batches(1), mlp_loss)
+    with pytest.raises(RuntimeError, match="added after training started"):
+        runtime.add_family("other", runtime.store.dtype)
