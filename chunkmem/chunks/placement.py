@@ -59,7 +59,8 @@ class Follower:
         self.prefetches: dict[int, list[str]] = {}
         for action in plan.actions:
             if action.verb != "fetch":
-                (self.evicts if action.verb == "evict" else self.prefetches).setdefault(action.at, []).append(action.chunk)
+                verb = self.evicts if action.verb == "evict" else self.prefetches
+                verb.setdefault(action.at, []).append(action.chunk)
         self.positions: dict[tuple[str, ...], list[int]] = {}
         for i, access in enumerate(step.accesses):
             self.positions.setdefault(access.chunks, []).append(i)

@@ -36,7 +36,8 @@ class ParamRecord:
 
     def move(self, move: str) -> None:
         # The hot path (every module call): a lookup, the message only for an illegal move.
-        self.state = TENSOR_MOVES.get((self.state, move)) or next_tensor_state(self.state, move, f"parameter {self.name}")
+        self.state = TENSOR_MOVES.get((self.state, move)) or \
+            next_tensor_state(self.state, move, f"parameter {self.name}")
 
     def move_grad(self, move: str) -> None:
         self.grad_state = TENSOR_MOVES.get((self.grad_state, move)) or \

@@ -99,7 +99,8 @@ class SimulatedDevice:
             raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
         # Freed memory is reused, as CUDA's caching allocator reuses it, rather than taken fresh from the
         # kernel page by page (faults a GPU does not take): a block whose storage no tensor holds any more
-        # (nor a copy in flight, whose closure holds its tensor). Callers get a view; the cache keeps the base.
+        # (nor a copy in flight, whose closure holds its tensor). Callers get a view; the cache keeps the base,
+        # so a free block's storage has two users when probed: the base and the probe's own reference.
         blocks = self._blocks.setdefault((numel, dtype), [])
         block = next((b for b in blocks if torch._C._storage_Use_Count(b.untyped_storage()._cdata) <= 2), None)
         if block is None:
