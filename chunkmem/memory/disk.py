@@ -40,6 +40,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import torch
@@ -72,6 +73,7 @@ class IoToken:
         self.futures = futures
         self.nbytes = nbytes
         self.waited = False
+        self.failure: BaseException | None = None  # why it failed, raised again by every later wait
         self.id = next(_tokens)
         self.stream = "disk"  # for the simulation's messages
 
@@ -81,6 +83,8 @@ class IoToken:
 
     def wait(self) -> None:
         """Block the host until the I/O is done; DiskTierError if it failed or took longer than the timeout."""
+        if self.failure is not None:
+            raise self.failure
         if self.waited:
             return
         start = time.perf_counter()
@@ -93,8 +97,18 @@ class IoToken:
                 f"{self.what} ({self.nbytes} bytes) in {self.tier.file} has not finished after "
                 f"{self.tier.timeout:.0f} s: the disk under {self.tier.root} is too slow or hung. Check it "
                 "(`chunkmem env`, dmesg), put Config.disk on a faster one, or raise CHUNKMEM_DISK_TIMEOUT") from None
+        except BaseException as error:
+            # A block failed: once the others have ended too, the I/O is over and its buffer free (a write-back
+            # the caller attempts next must report the disk's error, not a race with this dead read).
+            if not futures_wait(self.futures, timeout=max(0.0, deadline - time.perf_counter())).not_done:
+                self.failure = error
+                self._finished()
+            raise
         finally:
             self.tier.stats["wait_seconds"] += time.perf_counter() - start
+        self._finished()
+
+    def _finished(self) -> None:
         self.waited = True
         self.tier.forget(self)
         sim.learned(self)

@@ -82,8 +82,14 @@ def test_a_deleted_file_fails_naming_it(tmp_path):
     tier = DiskTier(tmp_path)
     offset = tier.slot(ALIGN)
     os.unlink(tier.file)
+    data = buffer(ALIGN)
+    read = tier.read(offset, data, "master.0")
+    for _ in range(2):  # a failed I/O says so at every wait, never "done" after the first
+        with pytest.raises(DiskTierError, match=rf"{tier.file}, which holds master.0, was deleted"):
+            read.wait()
+    # The failed read is over: its buffer is free again, and what comes next reports the disk's error.
     with pytest.raises(DiskTierError, match=rf"{tier.file}, which holds master.0, was deleted"):
-        tier.write(offset, buffer(ALIGN), "master.0").wait()
+        tier.write(offset, data, "master.0").wait()
     tier.close()
 
 
