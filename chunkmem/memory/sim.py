@@ -98,12 +98,13 @@ class SimulatedDevice:
             self.fail_allocations -= 1
             raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
         # Freed memory is reused, as CUDA's caching allocator reuses it, rather than taken fresh from the
-        # kernel page by page (faults a GPU does not take): a block whose storage no tensor holds any more
-        # (nor a copy in flight, whose closure holds its tensor). Callers get a view; the cache keeps the base,
-        # so a free block's storage has two users when probed: the base and the probe's own reference.
+        # kernel page by page (faults a GPU does not take): a block of this size whose storage no tensor
+        # holds any more (nor a copy in flight, whose closure holds its tensor). Callers get a view; the
+        # cache keeps the base. Free blocks never outweigh live ones: past that, a miss gives them back.
         blocks = self._blocks.setdefault((numel, dtype), [])
-        block = next((b for b in blocks if torch._C._storage_Use_Count(b.untyped_storage()._cdata) <= 2), None)
+        block = next((b for b in blocks if _free(b)), None)
         if block is None:
+            self._trim()
             block = torch.empty(numel, dtype=dtype)
             blocks.append(block)
         # Device memory holds garbage; NaN makes a read before the upload lands show in every result.
@@ -111,6 +112,13 @@ class SimulatedDevice:
         if _active is not None and dtype.is_floating_point:
             block.fill_(float("nan"))
         return block.view(numel)
+
+    def _trim(self) -> None:
+        cached = [b for blocks in self._blocks.values() for b in blocks]
+        free = sum(b.nbytes for b in cached if _free(b))
+        if 2 * free > sum(b.nbytes for b in cached):
+            for blocks in self._blocks.values():
+                blocks[:] = [b for b in blocks if not _free(b)]
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host_pool.tensor(numel, dtype)
@@ -227,6 +235,12 @@ class SimulatedDevice:
         if self.host_knows[copy.stream] >= copy.id:
             return True
         return side == "device" and self.compute_knows[copy.stream] >= copy.id
+
+
+def _free(block: torch.Tensor) -> bool:
+    """Whether a cached block's storage has no user but the cache: two references when probed, the base
+    and the probe's own."""
+    return torch._C._storage_Use_Count(block.untyped_storage()._cdata) <= 2
 
 
 def _copy(token: object) -> Copy:

@@ -154,6 +154,11 @@ def test_freed_device_memory_is_reused_only_once_no_tensor_holds_it():
     del view
     assert dev.alloc(1024, torch.float32).data_ptr() == address, "no tensor holds it: the cache gives it back"
     assert dev.alloc(512, torch.float32).data_ptr() not in (address, second.data_ptr())
+    cached = sum(len(blocks) for blocks in dev._blocks.values())
+    assert cached == 3, "free blocks (one of two) do not outweigh live ones: kept"
+    del second
+    dev.alloc(256, torch.float32)
+    assert sum(len(blocks) for blocks in dev._blocks.values()) == 1, "all free but the new one: given back"
 
 
 def test_a_block_under_a_copy_in_flight_is_not_reused():
