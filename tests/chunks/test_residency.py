@@ -13,8 +13,8 @@ from chunkmem.memory import sim
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 
 
-def setup(n: int, limit_chunks: int) -> tuple[Residency, list[Chunk], list[str]]:
-    dev = SimulatedDevice()
+def setup(n: int, limit_chunks: int, landing: str | None = None) -> tuple[Residency, list[Chunk], list[str]]:
+    dev = SimulatedDevice(landing=landing)
     moved: list[str] = []
     chunks = [Chunk(f"c{i}", 16, torch.float32, dev) for i in range(n)]
     for i, chunk in enumerate(chunks):
@@ -36,7 +36,7 @@ def test_budget_evicts_least_recently_used_and_counts_bytes():
 
 
 def test_an_eviction_does_not_wait_for_its_copy_and_the_first_read_does():
-    res, (a, b), _ = setup(2, limit_chunks=1)
+    res, (a, b), _ = setup(2, limit_chunks=1, landing="wait")  # not at random, whatever CHUNKMEM_SIM_LANDING says
     res.to_device(a).fill_(42.0)
     a.write_device()
     res.to_device(b)  # evicts a: its write-back starts, and nobody waits for it yet

@@ -26,7 +26,7 @@ def test_an_upload_lands_only_when_compute_waits_for_it():
 
 
 def test_the_copy_clock_runs_while_bytes_land_not_when_copies_are_issued():
-    dev = SimulatedDevice()
+    dev = SimulatedDevice(landing="wait")  # not at random, whatever CHUNKMEM_SIM_LANDING says
     host, device = dev.host_alloc(1 << 22, torch.float32), dev.alloc(1 << 22, torch.float32)
     token = dev.upload(host, device, "param.0")
     assert dev.copy_seconds == 0.0, "issuing a copy moves no bytes"
@@ -162,7 +162,7 @@ def test_freed_device_memory_is_reused_only_once_no_tensor_holds_it():
 
 
 def test_a_block_under_a_copy_in_flight_is_not_reused():
-    dev = SimulatedDevice()
+    dev = SimulatedDevice(landing="wait")
     host, device = pair(dev)
     address = device.data_ptr()
     token = dev.upload(host, device, "param.0")
