@@ -33,6 +33,7 @@ Targets: bf16 >= 1.25x faster than fused+casts (issue 4); chunkmem within 1.05x 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import random
@@ -113,7 +114,8 @@ def torch_step(n: int, precision: str, **flags: bool) -> Step:
 
 def deepspeed_step(n: int, precision: str) -> Step | None:
     try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+        from deepspeed.ops.adam import \
+            DeepSpeedCPUAdam  # type: ignore[import-not-found]
     except Exception:  # not installed, or installed without its CPU op
         return None
     param = torch.nn.Parameter(torch.randn(n))
@@ -134,6 +136,7 @@ def spread(values: list[float], digits: int) -> str:
     return " / ".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
 
 
+@functools.cache
 def arithmetic_ns(precision: str, n: int = 1 << 16, repeats: int = 200) -> float:
     """chunkmem's step per parameter on a chunk that stays in cache (64K parameters, 1.75 MiB): what its
     arithmetic costs with hardly any memory traffic; best of five runs of `repeats` steps."""

@@ -97,7 +97,6 @@ class Runtime:
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
-        self.working_set = working_set
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
         if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
@@ -121,10 +120,11 @@ class Runtime:
     def add_family(self, kind: str, dtype: torch.dtype) -> None:
         """A chunk family beside the parameters' (pipeline/versions.py's older weights), added before the first
         step: the placer, which reads the families when it is built, is built again."""
-        if self.step_count or self.placer.phase is not Phase.RECORD:
+        if self.step_count:
             raise RuntimeError(f"chunk family {kind!r} added after training started: add it before the first step")
         self.store.add_family(kind, dtype, disk_backed=False)
-        self.placer = Placer(self.residency, self.store, self.chunk_limit, self.working_set, self.nonmodel_bytes)
+        old = self.placer
+        self.placer = Placer(self.residency, self.store, old.limit, old.working_set, self.nonmodel_bytes)
 
     def _disk_tier(self, module: nn.Module, size: int, world: int, states: int) -> HostCache | None:
         """The disk tier when Config.disk is set and host memory cannot hold all model data (hostcache's Note)."""
