@@ -10,6 +10,16 @@ Every reader and writer of a payload goes through `device` and `host`, which wai
 bookkeeping that touches no bytes (addresses, pointing views) uses `device_unfenced`. A disk-backed
 chunk's `host` first asks its tier (chunks/hostcache.py) to bring the payload into host memory, then
 waits for the disk I/O on it, reads and write-backs alike (memory/disk.py's Note on tokens).
+
+[Note: unwritten ranges]
+A FREE chunk reads as zeros, but zeroing it when it materializes is a pass over its bytes that is
+mostly wasted: a gradient chunk is overwritten whole by its parameters' gradients in almost every
+step, and only its padding and parameters that got no gradient need the zeros. So a chunk
+materializes with its payload left as the allocator gave it, and remembers the ranges nobody has
+written since. A writer that fills a part whole takes it through `overwrite`, which takes that part
+off; `device`, `host` and `settled`, the accessors every other reader and every copy goes through,
+zero what is still unwritten first. Nothing else may read the bytes of `device_unfenced` or
+`host_unfenced`, so no one sees what the allocator left.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 from chunkmem.chunks.state import CHUNK_MOVES, ChunkState, next_chunk_state
 from chunkmem.errors import ChunkStateError
 from chunkmem.memory.device import Device
+from chunkmem.memory.sim import undefined
 
 Landing = tuple[object, Callable[[], object] | None]  # a download's token, and what to do once it landed
 
@@ -60,6 +71,8 @@ class Chunk:
         self.pending: object | None = None  # the device's token for an upload compute has not waited on
         self.landings: list[Landing] = []  # downloads into `host` not waited for, oldest first
         self.io: list[Waitable] = []  # disk reads into and writes from `host` not waited for
+        self.unwritten: list[tuple[int, int]] = []  # [start, end) of `_fresh` nobody wrote yet (Note above)
+        self._fresh: torch.Tensor | None = None  # the payload, device or host, those ranges are in
         if tier is not None:
             tier.adopt(self)
 
@@ -82,6 +95,7 @@ class Chunk:
             done.wait()
         if self._host is None:
             raise ChunkStateError(f"{self!r} has no host payload: it is on disk (a bug: its tier must bring it back)")
+        self._zero_unwritten(self._host)
         return self._host
 
     def give_host(self, buffer: torch.Tensor, read: Waitable | None) -> None:
@@ -104,10 +118,53 @@ class Chunk:
     @property
     def device(self) -> torch.Tensor | None:
         """The device payload, [numel], with compute waiting for its upload; None when not resident."""
+        flat = self.fence()
+        self._zero_unwritten(flat)
+        return flat
+
+    def fence(self) -> torch.Tensor | None:
+        """Make compute wait for the upload into the device payload, and return it (its unwritten ranges as
+        they are: for views and for `overwrite`, not for reading)."""
         if self.pending is not None:
             self._dev.wait(self.pending)
             self.pending = None
         return self._device
+
+    def overwrite(self, part: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`part` of the device payload (a contiguous slice), fenced, for a writer that fills all of it: the rest
+        of the chunk keeps reading as zeros without being zeroed now (the Note on unwritten ranges)."""
+        flat = self.fence()
+        if flat is None:
+            raise ChunkStateError(f"{self!r}: overwrite needs the chunk on the device")
+        target = part(flat)
+        self._take(flat, target, zero=False)
+        return target
+
+    def _take(self, flat: torch.Tensor, part: torch.Tensor, zero: bool) -> None:
+        """`part` of payload `flat` is written from now on: no longer unwritten (zeroed now if `zero`: the writer
+        adds to what is there)."""
+        if not self.unwritten or flat is not self._fresh:
+            return
+        start = (part.data_ptr() - flat.data_ptr()) // flat.element_size()
+        end = start + part.numel()
+        kept = []
+        for a, b in self.unwritten:
+            if b <= start or a >= end:
+                kept.append((a, b))
+                continue
+            if zero:
+                flat[max(a, start):min(b, end)].zero_()
+            kept += [r for r in ((a, start), (end, b)) if r[0] < r[1]]
+        self.unwritten = kept
+
+    def _zero_unwritten(self, payload: torch.Tensor | None) -> None:
+        if payload is not None and self.unwritten and payload is self._fresh:
+            for start, end in self.unwritten:
+                payload[start:end].zero_()
+            self.unwritten, self._fresh = [], None
+
+    def _leave_unwritten(self, payload: torch.Tensor) -> None:
+        self.unwritten, self._fresh = [(0, self.numel)], payload
 
     @property
     def device_unfenced(self) -> torch.Tensor | None:
@@ -138,8 +195,10 @@ class Chunk:
         return CHUNK_MOVES.get((self.state, move)) or next_chunk_state(self.state, move, repr(self))
 
     def materialize_host(self) -> None:
+        """FREE -> HOST: the host payload reads as zeros from now on (zeroed when first read: the Note on
+        unwritten ranges). Its old bytes are poisoned in the simulation, as fresh device memory is."""
         new = self._check("materialize_host")
-        self.host.zero_()
+        self._leave_unwritten(undefined(self.host))
         self._changed()
         self.state = new
 
@@ -149,7 +208,8 @@ class Chunk:
 
     def materialize_device(self, dev: Device) -> None:
         new = self._check("materialize_device")
-        self._device = dev.alloc(self.numel, self.dtype).zero_()
+        self._device = dev.alloc(self.numel, self.dtype)
+        self._leave_unwritten(self._device)
         self.state = new
 
     def upload(self, dev: Device) -> None:
@@ -173,6 +233,7 @@ class Chunk:
         if self.state is not ChunkState.HOST:
             raise ChunkStateError(f"{self!r}: receive needs the host payload to be the only copy")
         target = part(self.host_unfenced)
+        self._take(self.host_unfenced, target, zero=staged is not None)
         if staged is None:
             self.landings.append((dev.download(source, target, self.name), None))
         else:
@@ -201,6 +262,7 @@ class Chunk:
         new = self._check("reset")
         self._check_unpinned("reset")
         self._forget_device()
+        self.unwritten, self._fresh = [], None
         self.state = new
 
     def _check_unpinned(self, move: str) -> None:

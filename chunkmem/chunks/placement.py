@@ -168,7 +168,7 @@ class Placer:
         budgets = self._following.plan.budgets
         room = min(self.residency.limit, budgets[0]) if budgets else 0
         if self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
-            self.residency.to_device(chunk, "prefetch")
+            self.residency.bring(chunk, "prefetch")
 
     def moment(self) -> None:
         """Between accesses activations grow too: without a plan, or once a step outgrew its plan's record,
@@ -198,7 +198,7 @@ class Placer:
             chunk.pins += 1
         try:
             for chunk in chunks:
-                self.residency.to_device(chunk)
+                self.residency.bring(chunk)
         finally:
             for chunk in chunks:
                 chunk.pins -= 1
@@ -241,7 +241,7 @@ class Placer:
         for name in names:
             chunk = self.chunks[name]
             if not chunk.state.on_device and self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
-                self.residency.to_device(chunk, "prefetch")
+                self.residency.bring(chunk, "prefetch")
 
     def _diverge(self, why: str) -> None:
         log.warning("%s: placing by least-recently-used under the conservative budget for the rest of "

@@ -76,7 +76,13 @@ class Residency:
         self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
 
     def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
-        """Make `chunk` resident (evicting others if needed) and return its device payload."""
+        """Make `chunk` resident (evicting others if needed) and return its device payload, to read."""
+        self.bring(chunk, reason)
+        return chunk.device  # type: ignore[return-value]
+
+    def bring(self, chunk: Chunk, reason: str = "on-demand") -> None:
+        """Make `chunk` resident (evicting others if needed), with compute waiting for its upload; a prefetch
+        overlaps what runs now, and compute waits for it where the chunk is used (Chunk.fence)."""
         self.policy.accessed(chunk)
         if not chunk.state.on_device:
             self._make_room(chunk)
@@ -90,8 +96,8 @@ class Residency:
                 self.evict_unpinned()
                 self._bring(chunk, reason)
             self._added(chunk)
-        # A prefetch overlaps what runs now: compute waits for it where the chunk is used (Chunk.device).
-        return (chunk.device_unfenced if reason == "prefetch" else chunk.device)  # type: ignore[return-value]
+        if reason != "prefetch":
+            chunk.fence()
 
     def _bring(self, chunk: Chunk, reason: str) -> None:
         if chunk.state is ChunkState.FREE:

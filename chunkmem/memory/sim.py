@@ -107,11 +107,7 @@ class SimulatedDevice:
             self._trim()
             block = torch.empty(numel, dtype=dtype)
             blocks.append(block)
-        # Device memory holds garbage; NaN makes a read before the upload lands show in every result.
-        # Filling costs a pass over the buffer that a GPU does not pay, so only while checking.
-        if _active is not None and dtype.is_floating_point:
-            block.fill_(float("nan"))
-        return block.view(numel)
+        return undefined(block.view(numel))
 
     def _trim(self) -> None:
         cached = [b for blocks in self._blocks.values() for b in blocks]
@@ -235,6 +231,15 @@ class SimulatedDevice:
         if self.host_knows[copy.stream] >= copy.id:
             return True
         return side == "device" and self.compute_knows[copy.stream] >= copy.id
+
+
+def undefined(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, whose bytes nothing has defined (fresh device memory, a host buffer given up for reuse): NaN
+    while the checker is on, so a read before a write shows in every result. Filling costs a pass a GPU does not
+    pay, so only while checking."""
+    if _active is not None and tensor.dtype.is_floating_point:
+        tensor.fill_(float("nan"))
+    return tensor
 
 
 def _free(block: torch.Tensor) -> bool:

@@ -100,7 +100,7 @@ class Runtime:
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
         if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
-                self.residency.to_device(chunk)
+                self.residency.bring(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
         if config.device_memory is not None:  # the budget holds for what the process takes (gpu_memory's Note)
@@ -193,7 +193,7 @@ class Runtime:
         in the placer's record (zero's Note on overlap): its chunk goes to the residency directly."""
         chunk = chunk_group.param
         if ahead:
-            self.residency.to_device(chunk, "prefetch")
+            self.residency.bring(chunk, "prefetch")
         else:
             self.placer.access([chunk])
         return chunk.device  # type: ignore[return-value]  # the collective reads it: fenced
@@ -285,9 +285,10 @@ class Runtime:
         self.emit("grad", "bwd", chunk.name)
         self.placer.access([chunk], "grad", group.index)
         if self.placer.homed(group.index):
-            view = part(self.residency.to_device(chunk))
+            self.residency.bring(chunk)
             chunk.write_device()
-            view.add_(grad) if accumulate else view.copy_(grad)
+            # A fresh gradient overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges).
+            part(chunk.device).add_(grad) if accumulate else chunk.overwrite(part).copy_(grad)  # type: ignore[arg-type]
             return
         self.residency.claim_host(chunk)
         chunk.receive(self.device, grad, part, self._host_like(grad) if accumulate else None)

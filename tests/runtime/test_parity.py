@@ -151,6 +151,28 @@ def test_awkward_model_matches_pytorch_under_a_tight_budget():
     assert not frozen_record.group.trainable and set(frozen_record.group.chunks) == {"param"}
 
 
+@pytest.mark.parametrize("fraction", [None, 0.35])
+def test_a_parameter_without_gradient_reads_zero_in_its_chunk_and_no_fp16_step_is_skipped(fraction):
+    # Its part of the gradient chunk is never written, so never zeroed until read (chunk's Note on unwritten
+    # ranges). The fp16 overflow scan reads whole chunks: anything but zeros there would skip every step.
+    model, make_opt = Awkward(), OPTIMIZERS["adamw"]
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)]
+    loss_fn = lambda m, b: torch.nn.functional.mse_loss(m(b[0]).float(), b[1])  # noqa: E731
+    cm, opt = prepared(model, make_opt, dtype="fp16", device_memory=budget(model, fraction))
+    for batch in batches:
+        loss_fn(cm, batch).backward()
+        record = cm.runtime.store.records[cm.module.unused.weight]
+        chunk = record.group.chunks["grad"]
+        assert any(a <= record.slot.offset and record.slot.offset + record.slot.numel <= b for a, b in chunk.unwritten)
+        assert torch.count_nonzero(record.view(cm.runtime.data.read(chunk))) == 0
+        assert chunk.unwritten == [], "read once, zeroed once"
+        opt.step()
+        opt.zero_grad()
+    assert cm.runtime.scaler.good_steps == len(batches), "no step overflowed"
+    assert not torch.equal(cm.state_dict()["block.weight"], model.block.weight.half())
+
+
 def test_nothing_moves_after_the_first_iteration_when_the_model_fits():
     model, make_opt, batches = tiny_gpt2(), OPTIMIZERS["adamw"], gpt2_batches(4)
     for dtype in ["fp32", "bf16"]:

@@ -209,18 +209,19 @@ def _unfenced_host(self: Chunk) -> torch.Tensor:
     return self._host
 
 
-def _prefetch_everything(self: Residency, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
-    return _to_device(self, chunk, "prefetch")
+def _prefetch_everything(self: Residency, chunk: Chunk, reason: str = "on-demand") -> None:
+    _bring(self, chunk, "prefetch")
 
 
-_to_device = Residency.to_device
+_bring = Residency.bring
 
 
 @pytest.mark.parametrize("target,name,replacement", [
+    (Chunk, "fence", _unfenced_device),  # compute skips the upload's wait
     (Chunk, "device", property(_unfenced_device)),  # readers of a device payload skip the upload's wait
     (Chunk, "host", property(_unfenced_host)),  # readers of a host payload skip the downloads' waits
-    (Residency, "to_device", _prefetch_everything),  # the residency hands out every upload unwaited
-], ids=["Chunk.device", "Chunk.host", "Residency.to_device"])
+    (Residency, "bring", _prefetch_everything),  # the residency hands out every upload unwaited
+], ids=["Chunk.fence", "Chunk.device", "Chunk.host", "Residency.bring"])
 def test_a_wait_taken_out_of_the_runtime_fails(monkeypatch, target, name, replacement):
     model, batches = tiny_gpt2(), gpt2_batches(3)
     cm, opt = prepared(model, adamw, device_memory=param_bytes(model) // 3)

@@ -1,0 +1,49 @@
+"""A chunk's payloads: what a materialized chunk reads as, and who zeroes it (chunk's Note on unwritten ranges)."""
+
+from __future__ import annotations
+
+import torch
+
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.memory.sim import SimulatedDevice
+
+
+def test_a_materialized_device_chunk_is_zeroed_where_nobody_wrote_when_first_read():
+    dev = SimulatedDevice()
+    chunk = Chunk("grad.0", 64, torch.float32, dev)
+    chunk.materialize_device(dev)
+    chunk.overwrite(lambda flat: flat[16:32]).fill_(2.0)
+    chunk.overwrite(lambda flat: flat[32:40]).fill_(3.0)
+    assert chunk.unwritten == [(0, 16), (40, 64)]
+    # Nothing zeroed it yet: the simulation poisons fresh device memory while checking (as the suite does).
+    assert torch.isnan(chunk.device_unfenced[:16]).all() and torch.isnan(chunk.device_unfenced[40:]).all()
+    expected = torch.cat([torch.zeros(16), torch.full((16,), 2.0), torch.full((8,), 3.0), torch.zeros(24)])
+    assert torch.equal(chunk.device, expected)
+    assert chunk.unwritten == []
+
+
+def test_a_host_chunk_receiving_parts_reads_zeros_elsewhere_and_adds_onto_zeros():
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("grad.0", 32, torch.float32, dev)
+    chunk.materialize_host()
+    assert torch.isnan(chunk.host_unfenced).all(), "its old bytes are poisoned, not zeroed, while checking"
+    source = dev.alloc(8, torch.float32).fill_(5.0)
+    chunk.receive(dev, source, lambda flat: flat[0:8])  # overwrites its part when the copy lands
+    staged = torch.empty(8)
+    chunk.receive(dev, source, lambda flat: flat[8:16], staged)  # adds onto an unwritten part: onto zeros
+    expected = torch.cat([torch.full((8,), 5.0), torch.full((8,), 5.0), torch.zeros(16)])
+    assert torch.equal(chunk.host, expected)
+
+
+def test_an_upload_and_a_write_back_carry_zeros_for_unwritten_ranges():
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("grad.0", 16, torch.float32, dev)
+    chunk.materialize_device(dev)
+    chunk.overwrite(lambda flat: flat[:4]).fill_(1.0)
+    chunk.download(dev)  # the copy reads the device payload through its accessor, which zeroes the rest first
+    chunk.drop_device()
+    assert torch.equal(chunk.host, torch.cat([torch.ones(4), torch.zeros(12)]))
+    chunk.reset()
+    chunk.materialize_host()
+    chunk.upload(dev)
+    assert torch.equal(chunk.device, torch.zeros(16))
