@@ -18,7 +18,8 @@ step's start). With the plan, the chunk to leave host memory is the one needed f
 (Belady; least recently used before there is a plan), and after every `using` call and at every
 moment of forward and backward (`tick`) the chunks needed next are read ahead into free room, or into
 room a chunk needed later than them gives up, as long as that chunk's write-back has landed: a read
-ahead never waits. So while group g updates, the reads of g+1, g+2, ... and the write of g-1 are in
+ahead never waits. Between `using` calls only write-backs landing can let a read ahead go further, so
+a moment rescans the plan only once one of the writes the last scan stopped at has landed. So while group g updates, the reads of g+1, g+2, ... and the write of g-1 are in
 flight, and at a step's end the reads of the next step's first groups overlap its forward and backward.
 A step whose `using` sequence differs from the plan becomes the next plan.
 """
@@ -67,6 +68,9 @@ class HostCache:
         self.positions: dict[str, list[int]] = {}  # chunk -> indices of the plan's uses of it
         self.where: dict[tuple[str, ...], list[int]] = {}
         self.cursor = -1  # the plan's use being served
+        # The writes whose landing would let the last read-ahead scan go further (none: it went as far as it
+        # can until the next `using`); None: scan again at the next moment.
+        self.waiting_for: list[IoToken] | None = None
         self.stats_: dict[str, int | float] = dict.fromkeys(STATS, 0)
         self.stats_["host_cache_capacity_bytes"] = capacity
 
@@ -76,6 +80,7 @@ class HostCache:
         self.slots[chunk.name] = self.disk.slot(chunk.nbytes)
 
     def needed(self, chunk: Chunk) -> None:
+        self.waiting_for = None
         name = chunk.name
         if name in self.buffers:
             self.lru.move_to_end(name)
@@ -96,6 +101,7 @@ class HostCache:
             yield
             return
         self.events.append(names)
+        self.waiting_for = None
         self._advance(names)
         self.held.update(names)
         try:
@@ -114,12 +120,13 @@ class HostCache:
 
     def tick(self) -> None:
         """A moment of forward or backward: read ahead what landed write-backs made room for."""
-        if self.plan is not None:
+        if self.plan is not None and (self.waiting_for is None or any(t.done() for t in self.waiting_for)):
             self._prefetch()
 
     def step_done(self) -> None:
         """The optimizer step ended: its `using` calls are the next step's plan when they differ from the plan."""
         events, self.events = self.events, []
+        self.waiting_for = None
         if events and events != self.plan:
             if self.plan is not None:
                 log.info("the optimizer took its disk-backed groups in another order than its plan: the next "
@@ -202,6 +209,7 @@ class HostCache:
         """Read ahead the plan's next uses, in order, while room is free or given up by a chunk needed later
         whose write-back has landed; stop at the first that does not fit (a read ahead never waits)."""
         assert self.plan is not None
+        self.waiting_for = []
         length = len(self.plan)
         for step in range(1, length + 1):
             at = self.cursor + step
@@ -217,17 +225,23 @@ class HostCache:
                 self._load(self.chunks[name], "prefetch")
 
     def _spare(self, at: int) -> str | None:
-        """A chunk in host memory, not held, clean, its write landed, needed after plan position `at`: the latest."""
+        """A chunk in host memory, not held, clean, its write landed, needed after plan position `at`: the latest.
+        None when there is none; the writes that would give one once landed go to `waiting_for`."""
         best, best_use = None, at
+        pending = []
         for name in self.lru:
             if self.held[name] or name in self.dirty:
                 continue
+            use = self.next_use(name)
+            if use <= best_use:
+                continue
             token = self.writes.get(name)
             if token is not None and not token.done():
+                pending.append(token)
                 continue
-            use = self.next_use(name)
-            if use > best_use:
-                best, best_use = name, use
+            best, best_use = name, use
+        if best is None:
+            self.waiting_for = pending
         return best
 
     def _report(self, name: str, src: str, dst: str, nbytes: int, reason: str) -> None:

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import chunkmem
+from chunkmem.chunks.hostcache import HostCache
 from chunkmem.errors import DiskTierError, MemoryBudgetError
+from chunkmem.memory.disk import IoToken
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, tiny_gpt2, train
 from tests.multiproc import run_workers
 
@@ -63,6 +65,23 @@ def test_fp32_with_host_memory_below_model_data_is_bit_identical_to_pytorch(tmp_
     assert stats["disk_prefetch_bytes"] > 0, "after warm-up the optimizer's next groups are read ahead"
     on_disk = cm.runtime.data.model_bytes()["disk"]
     assert set(on_disk) <= {"exp_avg", "exp_avg_sq", "momentum_buffer"}, "parameters and gradients stay in host memory"
+
+
+def test_moments_rescan_the_read_ahead_only_once_a_write_it_waited_for_lands(tmp_path, monkeypatch):
+    # hostcache's Note on the plan: between the optimizer's groups only landing writes change what can be read ahead.
+    model, batches = mlp(width=64, depth=6), mlp_batches(3, width=64)
+    cm, opt = prepare(model, ADAMW, tmp_path)
+    train(cm, opt, batches[:2], mlp_loss)  # warm-up, then a step on the plan
+    scans, moments = [], []
+    scan, tick = HostCache._prefetch, HostCache.tick
+    monkeypatch.setattr(HostCache, "_prefetch", lambda self: (scans.append(1), scan(self)))
+    monkeypatch.setattr(HostCache, "tick", lambda self: (moments.append(1), tick(self)))
+    monkeypatch.setattr(IoToken, "done", lambda self: False)  # no write lands during this backward
+    mlp_loss(cm, batches[2]).backward()
+    assert len(moments) > 10 and len(scans) == 1, (len(moments), len(scans))
+    monkeypatch.undo()
+    opt.step()
+    assert cm.memory_stats()["disk_prefetch_bytes"] > 0
 
 
 def test_gpt2_bf16_results_do_not_change_with_the_disk_tier(tmp_path):
