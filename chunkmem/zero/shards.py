@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import gc
 import logging
 import weakref
 import zlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -56,18 +55,17 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.state import TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
-from chunkmem.zero.collectives import ALL_GATHER, REDUCE_SCATTER, agree, single_tensor_collectives
+from chunkmem.zero.collectives import ALL_GATHER, agree, single_tensor_collectives
+from chunkmem.zero.reduce import Flight, Key, Reducer
 from chunkmem.zero.units import gather_units
 
 log = logging.getLogger("chunkmem")
 CACHED_GROUPS = 2  # idle gathered buffers kept: a module's backward soon needs its group again
 AHEAD = 1  # groups gathered ahead of need
 GRAD_BUFFERS = 2  # gradient buffers at once, typically: one filling, one being reduce-scattered
-Key = tuple[bool, int]  # (trainable, communication group index)
 
 def least_transient_bytes(world: int, chunk_bytes: int, pinned: int) -> int:
     """The fewest device bytes ZeRO's pool can have: `pinned` gathered groups, a gradient buffer, a share."""
@@ -108,15 +106,6 @@ class Order:
         self.recorded, self.now, self.on_path = self.now, [], True
 
 
-@dataclasses.dataclass
-class Flight:
-    """A collective issued async: its token, and the tensor that holds the result once waited for."""
-
-    work: object  # the device's token (device.py's Note on tokens)
-    result: torch.Tensor
-    ahead: bool = False  # a gather issued ahead of need (the placer has not seen its chunk's access yet)
-
-
 class Shards:
     """The collectives of one sharded model and the transient buffers they fill."""
 
@@ -129,7 +118,6 @@ class Shards:
         self.store = store
         self.device = device
         self.bring = bring  # (group, ahead): this rank's param chunk of a group on the device, its payload
-        self.deliver = deliver  # (key, share): add a reduced gradient share to this rank's gradient chunk
         self.members: dict[Key, list[ChunkGroup]] = collections.defaultdict(list)
         for chunk_group in store.groups:
             self.members[self.key(chunk_group)].append(chunk_group)
@@ -146,19 +134,14 @@ class Shards:
         self.ahead: Key | None = None  # the group the recorded order says comes next
         self.pins: collections.Counter[Key] = collections.Counter()
         self.by_storage: dict[int, Key] = {}
-        self.grads: dict[Key, torch.Tensor] = {}  # gradient buffers being filled, oldest first: [W * chunk]
-        self.unit_grads: dict[Key, torch.Tensor] = {}  # gradient buffers of units' groups: [W * chunk]
         self.held: tuple[Key, ...] | None = None  # the unit backward is in: its groups stay gathered
-        self.arrived: collections.Counter[Key] = collections.Counter()
-        self.expected = {k: sum(len(g.members) for g in groups if g.trainable) for k, groups in self.members.items()}
         self.key_of_chunk = {g.param.name: self.key(g) for g in store.owned_groups()}
-        self.reducing: tuple[Key, Flight, torch.Tensor] | None = None  # the reduce-scatter in flight, its input
         self.order = Order()
         self.off_path = False  # a forward without gradients: not part of the recorded order
         self.log: list[tuple[str, Key]] | None = None  # set to a list to record the collectives issued
         self.live = self.live_peak = self.gathered_peak = 0  # transient device bytes
         self.gathered_bytes = 0
-        self.reduced_bytes = 0
+        self.reducer = Reducer(self, deliver)
         for key in self.members:
             self._point_home(key)
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -172,10 +155,8 @@ class Shards:
         after an error must not wait on its peers.
         """
         self.flights.clear()
-        self.reducing = None
+        self.reducer.clear()
         self.gathered.clear()
-        self.grads.clear()
-        self.unit_grads.clear()
         self.by_storage.clear()
         gc.collect()
 
@@ -226,9 +207,10 @@ class Shards:
         return (self.slots + self.unit_most) * self.buffer_bytes + self.chunk_bytes
 
     def _buffers(self) -> int:
-        return len(self.gathered) + len(self.grads) + (self.reducing is not None)
+        return len(self.gathered) + self.reducer.buffers()
 
-    def _count(self, nbytes: int) -> None:
+    def count(self, nbytes: int) -> None:
+        """Transient device bytes taken (or given back, negative)."""
         self.live += nbytes
         self.live_peak = max(self.live_peak, self.live)
         self.gathered_peak = max(self.gathered_peak, len(self.gathered) * self.buffer_bytes)
@@ -237,7 +219,7 @@ class Shards:
         """Gathered groups no module uses, oldest first; gathers ahead not yet used are not idle."""
         return [k for k in self.gathered if not self.pins[k] and k not in self.flights]
 
-    def _make_room(self, wait: bool = True) -> bool:
+    def make_room(self, wait: bool = True) -> bool:
         """Free a slot of the pool if none is (see the Note); False if that takes waiting and `wait` is False."""
         while self._buffers() >= self.slots:
             idle = self._idle()
@@ -247,25 +229,20 @@ class Shards:
                 return False
             elif self.flights:
                 self.drop(next(iter(self.flights)))
-            elif self.reducing is not None:
-                self._finish_reduce()
-            elif self.grads:
-                key = next(iter(self.grads))
-                self._start_reduce(key, self.grads.pop(key))
-            else:
+            elif not self.reducer.free_one():
                 raise MemoryBudgetError(
                     f"ZeRO's {self.slots} transient buffers are all in use by running modules and another group "
                     "is needed (a module uses parameters of modules outside it): raise Config.device_memory")
         return True
 
-    def _issue(self, collective: Callable[..., Any], writes: torch.Tensor, reads: torch.Tensor | None,
+    def issue(self, collective: Callable[..., Any], writes: torch.Tensor, reads: torch.Tensor | None,
                label: str, *args: Any) -> object:
         """Start a collective async, after the work compute has queued (on CUDA on the device's comm
         stream); the token waits for it (device.py's Note on tokens)."""
         return self.device.collective(lambda: collective(*args, group=self.group, async_op=True), [writes],
                                       [reads] if reads is not None else [], label)
 
-    def _log(self, op: str, key: Key) -> None:
+    def note(self, op: str, key: Key) -> None:
         if self.log is not None:
             self.log.append((op, key))
 
@@ -274,7 +251,7 @@ class Shards:
         """The W chunks of a group side by side, all its parameters viewing them."""
         expected = None if self.off_path else self.order.seen(key)
         if key not in self.gathered:
-            self._make_room()
+            self.make_room()
             self._start_gather(key, ahead=False)
         self.gathered.move_to_end(key)
         flight = self.flights.pop(key, None)
@@ -294,14 +271,14 @@ class Shards:
         mine = buffer[self.rank * local.numel():(self.rank + 1) * local.numel()]
         mine.copy_(local)  # gathered in place: the chunk itself may leave the device while this runs
         label = f"all-gather of group {key}"
-        work = self._issue(ALL_GATHER, buffer, None, label, buffer, mine) if self.single else \
-            self._issue(dist.all_gather, buffer, None, label, list(buffer.chunk(self.world)), mine)
-        self._log("prefetch" if ahead else "gather", key)
+        work = self.issue(ALL_GATHER, buffer, None, label, buffer, mine) if self.single else \
+            self.issue(dist.all_gather, buffer, None, label, list(buffer.chunk(self.world)), mine)
+        self.note("prefetch" if ahead else "gather", key)
         self.flights[key] = Flight(work, buffer, ahead)
         self.gathered[key] = buffer
         self.by_storage[buffer.untyped_storage().data_ptr()] = key
         self.gathered_bytes += buffer.nbytes
-        self._count(buffer.nbytes)
+        self.count(buffer.nbytes)
 
     def _point(self, key: Key) -> None:
         buffer, numel = self.gathered[key], self.store.chunk_size
@@ -338,22 +315,7 @@ class Shards:
         unit, self.held = self.held, None
         for key in unit:
             self.unpin(key)
-        self._reduce_unit(unit)
-
-    def _reduce_unit(self, keys: Sequence[Key]) -> None:
-        """Every trainable group of a unit, on every rank: zeros where this rank's gradients skipped it.
-        Which parameters got a gradient on some rank is agreed too, so that every owner steps those (and
-        only those, as PyTorch leaves a parameter without gradient untouched)."""
-        keys = [key for key in keys if key[0]]
-        records = [r for key in keys for g in self.members[key] for r in g.members]
-        if records:  # one collective for the unit
-            got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
-            for record, anywhere in zip(records, self.all_reduce(got, dist.ReduceOp.MAX).tolist()):
-                if anywhere and record.grad_state is TensorState.FREE:
-                    record.move_grad("write")
-        for key in keys:
-            full = self.unit_grads.pop(key, None)
-            self._start_reduce(key, full if full is not None else self._zeros())
+        self.reducer.reduce_unit(unit)
 
     def unpin(self, key: Key) -> None:
         self.pins[key] -= 1
@@ -368,7 +330,7 @@ class Shards:
         idle = self._idle()
         for key in idle[:max(0, len(idle) - CACHED_GROUPS)]:
             self.drop(key)
-        if self.ahead is not None and self.ahead not in self.gathered and self._make_room(wait=False):
+        if self.ahead is not None and self.ahead not in self.gathered and self.make_room(wait=False):
             self._start_gather(self.ahead, ahead=True)
 
     def drop(self, key: Key) -> None:
@@ -377,7 +339,7 @@ class Shards:
             self.device.wait(flight.work)  # a buffer is never let go while a collective writes into it
         buffer = self.gathered.pop(key)
         del self.by_storage[buffer.untyped_storage().data_ptr()]
-        self._count(-buffer.nbytes)
+        self.count(-buffer.nbytes)
         self._point_home(key)
 
     def chunk_moved(self, chunk: Chunk) -> None:
@@ -420,66 +382,11 @@ class Shards:
         self.ahead = None
         self.order.step_done()
 
-    # -- gradients ------------------------------------------------------------------------------
-    def add_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
-        """Add a local gradient to its group's buffer; a complete group starts its reduce-scatter (a unit's
-        groups wait for backward to leave the unit: units' Note)."""
-        key = self.key(record.group)
-        numel = self.store.chunk_size
-        buffers = self.unit_grads if key in self.unit_of else self.grads
-        if key not in buffers:
-            if buffers is self.grads:
-                self._make_room()
-            buffers[key] = self._zeros()
-        position = record.group.index % self.world
-        record.view(buffers[key][position * numel:(position + 1) * numel]).add_(grad)
-        if buffers is self.unit_grads:
-            return
-        self.arrived[key] += 1
-        if self.arrived[key] == self.expected[key]:
-            del self.arrived[key]
-            self._start_reduce(key, self.grads.pop(key))
-
-    def _zeros(self) -> torch.Tensor:
-        """A gradient buffer: W chunks of zeros."""
-        buffer = self.device.alloc(self.world * self.store.chunk_size, self.store.dtype).zero_()
-        self._count(buffer.nbytes)
-        return buffer
-
-    def _start_reduce(self, key: Key, full: torch.Tensor) -> None:
-        """Reduce-scatter a group's gradient buffer async, after finishing the one in flight."""
-        if self.reducing is not None:
-            self._finish_reduce()
-        if self.single:
-            share = self.device.alloc(full.numel() // self.world, full.dtype)
-            self._count(share.nbytes)
-            work = self._issue(REDUCE_SCATTER, share, full, f"reduce-scatter of group {key}", share, full)
-        else:  # all-reduce the whole buffer and keep this rank's part
-            work = self._issue(dist.all_reduce, full, None, f"all-reduce of group {key}", full)
-            share = full[self.rank * self.store.chunk_size:(self.rank + 1) * self.store.chunk_size]
-        self._log("reduce_scatter", key)
-        self.reducing = key, Flight(work, share), full
-        self.reduced_bytes += full.nbytes
-
-    def _finish_reduce(self) -> None:
-        assert self.reducing is not None
-        key, flight, full = self.reducing
-        self.reducing = None
-        self.device.wait(flight.work)
-        self._log("reduced", key)
-        self.deliver(key, flight.result.div_(self.world))  # averaged, as DDP does
-        self._count(-full.nbytes - (flight.result.nbytes if self.single else 0))
-
     def finish_backward(self) -> None:
-        """End of backward: reduce the groups some of whose parameters got no gradient, and finish every
-        reduce-scatter, before anything reads gradients."""
+        """End of backward: leave the unit backward is in, reduce every gradient group still held, and finish
+        every reduce-scatter, before anything reads gradients."""
         self._leave_unit()
-        self._reduce_unit(self.shared_unit_keys)
-        for key in sorted(self.grads):
-            self._start_reduce(key, self.grads.pop(key))
-        if self.reducing is not None:
-            self._finish_reduce()
-        self.arrived.clear()
+        self.reducer.finish_backward(self.shared_unit_keys)
 
     # -- whole-model values ---------------------------------------------------------------------
     def _on_backend(self, tensor: torch.Tensor) -> torch.Tensor:
