@@ -18,10 +18,11 @@ step's start). With the plan, the chunk to leave host memory is the one needed f
 (Belady; least recently used before there is a plan), and after every `using` call and at every
 moment of forward and backward (`tick`) the chunks needed next are read ahead into free room, or into
 room a chunk needed later than them gives up, as long as that chunk's write-back has landed: a read
-ahead never waits. Between `using` calls only write-backs landing can let a read ahead go further, so
-a moment rescans the plan only once one of the writes the last scan stopped at has landed. So while group g updates, the reads of g+1, g+2, ... and the write of g-1 are in
+ahead never waits. So while group g updates, the reads of g+1, g+2, ... and the write of g-1 are in
 flight, and at a step's end the reads of the next step's first groups overlap its forward and backward.
-A step whose `using` sequence differs from the plan becomes the next plan.
+Between `using` calls only landing write-backs can let a read ahead go further, so a moment scans the
+plan again only once a write the last scan stopped at has landed. A step whose `using` sequence
+differs from the plan becomes the next plan.
 """
 
 from __future__ import annotations

@@ -341,7 +341,8 @@ class Runtime:
         if self.host_cache is not None:
             stats.update(self.host_cache.stats())
         if self.shards is not None:
-            stats.update(gathered_bytes=self.shards.gathered_bytes, reduce_scatter_bytes=self.shards.reducer.reduced_bytes,
+            stats.update(gathered_bytes=self.shards.gathered_bytes,
+                         reduce_scatter_bytes=self.shards.reducer.reduced_bytes,
                          gathered_bytes_peak=self.shards.gathered_peak, transient_bytes_peak=self.shards.live_peak,
                          transient_reserved_bytes=self.shards.reserved)
         stats.update(device_limit_bytes=self.limit, device_bytes_peak=self.device_bytes_peak,
