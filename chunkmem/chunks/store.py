@@ -43,9 +43,13 @@ class ParamRecord:
         self.grad_state = TENSOR_MOVES.get((self.grad_state, move)) or \
             next_tensor_state(self.grad_state, move, f"gradient of {self.name}")
 
+    def __post_init__(self) -> None:
+        self.strides = torch.empty(self.shape, device="meta").stride()  # contiguous, in its shape
+
     def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This parameter's slice of a chunk payload, in its shape."""
-        return flat[self.slot.offset:self.slot.offset + self.slot.numel].view(self.shape)
+        """This parameter's slice of a chunk payload (`flat`: [numel], contiguous), in its shape. One strided view,
+        not a slice then a view: this runs for every parameter at every move and optimizer step."""
+        return flat.as_strided(self.shape, self.strides, flat.storage_offset() + self.slot.offset)
 
 
 @dataclasses.dataclass(eq=False)
