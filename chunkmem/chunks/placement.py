@@ -50,10 +50,11 @@ class Follower:
     """Walks a plan access by access (the Note on following): finds each access of the step in the record,
     at the cursor or further on, and counts what the step skipped or did off the record."""
 
-    def __init__(self, step: Step, plan: Plan) -> None:
+    def __init__(self, step: Step, plan: Plan, sizes: dict[str, int]) -> None:
         self.step = step
         self.plan = plan
         self.accesses = step.accesses
+        self.needs = [sum(sizes[c] for c in set(a.chunks)) for a in step.accesses]  # bytes each access needs
         self.nexts = next_uses(step.accesses, step.carried)
         self.evicts: dict[int, list[str]] = {}  # access index -> what the plan evicts (prefetches) before it
         self.prefetches: dict[int, list[str]] = {}
@@ -93,7 +94,7 @@ class Placer:
         self.limit = limit
         self.nonmodel = nonmodel
         self.chunks = {c.name: c for c in store.chunks()}
-        self.param_chunks = [g.param for g in store.owned_groups()]  # what modules pin while they run
+        self.pinned: set[str] = set()  # parameter chunks the running modules pin (`pin`)
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
         self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
                                    tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
@@ -178,11 +179,21 @@ class Placer:
         if self.phase is not Phase.FOLLOW:
             self._conservative_now(self.nonmodel())
         elif self.giving_way:
-            self._budget(self.residency.limit, self.nonmodel(), ())
+            self._budget(self.residency.limit, self.nonmodel(), 0)
+
+    def pin(self, chunk: Chunk) -> None:
+        """A running module uses parameters of `chunk`: it stays on the device, held around the accesses inside."""
+        chunk.pins += 1
+        self.pinned.add(chunk.name)
+
+    def unpin(self, chunk: Chunk) -> None:
+        chunk.pins -= 1
+        if not chunk.pins:
+            self.pinned.discard(chunk.name)
 
     def _held(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Chunks pinned on the device besides `names`: those of the modules this access runs inside."""
-        return tuple(sorted(c.name for c in self.param_chunks if c.pins and c.name not in names))
+        return tuple(sorted(n for n in self.pinned if n not in names)) if self.pinned else ()
 
     def _conservative_now(self, nonmodel: int, need: int = 0) -> None:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
@@ -209,7 +220,8 @@ class Placer:
         follower = self._following
         index = follower.locate(names)
         if index is None:  # off the record: the plan's rule and the budget where the step is
-            self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel, names)
+            self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel,
+                         sum(self.sizes[n] for n in set(names)))
             return None
         if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
             self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
@@ -218,13 +230,13 @@ class Placer:
             chunk = self.chunks[name]
             if chunk.state.on_device and not chunk.pins:
                 self.residency.evict(chunk)
-        self._budget(follower.plan.budgets[index], nonmodel, names)
+        self._budget(follower.plan.budgets[index], nonmodel, follower.needs[index])
         return index
 
-    def _budget(self, planned: int, nonmodel: int, names: tuple[str, ...]) -> None:
-        """The plan's budget for an access; once this step has held more non-model data than its record,
-        lowered further at every access and moment to what the non-model data leaves (as in warm-up)."""
-        need = sum(self.sizes[n] for n in set(names))  # an access off the record may need more than the budget there
+    def _budget(self, planned: int, nonmodel: int, need: int) -> None:
+        """The plan's budget for an access needing `need` bytes of chunks (an access off the record may need more
+        than the budget there); once this step has held more non-model data than its record, lowered further at
+        every access and moment to what the non-model data leaves (as in warm-up)."""
         if self.giving_way:
             left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
             planned = max(self.working_set, min(planned, left))
@@ -285,7 +297,7 @@ class Placer:
         if self.follower is None or step is not self.follower.step or resident != self.start:
             self.start = resident
             dirty = {n for n in resident if self.chunks[n].state is ChunkState.DEVICE_DIRTY}
-            self.follower = Follower(step, step.plan(self.sizes, resident, dirty))
+            self.follower = Follower(step, step.plan(self.sizes, resident, dirty), self.sizes)
         self._following.cursor = 0
 
     def _same(self, step: Step, planned: Step) -> bool:

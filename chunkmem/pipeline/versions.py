@@ -53,7 +53,6 @@ class WeightVersions:
         self._role = {id(c): (i, newest) for i, (_, p, s) in enumerate(self.pairs) for c, newest in ((p, True),
                                                                                                    (s, False))}
         optimizer.rule = dataclasses.replace(optimizer.rule, kept=(*optimizer.rule.kept, STALE))
-        runtime.placer.param_chunks += [s for _, _, s in self.pairs]  # modules pin these too, when swapped in
         self.optimizer = optimizer
         self.newest = 0
         self.swapped = False  # whether compute uses the older version now

@@ -161,7 +161,7 @@ class Runtime:
         for record in records:
             record.move("acquire")
             if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
-                record.group.param.pins += 1
+                self.placer.pin(record.group.param)
             record.uses += 1
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
@@ -176,7 +176,7 @@ class Runtime:
             if record.uses == 0:
                 record.move("release")
                 if record.group.owned and self.shards is None:
-                    record.group.param.pins -= 1
+                    self.placer.unpin(record.group.param)
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.unpin(key)
