@@ -305,3 +305,31 @@ def test_models_whose_modules_depend_on_the_data_train_on_plans(arch, caplog):
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
     stats = cm.memory_stats()
     assert stats["h2d_bytes"] > 0 and stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+
+
+class _Scaled(torch.nn.Module):
+    """Owns a parameter and calls children while it runs (as ViT's embeddings or a LoRA wrapper do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1056))  # one chunk of its own at chunk_size=1056
+        self.inner = torch.nn.Linear(32, 32)
+        self.after = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.inner(x) * self.scale[:32])
+
+
+def test_accesses_inside_a_module_that_owns_parameters_hold_its_chunk_until_it_returns():
+    model = torch.nn.Sequential(_Scaled(), torch.nn.Linear(32, 32))
+    cm, _ = prepared(model, ADAMW, chunk_size=1056)
+    records, placer = cm.runtime.store.records, cm.runtime.placer
+    chunk = lambda p: records[p].group.param.name  # noqa: E731
+    outer = chunk(cm.module[0].scale)
+    out = cm(torch.randn(4, 32))
+    held = {e.chunks: e.held for e in placer.events if e.kind == "use"}  # the forward's accesses
+    out.sum().backward()
+    assert held[(chunk(cm.module[0].inner.weight),)] == (outer,)
+    assert held[(chunk(cm.module[0].after.weight),)] == (outer,)
+    assert held[(chunk(cm.module[1].weight),)] == (), "the outer module has returned"
+    assert not placer.pinned and not any(c.pins for c in cm.runtime.store.chunks())
