@@ -156,12 +156,12 @@ class Chunk:
                 flat[max(a, start):min(b, end)].zero_()
             kept += [r for r in ((a, start), (end, b)) if r[0] < r[1]]
         self.unwritten = kept
+        if not kept:  # nothing left to zero: let go of the payload (dropped from the device, it must be freed)
+            self._fresh = None
 
     def _zero_unwritten(self, payload: torch.Tensor | None) -> None:
-        if payload is not None and self.unwritten and payload is self._fresh:
-            for start, end in self.unwritten:
-                payload[start:end].zero_()
-            self.unwritten, self._fresh = [], None
+        if payload is not None:
+            self._take(payload, payload, zero=True)
 
     def _leave_unwritten(self, payload: torch.Tensor) -> None:
         self.unwritten, self._fresh = [(0, self.numel)], payload

@@ -47,3 +47,15 @@ def test_an_upload_and_a_write_back_carry_zeros_for_unwritten_ranges():
     chunk.materialize_host()
     chunk.upload(dev)
     assert torch.equal(chunk.device, torch.zeros(16))
+
+
+def test_a_chunk_written_whole_and_dropped_gives_its_device_memory_back():
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("grad.0", 16, torch.float32, dev)
+    chunk.materialize_device(dev)
+    address = chunk.device_unfenced.data_ptr()
+    chunk.overwrite(lambda flat: flat).fill_(1.0)
+    chunk.download(dev)
+    chunk.drop_device()
+    chunk.host  # the download has landed: nothing holds the device buffer any more
+    assert dev.alloc(16, torch.float32).data_ptr() == address, "freed memory is reused, as CUDA's allocator does"
