@@ -54,7 +54,7 @@ class Follower:
         self.step = step
         self.plan = plan
         self.accesses = step.accesses
-        self.needs = [sum(sizes[c] for c in set(a.chunks)) for a in step.accesses]  # bytes each access needs
+        self.needs = [_bytes(a.chunks, sizes) for a in step.accesses]  # what each access needs on the device
         self.nexts = next_uses(step.accesses, step.carried)
         self.evicts: dict[int, list[str]] = {}  # access index -> what the plan evicts (prefetches) before it
         self.prefetches: dict[int, list[str]] = {}
@@ -221,7 +221,7 @@ class Placer:
         index = follower.locate(names)
         if index is None:  # off the record: the plan's rule and the budget where the step is
             self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel,
-                         sum(self.sizes[n] for n in set(names)))
+                         _bytes(names, self.sizes))
             return None
         if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
             self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
@@ -313,6 +313,11 @@ class Placer:
                 for kind, chunk in group.chunks.items():
                     if kind != "param":
                         self.residency.evict(chunk)
+
+
+def _bytes(names: Sequence[str], sizes: dict[str, int]) -> int:
+    """Bytes of the distinct chunks among `names`."""
+    return sum(sizes[n] for n in set(names))
 
 
 def _state_names(group: ChunkGroup) -> list[str]:

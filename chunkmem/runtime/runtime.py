@@ -287,8 +287,10 @@ class Runtime:
         if self.placer.homed(group.index):
             self.residency.bring(chunk)
             chunk.write_device()
-            # A fresh gradient overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges).
-            part(chunk.device).add_(grad) if accumulate else chunk.overwrite(part).copy_(grad)  # type: ignore[arg-type]
+            if accumulate:
+                part(chunk.device).add_(grad)  # type: ignore[arg-type]
+            else:  # overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges)
+                chunk.overwrite(part).copy_(grad)
             return
         self.residency.claim_host(chunk)
         chunk.receive(self.device, grad, part, self._host_like(grad) if accumulate else None)

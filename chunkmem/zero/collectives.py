@@ -8,6 +8,7 @@ single-tensor all-gather and reduce-scatter, under their current names.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -22,6 +23,16 @@ log = logging.getLogger("chunkmem")
 # torch >= 2.8 names the single-tensor collectives *_single and deprecates *_into_tensor / *_tensor.
 ALL_GATHER: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+Key = tuple[bool, int]  # a communication group of chunks: (trainable, group index)
+
+
+@dataclasses.dataclass
+class Flight:
+    """A collective issued async: its token, and the tensor that holds the result once waited for."""
+
+    work: object  # the device's token (device.py's Note on tokens)
+    result: torch.Tensor
+    ahead: bool = False  # a gather issued ahead of need (the placer has not seen its chunk's access yet)
 
 
 def backend_for(device: str) -> str:

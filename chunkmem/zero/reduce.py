@@ -8,7 +8,6 @@ next one starts, when the pool needs the buffer, or at the end of backward.
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,22 +16,10 @@ import torch.distributed as dist
 
 from chunkmem.chunks.state import TensorState
 from chunkmem.chunks.store import ParamRecord
-from chunkmem.zero.collectives import REDUCE_SCATTER
+from chunkmem.zero.collectives import REDUCE_SCATTER, Flight, Key
 
 if TYPE_CHECKING:
     from chunkmem.zero.shards import Shards
-
-Key = tuple[bool, int]  # (trainable, communication group index)
-
-
-@dataclasses.dataclass
-class Flight:
-    """A collective issued async: its token, and the tensor that holds the result once waited for."""
-
-    work: object  # the device's token (device.py's Note on tokens)
-    result: torch.Tensor
-    ahead: bool = False  # a gather issued ahead of need (the placer has not seen its chunk's access yet)
-
 
 class Reducer:
     """The gradient buffers of one sharded model and their reduce-scatters; `deliver(key, share)` adds a reduced

@@ -58,8 +58,8 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
-from chunkmem.zero.collectives import ALL_GATHER, agree, single_tensor_collectives
-from chunkmem.zero.reduce import Flight, Key, Reducer
+from chunkmem.zero.collectives import ALL_GATHER, Flight, Key, agree, single_tensor_collectives
+from chunkmem.zero.reduce import Reducer
 from chunkmem.zero.units import gather_units
 
 log = logging.getLogger("chunkmem")
