@@ -139,6 +139,15 @@ class Placer:
     def homed(self, group: int) -> bool:
         return group in self.homes
 
+    @property
+    def all_homed(self) -> bool:
+        return len(self.homes) == len(self.groups)
+
+    @property
+    def nothing_moves(self) -> bool:
+        """Every group is homed and every chunk is on the device now: no access needs room, so none evicts."""
+        return self.all_homed and len(self.residency.resident) == len(self.chunks)
+
     def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""

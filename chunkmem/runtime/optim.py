@@ -18,6 +18,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
+from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.state import TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
@@ -86,6 +87,41 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
             buffer.copy_(new)
     for step in steps:
         step += 1
+
+
+class Together:
+    """Updates of chunk groups that stay on the device, made in one call of the update rule per param group
+    once every group was visited: per-call costs are paid once (on CUDA, each foreach kernel launches once
+    for them all, not once per chunk). The arithmetic is elementwise, so the result is the same bits. Their
+    chunks stay pinned until then."""
+
+    def __init__(self) -> None:
+        self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
+        self.pinned: list[Chunk] = []
+
+    def hold(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            chunk.pins += 1
+            self.pinned.append(chunk)
+
+    def add(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: dict[str, list],
+            steps: list[torch.Tensor]) -> None:
+        _, all_params, all_grads, all_states, all_steps = self.lists.setdefault(
+            id(group), (group, [], [], {k: [] for k in states}, []))
+        all_params += params
+        all_grads += grads
+        for kind, views in states.items():
+            all_states[kind] += views
+        all_steps += steps
+
+    def update(self, rule: Rule) -> None:
+        for group, *lists in self.lists.values():
+            rule.update(group, *lists)  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        for chunk in self.pinned:
+            chunk.pins -= 1
+        self.pinned.clear()
 
 
 class ChunkOptimizer(Optimizer):
@@ -159,14 +195,19 @@ class ChunkOptimizer(Optimizer):
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
-        for chunk_group in runtime.groups():
-            members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
-            if members:
-                runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
-                self._step_group(chunk_group, members, group_of, inv_scale)
-                if not runtime.placer.homed(chunk_group.index):
-                    runtime.placer.updated_on_host(chunk_group.param)
-                runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+        together = Together()
+        try:
+            for chunk_group in runtime.groups():
+                members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
+                if members:
+                    runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
+                    self._step_group(chunk_group, members, group_of, inv_scale, together)
+                    if not runtime.placer.homed(chunk_group.index):
+                        runtime.placer.updated_on_host(chunk_group.param)
+                    runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+            together.update(self.rule)
+        finally:
+            together.release()
         runtime.step_done()
         return loss
 
@@ -181,17 +222,17 @@ class ChunkOptimizer(Optimizer):
                                  "prepare (prepare a fresh copy of the model to train it)")
 
     def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
-                    group_of: dict[ParamRecord, dict], inv_scale: float) -> None:
+                    group_of: dict[ParamRecord, dict], inv_scale: float, together: Together) -> None:
         runtime, on_device = self.runtime, self.runtime.placer.homed(chunk_group.index)
         needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
                                 *(chunk_group.chunks[k] for k in self.rule.states)])
         runtime.placer.access(list(needed), "optim", chunk_group.index)
         # With a disk tier, master and states stay in host memory while they update, then are written back.
         with runtime.host_cache.using(needed) if runtime.host_cache is not None else contextlib.nullcontext():
-            self._update(chunk_group, members, group_of, inv_scale, on_device)
+            self._update(chunk_group, members, group_of, inv_scale, on_device, together)
 
     def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
-                inv_scale: float, on_device: bool) -> None:
+                inv_scale: float, on_device: bool, together: Together) -> None:
         runtime = self.runtime
         uniform = self._uniform(chunk_group, members, group_of)
         if self.native is not None and not on_device and uniform is not None:
@@ -204,11 +245,22 @@ class ChunkOptimizer(Optimizer):
             grad = grad.float().mul_(inv_scale) if inv_scale != 1.0 else grad.float()
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
+        # When every chunk is on the device to stay, fp32 groups update together at the end of the step
+        # (Together): no access can need their room meanwhile. Otherwise a homed group's chunks may have to
+        # leave once it has updated; and a low-precision group updates now, so that one fp32 copy of a
+        # gradient is alive at a time.
+        later = on_device and not lowp and runtime.placer.nothing_moves
+        if later:
+            together.hold([chunk_group.chunks["grad"], chunk_group.master,
+                           *(chunk_group.chunks[k] for k in self.rule.states)])
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
-            self.rule.update(group, [r.view(master) for r in subset], [r.view(grad) for r in subset],
-                             {k: [r.view(flat) for r in subset] for k, flat in states.items()},
-                             [self.steps[r] for r in subset])
+            lists = ([r.view(master) for r in subset], [r.view(grad) for r in subset],
+                     {k: [r.view(flat) for r in subset] for k, flat in states.items()}, [self.steps[r] for r in subset])
+            if later:
+                together.add(group, *lists)
+            else:
+                self.rule.update(group, *lists)
         if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
 

@@ -98,7 +98,7 @@ class Runtime:
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
-        if len(self.placer.homes) == len(self.placer.groups):  # everything fits: all of it stays on the device
+        if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None

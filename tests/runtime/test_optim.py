@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -123,3 +124,45 @@ def test_parameters_put_into_a_param_group_by_hand_train_as_in_pytorch() -> None
     opt.param_groups[0]["params"].append(nn.Parameter(torch.ones(2)))
     with pytest.raises(ValueError, match="not in the model passed to chunkmem.prepare"):
         opt.step()
+
+
+@pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)])
+@pytest.mark.parametrize("small_chunks", [False, True])
+def test_groups_that_all_stay_on_the_device_update_in_one_call_per_param_group(make, small_chunks: bool) -> None:
+    # Updated together at the end of the step (optim.Together), bit-identical to the plain optimizer; with a
+    # budget that streams, each chunk group updates on its own (a homed group's chunks may have to leave).
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+
+    def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+        return make([{"params": list(m[0].parameters()) + list(m[4].parameters()), "lr": 3e-2},
+                     {"params": [p for name, p in m.named_parameters() if name.split(".")[0] not in ("0", "4")]}])
+
+    ref_opt = optimizer(ref)
+    size = 64 * 33 if small_chunks else None
+    cm, opt = chunkmem.prepare(model, optimizer(model), chunkmem.Config(device="cpu", chunk_size=size))
+    calls = []
+    update = opt.rule.update
+    opt.rule = dataclasses.replace(opt.rule, update=lambda group, params, *rest: (calls.append(len(params)),
+                                                                                 update(group, params, *rest)))
+    assert train(cm, opt, batches, mlp_loss) == train(ref, ref_opt, batches, mlp_loss)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    groups = len(cm.runtime.groups())
+    assert groups > 1 if small_chunks else True
+    assert calls == [4, 10] * len(batches)  # one call per param group and step, for every chunk group at once
+    assert all(c.pins == 0 for c in cm.runtime.store.chunks())
+
+
+def test_groups_that_stream_update_one_chunk_group_at_a_time() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model) * 2, chunk_size=64 * 33))
+    calls = []
+    update = opt.rule.update
+    opt.rule = dataclasses.replace(opt.rule, update=lambda group, params, *rest: (calls.append(len(params)),
+                                                                                 update(group, params, *rest)))
+    assert train(cm, opt, batches, mlp_loss) == train(ref, ref_opt, batches, mlp_loss)
+    assert not cm.runtime.placer.nothing_moves
+    assert len(calls) > len(batches)  # not one per step: the groups on the device update one after another
