@@ -25,7 +25,6 @@ the step costs when every copy overlaps (an upper bound on what overlap can give
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import statistics
 from collections.abc import Callable
@@ -117,21 +116,6 @@ def build(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def caching_malloc() -> None:
-    """Make glibc keep freed memory for reuse, as CUDA's caching allocator does on a GPU.
-
-    By default glibc serves large blocks with mmap and unmaps them when freed, so the next allocation of that
-    size faults its pages in again; which side pays for that depends on what other models in the process did
-    before (the issue saw a bf16 MLP cost 1.05x alone and 1.6-1.8x beside other models). Plain PyTorch
-    allocates its gradients and the optimizer's temporaries afresh every step; chunkmem's gradient chunks are
-    reused. With mmap off and no trimming, neither side faults pages after warm-up; both run alike.
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters, from glibc's malloc.h
-    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**62)):
-        raise RuntimeError("mallopt refused the caching settings: run with --allocator glibc")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
@@ -140,13 +124,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--allocator", choices=("glibc", "caching"), default="glibc",
-                        help="caching: host memory freed stays in the process for reuse (see `caching_malloc`)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    if args.allocator == "caching":
-        caching_malloc()
     rows = build(args)
     order = random.Random(0)
     for _ in range(args.rounds):
