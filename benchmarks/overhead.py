@@ -20,6 +20,14 @@ On the CPU simulation the chunks' copies are memcpy on the two cores that also c
 engines run them beside compute: "copies %" is the median share of the chunkmem step they took (the
 simulated device's own clock), and "median less copies" the paired ratio with that time taken out, what
 the step costs when every copy overlaps (an upper bound on what overlap can give; only a GPU shows it).
+
+The host allocator weighs on both sides: plain PyTorch allocates its gradients and the optimizer's
+temporaries afresh every step, and glibc serves them from fresh (page-faulting) mappings or from its heap
+depending on what the process did before. `--models`/`--dtypes` run fewer rows (fewer models in the
+process); with glibc told to keep what is freed, as CUDA's caching allocator does, the rows show what the
+step costs when allocating is free on both sides:
+
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 python -m benchmarks.overhead --models mlp --dtypes fp32
 """
 
 from __future__ import annotations
@@ -98,8 +106,8 @@ def build(args: argparse.Namespace) -> list[dict]:
               "llama": (lambda: llama(args.layers, args.width, args.vocab, args.seq), tokens),
               "mlp": (lambda: mlp(16, 1024), torch.randn(args.batch * 16, 1024, generator=gen))}
     rows = []
-    for name, (make, batch) in models.items():
-        for dtype in ("fp32", "bf16"):
+    for name, (make, batch) in ((n, models[n]) for n in args.models):
+        for dtype in args.dtypes:
             torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
             loss = loss_fn(name, batch, torch_dtype)
             fits = None  # the row where everything fits gives the activation peak and the model data
@@ -124,6 +132,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "llama", "mlp"), default=["gpt2", "llama", "mlp"],
+                        help="fewer models: fewer in the process, whose allocator state weighs on both sides")
+    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
