@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -43,6 +44,7 @@ def provenance() -> dict:
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
             "cpus": torch.get_num_threads(),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("CHUNKMEM_", "MALLOC_", "OMP_"))},
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (simulation)"}
 
 
