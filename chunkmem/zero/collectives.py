@@ -1,7 +1,8 @@
 """The process group chunkmem shards over, and what every rank must decide alike before using it.
 
 `default_group` finds (or, under torchrun, creates) the group; `agree` makes a number the same on
-every rank; `single_tensor_collectives` probes the backend once. The collectives themselves are the
+every rank; `single_tensor_collectives` probes the backend once; `Order` keeps the order gathers follow
+(shards' Note on overlap). The collectives themselves are the
 single-tensor all-gather and reduce-scatter, under their current names.
 """
 
@@ -87,3 +88,28 @@ def single_tensor_collectives(group: Any, device: torch.device) -> bool:
     except (RuntimeError, NotImplementedError, ValueError):
         supported = 0
     return bool(agree([supported], group, device)[0])
+
+
+class Order:
+    """The order in which a step gathers groups: recorded in one step, followed in the next.
+
+    A group gathered again right after itself counts once. Once a step leaves the recorded order it
+    is followed no further; each step's order is what the next one follows.
+    """
+
+    def __init__(self) -> None:
+        self.recorded: list[Key] = []
+        self.now: list[Key] = []
+        self.on_path = False  # the first step has nothing to follow
+
+    def seen(self, key: Key) -> Key | None:
+        """Note a gather; the group expected next, while this step follows the recorded order."""
+        if not self.now or self.now[-1] != key:
+            at = len(self.now)
+            self.now.append(key)
+            self.on_path = self.on_path and at < len(self.recorded) and self.recorded[at] == key
+        at = len(self.now)
+        return self.recorded[at] if self.on_path and at < len(self.recorded) else None
+
+    def step_done(self) -> None:
+        self.recorded, self.now, self.on_path = self.now, [], True

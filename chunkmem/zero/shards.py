@@ -18,11 +18,11 @@ rank (the device budget, the buffer pool's size). The placer's readings move chu
 collectives.
 
 [Note: overlap]
-The first step records the order in which groups are gathered (`Order`); every later step follows
-the order of the step before it. When a group is gathered, the next group of that order is
-gathered ahead (async), so its collective runs while the current module computes; it is waited for
-when a module needs it. A step that leaves the recorded order gathers nothing ahead for the rest
-of it. A complete gradient group starts its reduce-scatter at once (async); its share is added to
+The first step records the order in which groups are gathered (collectives.Order); every later
+step follows the order of the step before it. When a group is gathered, the next group of that
+order is gathered ahead (async), so its collective runs while the current module computes; it is
+waited for when a module needs it. A step that leaves the recorded order gathers nothing ahead for
+the rest of it. A complete gradient group starts its reduce-scatter at once (async); its share is added to
 the gradient chunk when the next reduce-scatter starts, when the pool needs its buffer, or at the
 end of backward, before anything reads gradients. On CUDA collectives are issued on their own
 stream after the work compute has queued; waiting makes the compute stream wait, not the host.
@@ -58,7 +58,7 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
-from chunkmem.zero.collectives import ALL_GATHER, Flight, Key, agree, single_tensor_collectives
+from chunkmem.zero.collectives import ALL_GATHER, Flight, Key, Order, agree, single_tensor_collectives
 from chunkmem.zero.reduce import Reducer
 from chunkmem.zero.units import gather_units
 
@@ -79,31 +79,6 @@ def least_device_bytes(module: nn.Module, chunk_size: int, itemsize: int, world:
     chunks = working_set_chunks(module, chunk_size)
     own = chunks if world == 1 else 1
     return own * chunk_size * itemsize + least_transient_bytes(world, chunk_size * itemsize, chunks)
-
-
-class Order:
-    """The order in which a step gathers groups: recorded in one step, followed in the next.
-
-    A group gathered again right after itself counts once. Once a step leaves the recorded order it
-    is followed no further; each step's order is what the next one follows.
-    """
-
-    def __init__(self) -> None:
-        self.recorded: list[Key] = []
-        self.now: list[Key] = []
-        self.on_path = False  # the first step has nothing to follow
-
-    def seen(self, key: Key) -> Key | None:
-        """Note a gather; the group expected next, while this step follows the recorded order."""
-        if not self.now or self.now[-1] != key:
-            at = len(self.now)
-            self.now.append(key)
-            self.on_path = self.on_path and at < len(self.recorded) and self.recorded[at] == key
-        at = len(self.now)
-        return self.recorded[at] if self.on_path and at < len(self.recorded) else None
-
-    def step_done(self) -> None:
-        self.recorded, self.now, self.on_path = self.now, [], True
 
 
 class Shards:
