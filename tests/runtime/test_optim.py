@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import chunkmem
-from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
+from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
@@ -166,3 +166,22 @@ def test_groups_that_stream_update_one_chunk_group_at_a_time() -> None:
     assert train(cm, opt, batches, mlp_loss) == train(ref, ref_opt, batches, mlp_loss)
     assert not cm.runtime.placer.nothing_moves
     assert len(calls) > len(batches)  # not one per step: the groups on the device update one after another
+
+
+def test_a_transformers_model_that_fits_updates_in_one_call_and_matches_pytorch() -> None:
+    model = tiny_gpt2()
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", chunk_size=20000))
+    calls = []
+    update = opt.rule.update
+    opt.rule = dataclasses.replace(opt.rule, update=lambda group, params, *rest: (calls.append(len(params)),
+                                                                                 update(group, params, *rest)))
+    tokens = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def lm_loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return m(batch, labels=batch).loss
+
+    assert train(cm, opt, tokens, lm_loss) == train(ref, ref_opt, tokens, lm_loss)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert len(cm.runtime.groups()) > 1 and calls == [len(list(ref.parameters()))] * len(tokens)
