@@ -115,8 +115,8 @@ class Together:
         all_steps += steps
 
     def update(self, rule: Rule) -> None:
-        for group, *lists in self.lists.values():
-            rule.update(group, *lists)  # type: ignore[arg-type]
+        for group, params, grads, states, steps in self.lists.values():
+            rule.update(group, params, grads, states, steps)
 
     def release(self) -> None:
         for chunk in self.pinned:

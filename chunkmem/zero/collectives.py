@@ -1,9 +1,9 @@
 """The process group chunkmem shards over, and what every rank must decide alike before using it.
 
 `default_group` finds (or, under torchrun, creates) the group; `agree` makes a number the same on
-every rank; `single_tensor_collectives` probes the backend once; `Order` keeps the order gathers follow
-(shards' Note on overlap). The collectives themselves are the
-single-tensor all-gather and reduce-scatter, under their current names.
+every rank; `single_tensor_collectives` probes the backend once; `Order` keeps the order gathers
+follow (shards' Note on overlap). The collectives themselves are the single-tensor all-gather and
+reduce-scatter, under their current names.
 """
 
 from __future__ import annotations

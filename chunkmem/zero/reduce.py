@@ -21,6 +21,7 @@ from chunkmem.zero.collectives import REDUCE_SCATTER, Flight, Key
 if TYPE_CHECKING:
     from chunkmem.zero.shards import Shards
 
+
 class Reducer:
     """The gradient buffers of one sharded model and their reduce-scatters; `deliver(key, share)` adds a reduced
     share to this rank's gradient chunk of that group."""
