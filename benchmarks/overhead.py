@@ -9,7 +9,10 @@ timing, so all of them live in the process at once, as several models do in a us
 
 Each round visits the rows in a shuffled order and times one plain and one chunkmem step back to back, in
 a random order; a row's ratio is paired per round (chunkmem / plain of the same round), and the table
-shows min/median/max over rounds, so drift on a noisy machine hits both sides of every ratio.
+shows min/median/max over rounds, so drift on a noisy machine hits both sides of every ratio. The "A/A"
+row of each model and dtype times two plain twins against each other the same way: the spread a ratio
+shows here when there is no overhead at all. "faults" are the minor page faults of one step (median, the
+process's count), chunkmem's / plain's: fresh memory the host allocator took from the kernel.
 
 Plain PyTorch: fp32 is the model and `torch.optim.AdamW`. bf16 is the same mixed-precision algorithm
 chunkmem runs, written as a user would: bf16 parameters for forward and backward, fp32 master weights
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 from collections.abc import Callable
 
@@ -118,10 +122,24 @@ def build(args: argparse.Namespace) -> list[dict]:
                 fits = fits or (wrapped.runtime.activations.peak, wrapped.memory_stats()["model_data_bytes"])
                 plain = plain_step(make(), loss, torch_dtype)
                 plain()
-                rows.append({"model": name, "dtype": dtype, "budget": label, "plain": plain, "chunkmem": chunk,
-                             "wrapped": wrapped, "before": wrapped.memory_stats(), "ratios": [], "plain_s": [],
-                             "less_copies": [], "copy_share": []})
+                rows.append(_row(name, dtype, label, plain, chunk, wrapped))
+            twin = plain_step(make(), loss, torch_dtype)  # the A/A row: plain against its own twin
+            twin()
+            rows.append(_row(name, dtype, "A/A", plain_step(make(), loss, torch_dtype), twin, None))
     return rows
+
+
+def _row(model: str, dtype: str, budget: str, plain: Step, chunk: Step, wrapped: torch.nn.Module | None) -> dict:
+    return {"model": model, "dtype": dtype, "budget": budget, "plain": plain, "chunkmem": chunk, "wrapped": wrapped,
+            "before": wrapped.memory_stats() if wrapped is not None else None, "ratios": [], "plain_s": [],
+            "less_copies": [], "copy_share": [], "faults": {"plain": [], "chunkmem": []}}
+
+
+def timed_faults(step: Step) -> tuple[float, int]:
+    """Seconds and minor page faults of one step."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    seconds = timed(step)
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
 def main() -> None:
@@ -143,9 +161,12 @@ def main() -> None:
     for _ in range(args.rounds):
         for row in order.sample(rows, len(rows)):
             sides = order.sample(["plain", "chunkmem"], 2)
-            device = row["wrapped"].runtime.device
+            device = row["wrapped"].runtime.device if row["wrapped"] is not None else None
             copied = getattr(device, "copy_seconds", 0.0)
-            times = {side: timed(row[side]) for side in sides}
+            times = {}
+            for side in sides:
+                times[side], faults = timed_faults(row[side])
+                row["faults"][side].append(faults)
             copied = getattr(device, "copy_seconds", 0.0) - copied
             row["ratios"].append(times["chunkmem"] / times["plain"])
             row["less_copies"].append((times["chunkmem"] - copied) / times["plain"])
@@ -153,15 +174,18 @@ def main() -> None:
             row["plain_s"].append(times["plain"])
     results = []
     for row in rows:
-        stats, before = row["wrapped"].memory_stats(), row["before"]
+        moved = 0.0
+        if row["wrapped"] is not None:
+            stats, before = row["wrapped"].memory_stats(), row["before"]
+            moved = sum(stats[k] - before[k] for k in ("h2d_bytes", "d2h_bytes")) / 2**20 / args.rounds
+        faulted = {side: round(statistics.median(counts)) for side, counts in row["faults"].items()}
         results.append({"model": row["model"], "dtype": row["dtype"], "budget": row["budget"],
                         "plain ms": round(1000 * statistics.median(row["plain_s"]), 1),
                         "min": round(min(row["ratios"]), 3), "median": round(statistics.median(row["ratios"]), 3),
                         "max": round(max(row["ratios"]), 3),
                         "copies %": round(100 * statistics.median(row["copy_share"]), 1),
                         "median less copies": round(statistics.median(row["less_copies"]), 3),
-                        "moved MiB/step": round(sum(stats[k] - before[k] for k in ("h2d_bytes", "d2h_bytes"))
-                                                 / 2**20 / args.rounds, 1)})
+                        "moved MiB/step": round(moved, 1), "faults": f"{faulted['chunkmem']} / {faulted['plain']}"})
     print(f"{len(rows)} rows, {args.rounds} shuffled rounds; chunkmem / plain PyTorch per round")
     print(table(results, list(results[0])))
     write_json(args.json, {"benchmark": "overhead", "args": vars(args), "rows": results,
