@@ -19,7 +19,9 @@ updated master out, as mixed-precision training needs). Every contender produces
 
 Each round times every contender once, in a fresh random order, so that a shared machine's load falls
 on all of them alike; "x floor" is the ratio to the floor in the same round, reported as min/median/max
-over rounds, as are the times. The load average is recorded before and after.
+over rounds, as are the times. "floor A/A" is the floor again on buffers of its own, timed as a contender:
+its "x floor" is the spread this machine gives a ratio of two equal steps. The load average is recorded
+before and after.
 
 "x floor (best)" compares the best times, what a quiet machine gives. "arithmetic / floor" (chunkmem's row)
 is the kernel's time per parameter on a chunk that stays in cache, where memory costs little, over the
@@ -38,7 +40,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -156,6 +157,7 @@ def measure(n: int, precision: str, rounds: int, rng: random.Random) -> list[dic
         "single+casts": torch_step(n, precision, foreach=False),
         "deepspeed+casts": deepspeed_step(n, precision),
         "floor": floor_step(n, precision),
+        "floor A/A": floor_step(n, precision),  # the floor again, on its own buffers: a ratio's spread at no cost
     }
     runs = {name: fn for name, fn in contenders.items() if fn is not None}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -193,11 +195,6 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
-def tree_is_clean() -> bool:
-    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-    return status.returncode == 0 and status.stdout.strip() == ""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16M,64M", help="parameters per chunk, comma-separated")
@@ -222,7 +219,7 @@ def main() -> None:
                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     print(f"load average (1, 5, 15 min): before {load_before}, after {machine['loadavg_after']}")
     write_json(args.json, {"benchmark": "cpu_adam", "machine": machine, "rounds": args.rounds, "seed": args.seed,
-                           "clean_tree": tree_is_clean(), "rows": rows})
+                           "rows": rows})
 
 
 if __name__ == "__main__":
