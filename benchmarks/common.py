@@ -41,7 +41,9 @@ def timed(fn: Callable[[], None]) -> float:
 
 def provenance() -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+    # Results written earlier in the same session don't count: they are this directory's outputs, not its code.
+    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!benchmarks/results"],
+                            capture_output=True, text=True)
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
             "clean_tree": status.returncode == 0 and not status.stdout.strip(),
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
