@@ -135,8 +135,8 @@ def build(args: argparse.Namespace) -> list[dict]:
 
 def _row(model: str, dtype: str, budget: str, plain: Step, chunk: Step, wrapped: torch.nn.Module | None) -> dict:
     return {"model": model, "dtype": dtype, "budget": budget, "plain": plain, "chunkmem": chunk, "wrapped": wrapped,
-            "before": wrapped.memory_stats() if wrapped is not None else None, "ratios": [], "plain_s": [], "extra_s": [],
-            "less_copies": [], "copy_share": [], "faults": {"plain": [], "chunkmem": []}}
+            "before": wrapped.memory_stats() if wrapped is not None else None, "ratios": [], "plain_s": [],
+            "extra_s": [], "less_copies": [], "copy_share": [], "faults": {"plain": [], "chunkmem": []}}
 
 
 def timed_faults(step: Step) -> tuple[float, int]:
