@@ -42,7 +42,7 @@ def timed(fn: Callable[[], None]) -> float:
 def provenance() -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     # Results written earlier in the same session don't count: they are this directory's outputs, not its code.
-    status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!benchmarks/results"],
+    status = subprocess.run(["git", "status", "--porcelain", "--", ":/", ":(top,exclude)benchmarks/results"],
                             capture_output=True, text=True)
     return {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit,
             "clean_tree": status.returncode == 0 and not status.stdout.strip(),
