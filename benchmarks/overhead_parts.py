@@ -1,0 +1,174 @@
+"""Where chunkmem's overhead goes when the model fits: its per-step cost with each mechanism taken out.
+
+    CHUNKMEM_SIM_CHECK=0 python -m benchmarks.overhead_parts --json benchmarks/results/overhead_parts_cpu.json
+
+benchmarks/overhead.py measures chunkmem against plain PyTorch; this script says which of chunkmem's
+mechanisms the difference pays for. Each row prepares one model per variant, everything fitting on the
+device (so no chunk ever moves and every mechanism below can be taken out without changing where the data
+is), and runs every step of that model, its warm-up included, with the variant's mechanisms replaced by
+nothing:
+
+  mode                  the torch-function mode around the forward: it catches parameters used outside
+                        their module, casts BatchNorm's affine parameters, retries an op out of memory
+  saved hooks           autograd's pack/unpack hooks: weights saved by chunk address, activations metered
+                        (and offloaded when configured)
+  grad copy             the copy of each gradient autograd computed into its gradient chunk (the chunk
+                        keeps stale bytes: a variant for timing only)
+  per-op Python         the mode, the saved-tensor hooks and the module hooks' work together: what is left
+                        is the module hooks' calls themselves, the gradient path and the optimizer
+  none                  per-op Python and the gradient copy
+
+Each round visits the variants in a shuffled order and times one plain step and one step of that
+variant's model back to back, in a random order. "extra ms" is the median over rounds of the variant's time
+less plain's in the same round; "saves ms" is the full chunkmem's extra less the variant's, what taking
+those mechanisms out gives back. The knocked-out variants do not train correctly (gradients or
+fetches go missing); they are for timing. Tiny models show the cost in absolute terms, compute being
+nothing (`--width 64 --vocab 256 --batch 1 --seq 16 --mlp-width 32`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+from collections.abc import Callable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+from benchmarks.common import gpt2, table, timed, write_json
+from benchmarks.overhead import Step, chunk_step, loss_fn, mlp, plain_step
+from benchmarks.placement import llama
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.runtime import hooks
+from chunkmem.runtime.runtime import Runtime
+
+
+class _NoMode:
+    """Stands in for hooks.FetchMode: a context that does nothing."""
+
+    def __init__(self, _runtime: Runtime) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *_exc: Any) -> None:
+        pass
+
+
+class _Discard:
+    """What Chunk.overwrite hands the gradient path in the no-copy variant: copying into it does nothing."""
+
+    def copy_(self, _source: torch.Tensor) -> None:
+        pass
+
+
+ORIGINAL_OVERWRITE = Chunk.overwrite
+
+
+def _overwrite_without_copy(chunk: Chunk, part: Callable[[torch.Tensor], torch.Tensor]) -> _Discard:
+    ORIGINAL_OVERWRITE(chunk, part)  # the range counts as written, as after a real copy
+    return _Discard()
+
+
+MODE = mock.patch.object(hooks, "FetchMode", _NoMode)
+SAVED = mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", lambda *_: contextlib.nullcontext())
+MODULE_WORK = mock.patch.multiple(Runtime, enter=lambda *_: None, leave=lambda *_: None)
+COPY = mock.patch.object(Chunk, "overwrite", _overwrite_without_copy)
+VARIANTS: dict[str, tuple[Any, ...]] = {
+    "full": (),
+    "no mode": (MODE,),
+    "no saved hooks": (SAVED,),
+    "no grad copy": (COPY,),
+    "no per-op Python": (MODE, SAVED, MODULE_WORK),
+    "none": (MODE, SAVED, MODULE_WORK, COPY),
+}
+
+
+@contextlib.contextmanager
+def _without(patches: tuple[Any, ...]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
+                  patches: tuple[Any, ...]) -> Step:
+    """A chunkmem model whose every step, from its warm-up on, runs without the given mechanisms."""
+    with _without(patches):
+        step, _ = chunk_step(make(), loss, dtype, None)
+
+    def run() -> None:
+        with _without(patches):
+            step()
+    for _ in range(2):  # warm-up, then the first step on the plan
+        run()
+    return run
+
+
+def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
+            rounds: int, order: random.Random) -> dict[str, list[float]]:
+    """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    steps = {name: _variant_step(make, loss, dtype, patches) for name, patches in VARIANTS.items()}
+    plain = plain_step(make(), loss, torch_dtype)
+    plain()
+    extra: dict[str, list[float]] = {"plain": [], **{name: [] for name in steps}}
+    for _ in range(rounds):
+        for name in order.sample(list(steps), len(steps)):
+            times = {}
+            for side in order.sample(["plain", name], 2):
+                times[side] = timed(plain if side == "plain" else steps[name])
+            extra[name].append(times[name] - times["plain"])
+            extra["plain"].append(times["plain"])
+    return extra
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--mlp-width", type=int, default=1024, help="the MLP's width (16 layers)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "llama", "mlp"), default=["gpt2", "llama", "mlp"])
+    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    models = {"gpt2": (lambda: gpt2(args.layers, args.width, args.vocab, args.seq), tokens),
+              "llama": (lambda: llama(args.layers, args.width, args.vocab, args.seq), tokens),
+              "mlp": (lambda: mlp(16, args.mlp_width), torch.randn(args.batch * 16, args.mlp_width, generator=gen))}
+    order = random.Random(0)
+    rows, raw = [], {}
+    for name in args.models:
+        make, batch = models[name]
+        for dtype in args.dtypes:
+            loss = loss_fn(name, batch, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            extra = measure(make, loss, dtype, args.rounds, order)
+            full = statistics.median(extra["full"])
+            row: dict[str, Any] = {"model": name, "dtype": dtype,
+                                   "plain ms": round(1000 * statistics.median(extra["plain"]), 2)}
+            for variant in VARIANTS:
+                median = statistics.median(extra[variant])
+                row[f"{variant}: extra ms"] = round(1000 * median, 2)
+                if variant != "full":
+                    row[f"{variant}: saves ms"] = round(1000 * (full - median), 2)
+            rows.append(row)
+            raw[f"{name} {dtype}"] = {k: [round(1000 * x, 3) for x in v] for k, v in extra.items()}
+    print(f"{args.rounds} shuffled rounds; extra = the variant's step less plain PyTorch's, median ms")
+    short = ["model", "dtype", "plain ms", "full: extra ms", *(f"{v}: saves ms" for v in VARIANTS if v != "full")]
+    print(table(rows, short))
+    write_json(args.json, {"benchmark": "overhead_parts", "args": vars(args), "rows": rows, "ms": raw})
+
+
+if __name__ == "__main__":
+    main()
