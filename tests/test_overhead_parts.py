@@ -1,0 +1,54 @@
+"""benchmarks/overhead_parts.py: each variant's steps run without exactly the mechanisms it names.
+
+The benchmark takes mechanisms out by patching chunkmem where it calls them; a patch that stopped applying
+(a renamed function, a hook installed another way) would leave a variant timing the full step and its
+"saves" column reading zero. Here each mechanism is watched at its entry point while a variant steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+from benchmarks import overhead_parts
+from benchmarks.overhead import loss_fn, mlp
+from chunkmem.runtime import hooks
+from chunkmem.runtime.runtime import Runtime
+
+MECHANISMS = {"mode": (hooks.FetchMode, "__torch_function__"), "saved": (Runtime, "pack"),
+              "module": (Runtime, "enter")}
+
+
+@pytest.mark.parametrize("variant, used", [
+    ("full", {"mode", "saved", "module"}),
+    ("no mode", {"saved", "module"}),
+    ("no saved hooks", {"mode", "module"}),
+    ("no per-op Python", set()),
+])
+def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set[str]) -> None:
+    assert set(overhead_parts.VARIANTS) == {"full", "no mode", "no saved hooks", "no per-op Python"}
+    seen: set[str] = set()
+
+    def watched(name: str, owner: type, attribute: str) -> Any:
+        original = getattr(owner, attribute)
+
+        def call(*args: object, **kwargs: object) -> object:
+            seen.add(name)
+            return original(*args, **kwargs)
+        return mock.patch.object(owner, attribute, call)
+
+    patches = [watched(name, owner, attribute) for name, (owner, attribute) in MECHANISMS.items()]
+    for patch in patches:
+        patch.start()
+    try:
+        loss = loss_fn("mlp", torch.randn(4, 8), torch.float32)
+        step = overhead_parts._variant_step(lambda: mlp(2, 8), loss, "fp32", overhead_parts.VARIANTS[variant])
+        seen.clear()
+        step()
+    finally:
+        for patch in patches:
+            patch.stop()
+    assert seen == used
