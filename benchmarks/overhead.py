@@ -107,14 +107,19 @@ def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     return step, wrapped
 
 
-def build(args: argparse.Namespace) -> list[dict]:
+def models(args: argparse.Namespace) -> dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor]]:
+    """Each model's constructor and its batch, by name, at the sizes `args` gives."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    models = {"gpt2": (lambda: gpt2(args.layers, args.width, args.vocab, args.seq), tokens),
-              "llama": (lambda: llama(args.layers, args.width, args.vocab, args.seq), tokens),
-              "mlp": (lambda: mlp(16, args.mlp_width), torch.randn(args.batch * 16, args.mlp_width, generator=gen))}
+    return {"gpt2": (lambda: gpt2(args.layers, args.width, args.vocab, args.seq), tokens),
+            "llama": (lambda: llama(args.layers, args.width, args.vocab, args.seq), tokens),
+            "mlp": (lambda: mlp(16, args.mlp_width), torch.randn(args.batch * 16, args.mlp_width, generator=gen))}
+
+
+def build(args: argparse.Namespace) -> list[dict]:
+    made = models(args)
     rows = []
-    for name, (make, batch) in ((n, models[n]) for n in args.models):
+    for name, (make, batch) in ((n, made[n]) for n in args.models):
         for dtype in args.dtypes:
             torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
             loss = loss_fn(name, batch, torch_dtype)

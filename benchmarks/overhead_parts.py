@@ -43,9 +43,8 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import gpt2, table, timed, write_json
-from benchmarks.overhead import Step, chunk_step, loss_fn, mlp, plain_step
-from benchmarks.placement import llama
+from benchmarks.common import table, timed, write_json
+from benchmarks.overhead import Step, chunk_step, loss_fn, models, plain_step
 from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
@@ -128,15 +127,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-    models = {"gpt2": (lambda: gpt2(args.layers, args.width, args.vocab, args.seq), tokens),
-              "llama": (lambda: llama(args.layers, args.width, args.vocab, args.seq), tokens),
-              "mlp": (lambda: mlp(16, args.mlp_width), torch.randn(args.batch * 16, args.mlp_width, generator=gen))}
+    made = models(args)
     order = random.Random(0)
     rows, raw = [], {}
     for name in args.models:
-        make, batch = models[name]
+        make, batch = made[name]
         for dtype in args.dtypes:
             loss = loss_fn(name, batch, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
             extra = measure(make, loss, dtype, args.rounds, order)
