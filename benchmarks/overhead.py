@@ -53,6 +53,7 @@ from benchmarks.placement import llama
 
 Step = Callable[[], None]
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:
@@ -107,6 +108,20 @@ def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     return step, wrapped
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, width: int = 256, vocab: int = 8192, batch: int = 4,
+                        seq: int = 128, mlp_width: int = 1024) -> None:
+    """The models' sizes (the defaults are this benchmark's) and which models and dtypes to run."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=width)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--mlp-width", type=int, default=mlp_width, help="the MLP's width (16 layers)")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "llama", "mlp"), default=["gpt2", "llama", "mlp"],
+                        help="fewer models: fewer in the process, whose allocator state weighs on both sides")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+
+
 def models(args: argparse.Namespace) -> dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor]]:
     """Each model's constructor and its batch, by name, at the sizes `args` gives."""
     gen = torch.Generator().manual_seed(0)
@@ -121,7 +136,7 @@ def build(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name, (make, batch) in ((n, made[n]) for n in args.models):
         for dtype in args.dtypes:
-            torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+            torch_dtype = DTYPES[dtype]
             loss = loss_fn(name, batch, torch_dtype)
             fits = None  # the row where everything fits gives the activation peak and the model data
             for label, share in SHARES.items():
@@ -153,16 +168,8 @@ def timed_faults(step: Step) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--mlp-width", type=int, default=1024, help="the MLP's width (16 layers)")
+    add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--models", nargs="+", choices=("gpt2", "llama", "mlp"), default=["gpt2", "llama", "mlp"],
-                        help="fewer models: fewer in the process, whose allocator state weighs on both sides")
-    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 

@@ -44,7 +44,7 @@ from unittest import mock
 import torch
 
 from benchmarks.common import table, timed, write_json
-from benchmarks.overhead import Step, chunk_step, loss_fn, models, plain_step
+from benchmarks.overhead import DTYPES, Step, add_model_arguments, chunk_step, loss_fn, models, plain_step
 from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
@@ -98,9 +98,8 @@ def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.
 def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
             rounds: int, order: random.Random) -> dict[str, list[float]]:
     """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     steps = {name: _variant_step(make, loss, dtype, patches) for name, patches in VARIANTS.items()}
-    plain = plain_step(make(), loss, torch_dtype)
+    plain = plain_step(make(), loss, DTYPES[dtype])
     plain()
     extra: dict[str, list[float]] = {"plain": [], **{name: [] for name in steps}}
     for _ in range(rounds):
@@ -115,15 +114,8 @@ def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--mlp-width", type=int, default=32, help="the MLP's width (16 layers)")
+    add_model_arguments(parser, width=64, vocab=256, batch=1, seq=16, mlp_width=32)
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--models", nargs="+", choices=("gpt2", "llama", "mlp"), default=["gpt2", "llama", "mlp"])
-    parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -133,7 +125,7 @@ def main() -> None:
     for name in args.models:
         make, batch = made[name]
         for dtype in args.dtypes:
-            loss = loss_fn(name, batch, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            loss = loss_fn(name, batch, DTYPES[dtype])
             extra = measure(make, loss, dtype, args.rounds, order)
             full = statistics.median(extra["full"])
             row: dict[str, Any] = {"model": name, "dtype": dtype,
