@@ -234,8 +234,8 @@ class ChunkOptimizer(Optimizer):
     def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
                 inv_scale: float, on_device: bool, together: Together) -> None:
         runtime = self.runtime
-        uniform = self._uniform(chunk_group, members, group_of)
-        if self.native is not None and not on_device and uniform is not None:
+        uniform = self._uniform(chunk_group, members, group_of) if self.native is not None and not on_device else None
+        if uniform is not None:
             self._native_step(chunk_group, members, uniform, inv_scale)
             return
         lowp = "master" in chunk_group.chunks
