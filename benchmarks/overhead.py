@@ -82,7 +82,8 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     low = [p for p in model.parameters()]
     master = [p.detach().float().clone().requires_grad_() for p in low]
     optimizer = torch.optim.AdamW(master, lr=1e-4)
-    model.to(dtype)
+    for param in low:  # buffers keep their precision, as under chunkmem (LLaMA's rotary frequencies stay fp32)
+        param.data = param.data.to(dtype)
 
     def mixed() -> None:
         loss(model).backward()
