@@ -26,6 +26,7 @@ def test_the_plain_step_lands_on_chunkmems_bits(name: str, dtype: str) -> None:
     batch = torch.randn(4, 16) if name == "mlp" else torch.randint(0, 64, (2, 8))
     loss = loss_fn(name, batch, DTYPES[dtype])
     plain_model = make()
+    start = {n: p.detach().to(DTYPES[dtype]) for n, p in make().named_parameters()}
     plain = plain_step(plain_model, loss, DTYPES[dtype])
     chunk, wrapped = chunk_step(make(), loss, dtype, None)
     for _ in range(3):
@@ -38,3 +39,4 @@ def test_the_plain_step_lands_on_chunkmems_bits(name: str, dtype: str) -> None:
         assert torch.equal(ours[param_name].detach(), value.detach()), f"{param_name} differs after 3 steps"
         compared += 1
     assert compared == len(ours) > 0
+    assert any(not torch.equal(value, start[n]) for n, value in ours.items()), "three steps changed nothing"
