@@ -49,20 +49,7 @@ from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
 
-class _NoMode:
-    """Stands in for hooks.FetchMode: a context that does nothing."""
-
-    def __init__(self, _runtime: Runtime) -> None:
-        pass
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *_exc: Any) -> None:
-        pass
-
-
-MODE = mock.patch.object(hooks, "FetchMode", _NoMode)
+MODE = mock.patch.object(hooks, "FetchMode", lambda _runtime: contextlib.nullcontext())
 SAVED = mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", lambda *_: contextlib.nullcontext())
 MODULE_WORK = mock.patch.multiple(Runtime, enter=lambda *_: None, leave=lambda *_: None)
 VARIANTS: dict[str, tuple[Any, ...]] = {

@@ -234,10 +234,11 @@ class ChunkOptimizer(Optimizer):
     def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
                 inv_scale: float, on_device: bool, together: Together) -> None:
         runtime = self.runtime
-        uniform = self._uniform(chunk_group, members, group_of) if self.native is not None and not on_device else None
-        if uniform is not None:
-            self._native_step(chunk_group, members, uniform, inv_scale)
-            return
+        if self.native is not None and not on_device:
+            uniform = self._uniform(chunk_group, members, group_of)
+            if uniform is not None:
+                self._native_step(chunk_group, members, uniform, inv_scale)
+                return
         lowp = "master" in chunk_group.chunks
         grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
             chunk_group.chunks["grad"])
