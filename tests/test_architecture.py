@@ -4,6 +4,8 @@ module imports itself back through others, counting the imports made inside func
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import chunkmem
@@ -95,3 +97,11 @@ def test_the_layers_are_folders():
     for module in modules():
         parts = module.split(".")
         assert len(parts) == 1 or ".".join(parts[:2]) in named, f"{module}: put it in a layer's folder"
+
+
+def test_importing_chunkmem_leaves_the_heavy_torch_subsystems_to_their_users():
+    # torch.distributed.pipelining brings in dynamo and sympy, about a second: only a pipeline needs it.
+    heavy = ["torch.distributed.pipelining", "torch._dynamo", "sympy", "transformers"]
+    code = f"import sys, chunkmem; print([m for m in {heavy!r} if m in sys.modules])"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", f"`import chunkmem` imported {loaded.strip()}"

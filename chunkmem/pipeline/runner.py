@@ -22,6 +22,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,7 +34,6 @@ from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
 from chunkmem.memory.device import use_device
 from chunkmem.pipeline import balance as balancing
-from chunkmem.pipeline import scheduled
 from chunkmem.pipeline.flow import Feed, Flow
 from chunkmem.pipeline.layout import make_layout, stage_ranks
 from chunkmem.pipeline.schedule import SCHEDULES, Action, in_flight
@@ -59,7 +59,7 @@ class Pipeline:
         self.layout = make_layout(data_parallel, first.device if isinstance(first, Config) else Config().device)
         self.virtual = (virtual_stages or 2) if schedule in VIRTUAL else 1
         k, m = self.layout.n_ranks, n_microbatches
-        scheduled.check_layout(schedule, k, m, self.virtual, data_parallel)
+        _scheduled().check_layout(schedule, k, m, self.virtual, data_parallel)
         self.stage_ranks = stage_ranks(k, self.virtual, "v" if schedule == "zbv" else "loop")
         self.stages = [i for i, r in enumerate(self.stage_ranks) if r == self.layout.position]
         self.configs = _rank_configs(config, k)
@@ -161,7 +161,7 @@ class Pipeline:
             if self._flow is not None:  # in-flight micro-batches of the old shape finish first
                 self._carried = self._flow.flush()
                 self._flow = None
-            shapes = scheduled.exchange_shapes(self.parts, first, self.stage_ranks, self.layout, self.comm_device)
+            shapes = _scheduled().exchange_shapes(self.parts, first, self.stage_ranks, self.layout, self.comm_device)
             if self.schedule_name == "2bw":
                 assert self.versions is not None
                 if self._loss_group is None:
@@ -170,7 +170,7 @@ class Pipeline:
                                           self.comm_device, self.versions, self.n_microbatches, self._loss_group,
                                           self.last_order)
             else:
-                self._runners[key] = scheduled.build(self.effective_schedule, self.parts, shapes, self.n_stages,
+                self._runners[key] = _scheduled().build(self.effective_schedule, self.parts, shapes, self.n_stages,
                                                      self.n_microbatches, self._loss, self.layout.pipe_group,
                                                      self.last_order)
         return self._runners[key]
@@ -356,3 +356,10 @@ def _rank_configs(config: Config | Sequence[Config] | None, n_ranks: int) -> lis
             raise ValueError("Config.dtype='fp16' is not supported in a pipeline (every stage would scale the "
                              "loss again): use dtype='bf16' or 'fp32'")
     return configs
+
+
+def _scheduled() -> ModuleType:
+    """chunkmem.pipeline.scheduled, imported when a pipeline is built: torch.distributed.pipelining, which it
+    subclasses, takes about a second to import (dynamo, sympy), which `import chunkmem` should not pay."""
+    from chunkmem.pipeline import scheduled
+    return scheduled
