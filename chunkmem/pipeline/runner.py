@@ -171,8 +171,8 @@ class Pipeline:
                                           self.last_order)
             else:
                 self._runners[key] = _scheduled().build(self.effective_schedule, self.parts, shapes, self.n_stages,
-                                                     self.n_microbatches, self._loss, self.layout.pipe_group,
-                                                     self.last_order)
+                                                        self.n_microbatches, self._loss, self.layout.pipe_group,
+                                                        self.last_order)
         return self._runners[key]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
