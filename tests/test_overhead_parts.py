@@ -40,15 +40,9 @@ def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set
             return original(*args, **kwargs)
         return mock.patch.object(owner, attribute, call)
 
-    patches = [watched(name, owner, attribute) for name, (owner, attribute) in MECHANISMS.items()]
-    for patch in patches:
-        patch.start()
-    try:
+    with overhead_parts._without(tuple(watched(name, *where) for name, where in MECHANISMS.items())):
         loss = loss_fn("mlp", torch.randn(4, 8), torch.float32)
         step = overhead_parts._variant_step(lambda: mlp(2, 8), loss, "fp32", overhead_parts.VARIANTS[variant])
         seen.clear()
         step()
-    finally:
-        for patch in patches:
-            patch.stop()
     assert seen == used
