@@ -167,6 +167,22 @@ CHUNKMEM_INLINE Streams offset(const Streams& s, int64_t begin) {
           (float*)shift(s.state2, 4), shift(s.out, elem_size(O))};
 }
 
+// Software prefetch distance, in elements. With the update's arithmetic between one vector's loads and
+// the next, the hardware prefetcher alone leaves the five streams too little in flight: bf16 64M went
+// from 1.05x to 1.01x of benchmarks/adam_floor.cpp on a 2-core EPYC (AVX2), where the floor itself gained
+// nothing from the same prefetches.
+constexpr int64_t kAhead = 768;
+
+// Asks for the cache lines of element `i` of every stream of `s` (one line holds 16 fp32 elements).
+template <Dt G, Dt O>
+CHUNKMEM_INLINE void prefetch(const Streams& s, int64_t i) {
+  __builtin_prefetch(s.master + i, 1);
+  __builtin_prefetch(static_cast<const char*>(s.grad) + i * int64_t(elem_size(G)), 0);
+  if (s.state1) __builtin_prefetch(s.state1 + i, 1);
+  if (s.state2) __builtin_prefetch(s.state2 + i, 1);
+  if constexpr (O != Dt::kNone) __builtin_prefetch(static_cast<char*>(s.out) + i * int64_t(elem_size(O)), 1);
+}
+
 // Runs `body` over elements [0, n): whole vectors in place, then the last n % kWidth elements through
 // a zero-padded copy, so that the tail takes exactly the same arithmetic as the rest.
 template <class V, Dt G, Dt O, class Body>
@@ -174,7 +190,10 @@ CHUNKMEM_INLINE bool run_range(const Streams& s, int64_t n, Body body) {
   constexpr int64_t W = V::kWidth;
   const int64_t full = n - n % W;
   typename V::F bad = V::set1(0.0f);
-  for (int64_t i = 0; i < full; i += W) bad = V::add(bad, body(s, i));
+  for (int64_t i = 0; i < full; i += W) {
+    if (i % 16 == 0 && i + kAhead < n) prefetch<G, O>(s, i + kAhead);
+    bad = V::add(bad, body(s, i));
+  }
   const int64_t rest = n - full;
   if (rest == 0) return V::nonfinite(bad);
   alignas(64) float master[W] = {}, state1[W] = {}, state2[W] = {}, grad[W] = {}, out[W] = {};
