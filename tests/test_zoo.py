@@ -1,5 +1,6 @@
 """Hugging Face architectures nobody here wrote, each under a device budget below its model data:
-fp32 bit-identical to plain PyTorch, bf16 tracking fp32 (tests/zoo.py builds them)."""
+fp32 bit-identical to plain PyTorch, bf16 bit-identical to itself with everything on the device and tracking
+fp32 (tests/zoo.py builds them)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ from tests.helpers import least_accepted, param_bytes, prepared, train
 pytest.importorskip("transformers")
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 ARCHS = zoo.available()
-BF16_TOLERANCE = 0.03, 0.02  # each step's loss within 3% of fp32's, plus 0.02 (small losses of vision models)
+# bf16 loss within (relative, absolute) of fp32's (absolute: the small losses of vision models). After updates at
+# lr 1e-2 the rounding compounds: ResNet's third loss is 7.5% off fp32 on an AVX2 CPU (within 3% + 0.02 on an
+# AVX-512 one, where this bound was once 3% for every step).
+BF16_FIRST = 0.03, 0.02
+BF16_LATER = 0.15, 0.02
 
 
 def test_the_zoo_is_broad() -> None:
@@ -40,9 +45,15 @@ def test_architecture_trains_like_pytorch_under_a_budget_below_its_model_data(ar
     assert stats["model_data_bytes"] > 2 * budget and stats["evictions"] > 0, "chunks must move"
     assert stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
 
+    # bf16: streaming under the budget lands on the bits of the same model with everything on the device.
     cm, opt = prepared(model, ADAMW, device_memory=least_accepted(model, ADAMW, low=budget // 2, dtype="bf16"),
                        dtype="bf16")
     losses = train(cm, opt, batches, zoo.loss)
-    relative, absolute = BF16_TOLERANCE
-    assert all(abs(a - b) <= relative * b + absolute for a, b in zip(losses, expected)), (losses, expected)
+    fitting, fitting_opt = prepared(model, ADAMW, dtype="bf16")
+    assert train(fitting, fitting_opt, batches, zoo.loss) == losses
+    assert all(torch.equal(a, b) for a, b in zip(cm.state_dict().values(), fitting.state_dict().values()))
+    assert cm.memory_stats()["evictions"] > 0, "chunks must move"
+    # And it tracks fp32: closely before any update, loosely after (bf16 rounding grows with each step).
+    assert abs(losses[0] - expected[0]) <= BF16_FIRST[0] * expected[0] + BF16_FIRST[1], (losses, expected)
+    assert all(abs(a - b) <= BF16_LATER[0] * b + BF16_LATER[1] for a, b in zip(losses, expected)), (losses, expected)
     assert losses[2] < 0.98 * losses[0] and losses[3] < 0.98 * losses[1], "each batch seen again must fit better"
