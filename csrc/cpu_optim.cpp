@@ -169,8 +169,8 @@ CHUNKMEM_INLINE Streams offset(const Streams& s, int64_t begin) {
 
 // Software prefetch distance, in elements. With the update's arithmetic between one vector's loads and
 // the next, the hardware prefetcher alone leaves the five streams too little in flight: bf16 64M went
-// from 1.05x to 1.01x of benchmarks/adam_floor.cpp on a 2-core EPYC (AVX2), where the floor itself gained
-// nothing from the same prefetches.
+// from 1.05-1.12x to 1.01x of benchmarks/adam_floor.cpp on a 2-core EPYC (AVX2; interleaved runs of the
+// two builds), where the floor itself gained nothing from the same prefetches.
 constexpr int64_t kAhead = 768;
 
 // Asks for the cache lines of element `i` of every stream of `s` (one line holds 16 fp32 elements).
