@@ -40,6 +40,7 @@ step costs when allocating is free on both sides:
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import resource
 import statistics
@@ -54,6 +55,7 @@ from benchmarks.placement import llama
 Step = Callable[[], None]
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:
@@ -69,10 +71,11 @@ def loss_fn(name: str, batch: torch.Tensor, dtype: torch.dtype) -> Callable[[tor
     return lambda model: model(batch, labels=batch).loss
 
 
-def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: torch.dtype) -> Step:
+def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: torch.dtype,
+               make_optimizer: Callable[[list], torch.optim.Optimizer] = ADAMW) -> Step:
     """One plain PyTorch training step; in bf16 with fp32 master weights and states beside the bf16 model."""
     if dtype == torch.float32:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = make_optimizer(list(model.parameters()))
 
         def step() -> None:
             loss(model).backward()
@@ -81,7 +84,7 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
         return step
     low = [p for p in model.parameters()]
     master = [p.detach().float().clone().requires_grad_() for p in low]
-    optimizer = torch.optim.AdamW(master, lr=1e-4)
+    optimizer = make_optimizer(master)
     for param in low:  # buffers keep their precision, as under chunkmem (LLaMA's rotary frequencies stay fp32)
         param.data = param.data.to(dtype)
 
@@ -99,7 +102,7 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
                memory: int | None) -> tuple[Step, torch.nn.Module]:
-    wrapped, optimizer = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+    wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())),
                                           chunkmem.Config(dtype=dtype, device_memory=memory))
 
     def step() -> None:
