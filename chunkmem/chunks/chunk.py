@@ -20,6 +20,17 @@ written since. A writer that fills a part whole takes it through `overwrite`, wh
 off; `device`, `host` and `settled`, the accessors every other reader and every copy goes through,
 zero what is still unwritten first. Nothing else may read the bytes of `device_unfenced` or
 `host_unfenced`, so no one sees what the allocator left.
+
+[Note: lent ranges]
+Copying every gradient into its chunk is a pass over the gradient bytes that plain PyTorch does not
+make: autograd hands the optimizer the tensor it computed. So a gradient chunk that stays on the device
+may take a gradient by reference instead (`lend`): the tensor autograd made holds that range's value,
+and the chunk's device payload is not even allocated while every written range is lent (the lent
+tensors take its place in device memory, and the residency counts the chunk's bytes as it did).
+Readers that know ranges (the optimizer, clipping, accumulation) use `lent_part` and change a lent
+tensor in place. Every other reader goes through `device`, `overwrite` or a download, which first
+assemble the payload (allocated, lent ranges copied in, the rest unwritten) or, for an eviction, copy
+the lent tensors straight into the host payload: the bytes are the same as if they had been copied in.
 """
 
 from __future__ import annotations
@@ -58,8 +69,10 @@ class Chunk:
     """`numel` elements of `dtype`. host: allocated (pinned on CUDA), but for a disk-backed chunk (`tier`)
     only while it is in host memory. device: None or a copy."""
 
-    def __init__(self, name: str, numel: int, dtype: torch.dtype, device: Device, tier: HostTier | None = None) -> None:
+    def __init__(self, name: str, numel: int, dtype: torch.dtype, device: Device, tier: HostTier | None = None,
+                 lends: bool = False) -> None:
         self.name = name
+        self.lends = lends  # materializes on the device lending its payload (the Note on lent ranges)
         self.numel = numel
         self.dtype = dtype
         self._dev = device
@@ -73,6 +86,8 @@ class Chunk:
         self.io: list[Waitable] = []  # disk reads into and writes from `host` not waited for
         self.unwritten: list[tuple[int, int]] = []  # [start, end) of `_fresh` nobody wrote yet (Note above)
         self._fresh: torch.Tensor | None = None  # the payload, device or host, those ranges are in
+        self.lent: dict[int, torch.Tensor] = {}  # start -> the tensor holding [start, start + numel) (Note above)
+        self._unallocated: Device | None = None  # where the device payload goes once assembled (Note above)
         if tier is not None:
             tier.adopt(self)
 
@@ -118,9 +133,40 @@ class Chunk:
     @property
     def device(self) -> torch.Tensor | None:
         """The device payload, [numel], with compute waiting for its upload; None when not resident."""
+        self._assemble()
         flat = self.fence()
         self._zero_unwritten(flat)
         return flat
+
+    @property
+    def lending(self) -> bool:
+        """On the device with no payload allocated: its written ranges are lent tensors (the Note on lent ranges)."""
+        return self._unallocated is not None
+
+    def lend(self, start: int, tensor: torch.Tensor) -> None:
+        """Let device tensor `tensor` (contiguous) hold the range from `start`, whose writer fills it whole,
+        instead of copying it in; only while no payload is allocated (`lending`)."""
+        if self._unallocated is None or not tensor.is_contiguous():
+            raise ChunkStateError(f"{self!r}: lend needs a contiguous tensor and a chunk lending its payload")
+        self.lent[start] = tensor
+
+    def lent_part(self, start: int) -> torch.Tensor | None:
+        """The tensor lent for the range from `start`, which its holder may change in place; None if not lent."""
+        return self.lent.get(start)
+
+    def _assemble(self) -> None:
+        """Allocate the device payload of a lending chunk and copy the lent ranges in."""
+        if self._unallocated is None:
+            return
+        self._device = self._unallocated.alloc(self.numel, self.dtype)
+        self._unallocated = None
+        self._leave_unwritten(self._device)
+        for start, tensor in self._return_lent():
+            self.overwrite(lambda flat: flat[start:start + tensor.numel()]).copy_(tensor.view(-1))
+
+    def _return_lent(self) -> list[tuple[int, torch.Tensor]]:
+        lent, self.lent = list(self.lent.items()), {}
+        return lent
 
     def fence(self) -> torch.Tensor | None:
         """Make compute wait for the upload into the device payload, and return it (its unwritten ranges as
@@ -133,6 +179,7 @@ class Chunk:
     def overwrite(self, part: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """`part` of the device payload (a contiguous slice), fenced, for a writer that fills all of it: the rest
         of the chunk keeps reading as zeros without being zeroed now (the Note on unwritten ranges)."""
+        self._assemble()
         flat = self.fence()
         if flat is None:
             raise ChunkStateError(f"{self!r}: overwrite needs the chunk on the device")
@@ -207,9 +254,14 @@ class Chunk:
             self.tier.changed(self)
 
     def materialize_device(self, dev: Device) -> None:
+        """FREE -> DEVICE_DIRTY, reading as zeros; a chunk that `lends` allocates its payload only when a reader
+        needs it (the Note on lent ranges)."""
         new = self._check("materialize_device")
-        self._device = dev.alloc(self.numel, self.dtype)
-        self._leave_unwritten(self._device)
+        if self.lends:
+            self._unallocated = dev
+        else:
+            self._device = dev.alloc(self.numel, self.dtype)
+            self._leave_unwritten(self._device)
         self.state = new
 
     def upload(self, dev: Device) -> None:
@@ -221,7 +273,17 @@ class Chunk:
     def download(self, dev: Device) -> None:
         """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
-        self.landings.append((dev.download(self.device, self.host_unfenced, self.name), None))  # type: ignore[arg-type]
+        if self.lending:  # the lent tensors go straight to the host payload, the rest is zeroed there now
+            host = self.settled()
+            self._leave_unwritten(host)
+            targets = {start: host[start:start + tensor.numel()] for start, tensor in self.lent.items()}
+            for target in targets.values():
+                self._take(host, target, zero=False)
+            self._zero_unwritten(host)
+            for start, target in targets.items():
+                self.landings.append((dev.download(self.lent[start].view(-1), target, self.name), None))
+        else:
+            self.landings.append((dev.download(self.device, self.host_unfenced, self.name), None))  # type: ignore[arg-type]
         self._changed()
         self.state = new
 
@@ -248,7 +310,8 @@ class Chunk:
     def _forget_device(self) -> None:
         if self.pending is not None:  # a prefetch never used: its bytes will not be read
             self._dev.discard(self.pending)
-        self._device, self.pending = None, None
+        self._device, self.pending, self._unallocated = None, None, None
+        self.lent.clear()
 
     def write_host(self) -> None:
         new = self._check("write_host")

@@ -200,7 +200,8 @@ class Residency:
 
     def _added(self, chunk: Chunk) -> None:
         self.resident[chunk.name] = chunk
-        self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()] = chunk  # type: ignore[union-attr]
+        if chunk.device_unfenced is not None:  # a lending chunk has no payload yet (chunk's Note on lent ranges)
+            self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()] = chunk
         self.stats.device_chunk_bytes += chunk.nbytes
         self.stats.device_chunk_bytes_peak = max(self.stats.device_chunk_bytes_peak,
                                                  self.stats.device_chunk_bytes)
@@ -208,5 +209,6 @@ class Residency:
 
     def _removed(self, chunk: Chunk) -> None:
         del self.resident[chunk.name]
-        del self.by_storage[chunk.device_unfenced.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+        if chunk.device_unfenced is not None:
+            self.by_storage.pop(chunk.device_unfenced.untyped_storage().data_ptr(), None)
         self.stats.device_chunk_bytes -= chunk.nbytes

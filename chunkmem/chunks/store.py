@@ -102,7 +102,7 @@ class ParamStore:
             owned = index % self.world == self.rank  # other ranks' chunks have records but no storage here
             group = ChunkGroup(index, trainable, {
                 kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype,
-                                  disk_backed=kind == "master")
+                                  disk_backed=kind == "master", lends=kind == "grad")
                 for kind in (families if trainable else ["param"]) if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
@@ -111,8 +111,8 @@ class ParamStore:
                 self.records[param] = record
             self.groups.append(group)
 
-    def _chunk(self, name: str, dtype: torch.dtype, disk_backed: bool = False) -> Chunk:
-        return Chunk(name, self.chunk_size, dtype, self.device, self.host_tier if disk_backed else None)
+    def _chunk(self, name: str, dtype: torch.dtype, disk_backed: bool = False, lends: bool = False) -> Chunk:
+        return Chunk(name, self.chunk_size, dtype, self.device, self.host_tier if disk_backed else None, lends)
 
     def add_family(self, kind: str, dtype: torch.dtype = torch.float32, disk_backed: bool = True) -> None:
         """Give every trainable group a zeroed chunk of `kind`: an optimizer state (fp32, on the disk tier if there

@@ -240,10 +240,10 @@ class ChunkOptimizer(Optimizer):
                 self._native_step(chunk_group, members, uniform, inv_scale)
                 return
         lowp = "master" in chunk_group.chunks
-        grad = (runtime.residency.to_device if on_device else runtime.residency.to_host)(
-            chunk_group.chunks["grad"])
+        grads = runtime.data.grads(members, on_device)
         if lowp:
-            grad = grad.float().mul_(inv_scale) if inv_scale != 1.0 else grad.float()
+            grads = [g.float().mul_(inv_scale) if inv_scale != 1.0 else g.float() for g in grads]
+        grad_of = dict(zip(members, grads))
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
         # When every chunk is on the device to stay, fp32 groups update together at the end of the step
@@ -256,7 +256,7 @@ class ChunkOptimizer(Optimizer):
                            *(chunk_group.chunks[k] for k in self.rule.states)])
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
-            lists = ([r.view(master) for r in subset], [r.view(grad) for r in subset],
+            lists = ([r.view(master) for r in subset], [grad_of[r] for r in subset],
                      {k: [r.view(flat) for r in subset] for k, flat in states.items()}, [self.steps[r] for r in subset])
             if later:
                 together.add(group, *lists)

@@ -273,22 +273,28 @@ class Runtime:
                 self._flush_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
-        self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE)
+        self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE,
+                         start=record.slot.offset)
         record.move_grad("write")
 
     def _write_grad(self, group: ChunkGroup, grad: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
-                    accumulate: bool) -> None:
+                    accumulate: bool, start: int | None = None) -> None:
         """Write (or add) `grad` into `part` of the group's gradient chunk: on the device for groups homed
         there, else straight to the host, where the optimizer steps: a download that backward does not
-        wait for, fenced like every copy (it lands before the host next reads the chunk)."""
+        wait for, fenced like every copy (it lands before the host next reads the chunk). On the device, a
+        gradient autograd made for the part from `start` is lent to the chunk rather than copied (chunk's
+        Note on lent ranges)."""
         chunk = group.chunks["grad"]
         self.emit("grad", "bwd", chunk.name)
         self.placer.access([chunk], "grad", group.index)
         if self.placer.homed(group.index):
             self.residency.bring(chunk)
             chunk.write_device()
+            lent = chunk.lent_part(start) if start is not None else None
             if accumulate:
-                part(chunk.device).add_(grad)  # type: ignore[arg-type]
+                (lent if lent is not None else part(chunk.device)).add_(grad)  # type: ignore[arg-type]
+            elif start is not None and chunk.lending and grad.is_contiguous():
+                chunk.lend(start, grad.detach())
             else:  # overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges)
                 chunk.overwrite(part).copy_(grad)
             return

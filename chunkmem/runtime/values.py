@@ -35,10 +35,32 @@ class ModelData:
             return flat
         return self.residency.host_for_write(chunk)
 
+    def grads(self, records: list[ParamRecord], on_device: bool, write: bool = False) -> list[torch.Tensor]:
+        """The gradients of `records`, all of one chunk group, on the device or the host (to change in place
+        if `write`): the tensors lent to their chunk where it lends them all (chunk's Note on lent ranges),
+        else views of its payload."""
+        chunk = records[0].group.chunks["grad"]
+        if on_device:
+            self.residency.bring(chunk)
+            lent = [chunk.lent_part(r.slot.offset) for r in records]
+            if all(g is not None for g in lent):
+                if write:
+                    chunk.write_device()
+                return lent  # type: ignore[return-value]
+        if write:
+            flat = self.writable(chunk, on_device)
+        else:
+            flat = self.residency.to_device(chunk) if on_device else self.residency.to_host(chunk)
+        return [r.view(flat) for r in records]
+
     def grad_views(self) -> list[torch.Tensor]:
-        """Gradient views of this rank's parameters that have one, in model order (norms, clipping)."""
-        return [r.view(self.writable(r.group.chunks["grad"], r.group.chunks["grad"].state.on_device))
-                for r in self.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned]
+        """Gradients of this rank's parameters that have one, in model order (norms, clipping)."""
+        out = []
+        for group in self.store.trainable_groups():
+            held = [r for r in group.members if r.grad_state is TensorState.HOLD]
+            if held:
+                out += self.grads(held, group.chunks["grad"].state.on_device, write=True)
+        return out
 
     def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
         """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""

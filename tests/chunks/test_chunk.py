@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.errors import ChunkStateError
 from chunkmem.memory.sim import SimulatedDevice
 
 
@@ -59,3 +61,45 @@ def test_a_chunk_written_whole_and_dropped_gives_its_device_memory_back():
     chunk.drop_device()
     chunk.host  # the download has landed: nothing holds the device buffer any more
     assert dev.alloc(16, torch.float32).data_ptr() == address, "freed memory is reused, as CUDA's allocator does"
+
+
+def test_a_lending_chunk_allocates_no_payload_until_read_and_reads_its_lent_tensors_and_zeros():
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("grad.0", 32, torch.float32, dev, lends=True)
+    chunk.materialize_device(dev)
+    assert chunk.lending and chunk.device_unfenced is None
+    first, second = torch.full((8,), 2.0), torch.full((2, 2), 3.0)
+    chunk.lend(8, first)
+    chunk.lend(20, second)
+    assert chunk.lent_part(8) is first and chunk.lent_part(0) is None
+    first.mul_(2.0)  # its holder changes a lent tensor in place: the chunk's value is what it holds
+    expected = torch.zeros(32)
+    expected[8:16], expected[20:24] = 4.0, 3.0
+    assert torch.equal(chunk.device, expected), "assembled: lent ranges copied in, the rest zeros"
+    assert not chunk.lending and chunk.lent == {} and chunk.unwritten == []
+    second.fill_(7.0)
+    assert torch.equal(chunk.device, expected), "once assembled, the payload no longer follows the tensor"
+
+
+def test_a_lending_chunk_written_back_copies_its_lent_tensors_to_the_host_and_zeros_the_rest():
+    dev = SimulatedDevice(landing="random:3")  # copies land late, in a random order
+    chunk = Chunk("grad.0", 16, torch.float32, dev, lends=True)
+    chunk.materialize_device(dev)
+    chunk.lend(4, torch.full((4,), 5.0))
+    chunk.download(dev)
+    assert chunk.device_unfenced is None, "no device payload was allocated for the write-back"
+    chunk.drop_device()
+    assert chunk.lent == {}
+    assert torch.equal(chunk.host, torch.cat([torch.zeros(4), torch.full((4,), 5.0), torch.zeros(8)]))
+
+
+def test_only_a_lending_chunk_takes_a_contiguous_tensor_by_reference():
+    dev = SimulatedDevice(landing="wait")
+    plain = Chunk("grad.0", 16, torch.float32, dev)
+    plain.materialize_device(dev)
+    with pytest.raises(ChunkStateError, match="lend"):
+        plain.lend(0, torch.ones(4))
+    lending = Chunk("grad.1", 16, torch.float32, dev, lends=True)
+    lending.materialize_device(dev)
+    with pytest.raises(ChunkStateError, match="contiguous"):
+        lending.lend(0, torch.ones(4, 2).t())

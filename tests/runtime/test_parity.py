@@ -164,13 +164,47 @@ def test_a_parameter_without_gradient_reads_zero_in_its_chunk_and_no_fp16_step_i
         loss_fn(cm, batch).backward()
         record = cm.runtime.store.records[cm.module.unused.weight]
         chunk = record.group.chunks["grad"]
-        assert any(a <= record.slot.offset and record.slot.offset + record.slot.numel <= b for a, b in chunk.unwritten)
+        # On the device the chunk lends its payload to the gradients autograd made (chunk's Note on lent ranges)
+        # and has none to leave unwritten yet; this part is not lent.
+        assert record.slot.offset not in chunk.lent
+        assert chunk.lending or any(a <= record.slot.offset and record.slot.offset + record.slot.numel <= b
+                                    for a, b in chunk.unwritten)
         assert torch.count_nonzero(record.view(cm.runtime.data.read(chunk))) == 0
         assert chunk.unwritten == [], "read once, zeroed once"
         opt.step()
         opt.zero_grad()
     assert cm.runtime.scaler.good_steps == len(batches), "no step overflowed"
     assert not torch.equal(cm.state_dict()["block.weight"], model.block.weight.half())
+
+
+def test_gradients_of_groups_on_the_device_are_lent_not_copied_and_train_as_pytorch():
+    # chunk's Note on lent ranges: autograd's gradient tensors stand in for the gradient chunks' payloads. A
+    # second backward adds onto them, clipping scales them, and a chunk pushed out between backward and
+    # step carries them to the host: each lands on plain PyTorch's bits.
+    model, make_opt, batches = mlp(), OPTIMIZERS["adamw"], mlp_batches(6)
+    ref_losses, ref_state = reference(model, make_opt, batches, mlp_loss, clip=0.5, accumulate=2)
+    cm, opt = prepared(model, make_opt, chunk_size=2200)  # two layers a chunk
+    chunks = [g.chunks["grad"] for g in cm.runtime.groups()]
+    assert len(chunks) > 2
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = mlp_loss(cm, batch)
+        loss.backward()
+        losses.append(loss.item())
+        assert all(c.lending and c.device_unfenced is None for c in chunks), "no gradient payload allocated"
+        assert sum(len(c.lent) for c in chunks) == len(list(model.parameters()))
+        if i % 2 == 0:
+            continue
+        if i == 3:
+            cm.runtime.residency.evict(chunks[1])
+            assert chunks[1].state.name == "HOST" and chunks[1].lent == {}
+        cm.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    state = cm.state_dict()
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
 
 
 def test_nothing_moves_after_the_first_iteration_when_the_model_fits():
