@@ -23,6 +23,10 @@ it is what chunkmem's own work costs a step in absolute terms:
 
     python -m benchmarks.overhead --width 64 --vocab 256 --batch 1 --seq 16 --mlp-width 32
 
+`--copied` adds, fitting and at 50%, rows whose chunkmem model copies each gradient into its chunk on the
+device instead of lending the chunk autograd's tensor (chunk's Note on lent ranges), timed against the same
+plain step in the same rounds: what lending saves.
+
 On the CPU simulation the chunks' copies are memcpy on the two cores that also compute, where a GPU's copy
 engines run them beside compute: "copies %" is the median share of the chunkmem step they took (the
 simulated device's own clock), and "median less copies" the paired ratio with that time taken out, what
@@ -101,9 +105,13 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
 
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-               memory: int | None) -> tuple[Step, torch.nn.Module]:
+               memory: int | None, lend: bool = True) -> tuple[Step, torch.nn.Module]:
+    """A chunkmem training step; with `lend` off, gradients are copied into their chunks on the device instead of
+    lent to them (chunk's Note on lent ranges), as before lending was built."""
     wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())),
                                           chunkmem.Config(dtype=dtype, device_memory=memory))
+    for group in wrapped.runtime.groups():
+        group.chunks["grad"].lends = lend
 
     def step() -> None:
         loss(wrapped).backward()
@@ -151,6 +159,10 @@ def build(args: argparse.Namespace) -> list[dict]:
                 plain = plain_step(make(), loss, torch_dtype)
                 plain()
                 rows.append(_row(name, dtype, label, plain, chunk, wrapped))
+                if args.copied and label != "25%":
+                    copied, unlent = chunk_step(make(), loss, dtype, memory, lend=False)
+                    copied(), copied()
+                    rows.append(_row(name, dtype, f"{label}, copied", plain, copied, unlent))
             first, twin = plain_step(make(), loss, torch_dtype), plain_step(make(), loss, torch_dtype)
             first(), twin()  # warmed up alike (the optimizer's state is made in the first step)
             rows.append(_row(name, dtype, "A/A", first, twin, None))  # plain against its own twin
@@ -174,6 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--copied", action="store_true",
+                        help="also time, fitting and at 50%%, the same model with its gradients copied into their chunks "
+                             "rather than lent to them, against the same plain step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
