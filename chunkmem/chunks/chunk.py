@@ -158,15 +158,14 @@ class Chunk:
         """Allocate the device payload of a lending chunk and copy the lent ranges in."""
         if self._unallocated is None:
             return
-        self._device = self._unallocated.alloc(self.numel, self.dtype)
+        flat = self._device = self._unallocated.alloc(self.numel, self.dtype)
         self._unallocated = None
-        self._leave_unwritten(self._device)
-        for start, tensor in self._return_lent():
-            self.overwrite(lambda flat: flat[start:start + tensor.numel()]).copy_(tensor.view(-1))
-
-    def _return_lent(self) -> list[tuple[int, torch.Tensor]]:
-        lent, self.lent = list(self.lent.items()), {}
-        return lent
+        self._leave_unwritten(flat)
+        lent, self.lent = self.lent, {}
+        for start, tensor in lent.items():
+            target = flat[start:start + tensor.numel()]
+            self._take(flat, target, zero=False)
+            target.copy_(tensor.view(-1))
 
     def fence(self) -> torch.Tensor | None:
         """Make compute wait for the upload into the device payload, and return it (its unwritten ranges as
