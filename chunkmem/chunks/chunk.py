@@ -160,12 +160,17 @@ class Chunk:
             return
         flat = self._device = self._unallocated.alloc(self.numel, self.dtype)
         self._unallocated = None
-        self._leave_unwritten(flat)
-        lent, self.lent = self.lent, {}
-        for start, tensor in lent.items():
-            target = flat[start:start + tensor.numel()]
-            self._take(flat, target, zero=False)
+        for tensor, target in self._lent_targets(flat):
             target.copy_(tensor.view(-1))
+        self.lent = {}
+
+    def _lent_targets(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each lent tensor with its range of payload `flat`, now unwritten but for those ranges."""
+        self._leave_unwritten(flat)
+        pairs = [(tensor, flat[start:start + tensor.numel()]) for start, tensor in self.lent.items()]
+        for _, target in pairs:
+            self._take(flat, target, zero=False)
+        return pairs
 
     def fence(self) -> torch.Tensor | None:
         """Make compute wait for the upload into the device payload, and return it (its unwritten ranges as
@@ -274,13 +279,10 @@ class Chunk:
         new = self._check("download")
         if self.lending:  # the lent tensors go straight to the host payload, the rest is zeroed there now
             host = self.settled()
-            self._leave_unwritten(host)
-            targets = {start: host[start:start + tensor.numel()] for start, tensor in self.lent.items()}
-            for target in targets.values():
-                self._take(host, target, zero=False)
+            pairs = self._lent_targets(host)
             self._zero_unwritten(host)
-            for start, target in targets.items():
-                self.landings.append((dev.download(self.lent[start].view(-1), target, self.name), None))
+            for tensor, target in pairs:
+                self.landings.append((dev.download(tensor.view(-1), target, self.name), None))
         else:
             self.landings.append((dev.download(self.device, self.host_unfenced, self.name), None))  # type: ignore[arg-type]
         self._changed()

@@ -40,17 +40,16 @@ class ModelData:
         if `write`): the tensors lent to their chunk where it lends them all (chunk's Note on lent ranges),
         else views of its payload."""
         chunk = records[0].group.chunks["grad"]
-        if on_device:
-            self.residency.bring(chunk)
-            lent = [chunk.lent_part(r.slot.offset) for r in records]
-            if all(g is not None for g in lent):
-                if write:
-                    chunk.write_device()
-                return lent  # type: ignore[return-value]
+        if not on_device:
+            flat = self.residency.host_for_write(chunk) if write else self.residency.to_host(chunk)
+            return [r.view(flat) for r in records]
+        self.residency.bring(chunk)
         if write:
-            flat = self.writable(chunk, on_device)
-        else:
-            flat = self.residency.to_device(chunk) if on_device else self.residency.to_host(chunk)
+            chunk.write_device()
+        lent = [chunk.lent_part(r.slot.offset) for r in records]
+        if all(g is not None for g in lent):
+            return lent  # type: ignore[return-value]
+        flat = chunk.device  # type: ignore[assignment]
         return [r.view(flat) for r in records]
 
     def grad_views(self) -> list[torch.Tensor]:
