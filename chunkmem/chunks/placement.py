@@ -29,8 +29,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.plan import Plan, next_uses, victim
-from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes
+from chunkmem.chunks.plan import Access, Plan, next_uses, victim
+from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_sequence
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
@@ -69,6 +69,8 @@ class Follower:
 
     def locate(self, chunks: tuple[str, ...]) -> int | None:
         """Where this access comes in the record, at the cursor or later; None when the rest lacks it."""
+        if self.cursor < len(self.accesses) and self.accesses[self.cursor].chunks == chunks:  # on the record
+            return self.cursor
         positions = self.positions.get(chunks, [])
         at = bisect.bisect_left(positions, self.cursor)
         return positions[at] if at < len(positions) else None
@@ -101,6 +103,7 @@ class Placer:
                                    sum(c.nbytes for c in g.chunks.values()),
                                    sum(r.slot.numel for r in g.members) * g.chunks["grad"].dtype.itemsize)
                        for g in store.trainable_groups()]
+        self.by_index = {g.index: g for g in self.groups}
         # Disk-backed groups stream through the host optimizer (hostcache's Note on three tiers).
         self.streamed = {g.index for g in store.trainable_groups() if any(c.tier for c in g.chunks.values())}
         everything_fits = not self.streamed and store.model_data_bytes() <= limit
@@ -151,22 +154,27 @@ class Placer:
     def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""
+        # The hot path: every module call, saved tensor unpacked, gradient written and group updated comes here.
         if self.off_path:
             self._fetch(chunks)
             return
-        names = tuple(c.name for c in chunks)
-        held = self._held(names)
+        names = tuple([c.name for c in chunks])
+        held = self._held(names) if self.pinned else ()
         nonmodel = self.nonmodel()
         self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:
             return
-        index = self._locate(names + held, nonmodel) if self.phase is Phase.FOLLOW else None
         if self.phase is not Phase.FOLLOW:
             self._conservative_now(nonmodel, sum(self.sizes[n] for n in {*names, *held}))
+            self._fetch(chunks)
+            return
+        follower = self._following
+        index = self._locate(follower, names + held if held else names, nonmodel)
         self._fetch(chunks)
         if index is not None:
-            self._following.cursor = index + 1
-            self._prefetch(index + 1)
+            follower.cursor = index + 1
+            if index + 1 in follower.prefetches:
+                self._prefetch(index + 1)
 
     def updated_on_host(self, chunk: Chunk) -> None:
         """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
@@ -180,15 +188,15 @@ class Placer:
         if self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
             self.residency.bring(chunk, "prefetch")
 
-    def moment(self) -> None:
-        """Between accesses activations grow too: without a plan, or once a step outgrew its plan's record,
-        re-fit the chunks at every moment."""
+    def moment(self, nonmodel: int) -> None:
+        """Between accesses activations grow too (`nonmodel` bytes now): without a plan, or once a step outgrew
+        its plan's record, re-fit the chunks at every moment."""
         if self.off_path:
             return
         if self.phase is not Phase.FOLLOW:
-            self._conservative_now(self.nonmodel())
+            self._conservative_now(nonmodel)
         elif self.giving_way:
-            self._budget(self.residency.limit, self.nonmodel(), 0)
+            self._budget(self.residency.limit, nonmodel, 0)
 
     def pin(self, chunk: Chunk) -> None:
         """A running module uses parameters of `chunk`: it stays on the device, held around the accesses inside."""
@@ -202,7 +210,7 @@ class Placer:
 
     def _held(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """Chunks pinned on the device besides `names`: those of the modules this access runs inside."""
-        return tuple(sorted(n for n in self.pinned if n not in names)) if self.pinned else ()
+        return tuple(sorted([n for n in self.pinned if n not in names]))
 
     def _conservative_now(self, nonmodel: int, need: int = 0) -> None:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
@@ -214,6 +222,9 @@ class Placer:
         self.residency.shrink()
 
     def _fetch(self, chunks: Sequence[Chunk]) -> None:
+        if len(chunks) == 1:  # nothing else to keep while it comes (it cannot evict itself)
+            self.residency.bring(chunks[0])
+            return
         for chunk in chunks:
             chunk.pins += 1
         try:
@@ -223,10 +234,9 @@ class Placer:
             for chunk in chunks:
                 chunk.pins -= 1
 
-    def _locate(self, names: tuple[str, ...], nonmodel: int) -> int | None:
+    def _locate(self, follower: Follower, names: tuple[str, ...], nonmodel: int) -> int | None:
         """Where the plan has this access (the Note on following), its evictions applied and its budget set;
         None when this step makes it off the record."""
-        follower = self._following
         index = follower.locate(names)
         if index is None:  # off the record: the plan's rule and the budget where the step is
             self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel,
@@ -235,10 +245,11 @@ class Placer:
         if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
             self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
         follower.cursor = index
-        for name in follower.evicts.get(index, ()):
-            chunk = self.chunks[name]
-            if chunk.state.on_device and not chunk.pins:
-                self.residency.evict(chunk)
+        if index in follower.evicts:
+            for name in follower.evicts[index]:
+                chunk = self.chunks[name]
+                if chunk.state.on_device and not chunk.pins:
+                    self.residency.evict(chunk)
         self._budget(follower.plan.budgets[index], nonmodel, follower.needs[index])
         return index
 
@@ -249,8 +260,9 @@ class Placer:
         if self.giving_way:
             left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
             planned = max(self.working_set, min(planned, left))
-        self.residency.limit = max(planned, min(need, self.limit))
-        self.residency.shrink()
+        self.residency.limit = limit = max(planned, min(need, self.limit))
+        if self.residency.stats.device_chunk_bytes > limit:
+            self.residency.shrink()
 
     def _prefetch(self, index: int) -> None:
         follower = self._following
@@ -292,10 +304,12 @@ class Placer:
             self._send_home_others()
             self.phase = Phase.FOLLOW
         else:
-            step = Step.of(events, {g.index: g for g in self.groups}, self.homes, self.sizes, self.limit)
-            if not outgrown and self._same(step, self._following.step):
-                step = self._following.step
+            # Most steps make the plan's accesses: compare them before working out budgets for a new plan.
+            planned = self._following.step
+            if not outgrown and self._same(*steady_sequence(events, self.by_index, self.homes), planned):
+                step = planned
             else:
+                step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit)
                 if not self.replans:
                     log.info("this step's chunk accesses or non-model data differ from its plan's (modules chosen by "
                              "the data, another input size?): each step follows a plan made from the one before")
@@ -309,11 +323,11 @@ class Placer:
             self.follower = Follower(step, step.plan(self.sizes, resident, dirty), self.sizes)
         self._following.cursor = 0
 
-    def _same(self, step: Step, planned: Step) -> bool:
+    def _same(self, accesses: list[Access], nonmodel: list[int], planned: Step) -> bool:
         """Whether a step made the plan's accesses with non-model data within the margin of the plan's."""
         margin = int(self.limit * SAFETY_FRACTION)
-        return [a.chunks for a in step.accesses] == [a.chunks for a in planned.accesses] and \
-            all(abs(a - b) <= margin for a, b in zip(step.nonmodel, planned.nonmodel))
+        return [a.chunks for a in accesses] == [a.chunks for a in planned.accesses] and \
+            all(abs(a - b) <= margin for a, b in zip(nonmodel, planned.nonmodel))
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""

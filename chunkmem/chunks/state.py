@@ -31,9 +31,10 @@ class ChunkState(enum.Enum):
     DEVICE_DIRTY = "device_dirty"
     DISK = "disk"
 
-    @property
-    def on_device(self) -> bool:
-        return self in (ChunkState.DEVICE, ChunkState.DEVICE_DIRTY)
+    on_device: bool  # a device copy exists (read at every chunk access: an attribute, not a property)
+
+    def __init__(self, value: str) -> None:
+        self.on_device = value in ("device", "device_dirty")
 
 
 class TensorState(enum.Enum):

@@ -60,17 +60,19 @@ class ActivationMeter:
         self._settle()
         return self._live
 
-    def wrap(self, tensor: torch.Tensor) -> Saved:
+    def wrap(self, tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> Saved:
+        """Hold a saved tensor, counting its storage (`storage`, when the caller has it already)."""
         if self.offload and tensor.nbytes >= MIN_OFFLOAD_BYTES and tensor.is_contiguous():
             host = self._host_alloc(tensor)
             host.copy_(tensor, non_blocking=True)
             self.offload_bytes += tensor.nbytes
             return Saved(host, tensor.device)
         saved = Saved(tensor)
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return saved
+        if storage is None:
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return saved
         self._settle()  # a storage freed since may have been reused at this address
         key = storage.data_ptr()
         entry = self._storages.get(key)

@@ -81,19 +81,22 @@ def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
 
 
 def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
+    """The parameters among an op's arguments (and in its list arguments). This runs for every argument of
+    every op: a plain tensor's type answers first, before isinstance (Parameter's check runs Python code)."""
     found = []
     for arg in (*args, *kwargs.values()) if kwargs else args:
-        if _is_parameter(arg):
+        kind = type(arg)
+        if kind is torch.Tensor:
+            continue
+        if _is_parameter(arg, kind):
             found.append(arg)
         elif isinstance(arg, (list, tuple)):
-            found.extend(item for item in arg if _is_parameter(item))
+            found.extend(item for item in arg if _is_parameter(item, type(item)))
     return found
 
 
-def _is_parameter(arg: Any) -> bool:
-    """isinstance(arg, nn.Parameter), whose check runs Python code for every argument: plain tensors and
-    non-tensors are answered by their type first (this runs for every argument of every op)."""
-    kind = type(arg)
+def _is_parameter(arg: Any, kind: type) -> bool:
+    """isinstance(arg, nn.Parameter), answered by `kind`, its type, for plain tensors and non-tensors."""
     return kind is nn.Parameter or (kind is not torch.Tensor and isinstance(arg, torch.Tensor)
                                      and isinstance(arg, nn.Parameter))
 

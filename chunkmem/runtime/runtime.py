@@ -212,14 +212,15 @@ class Runtime:
 
     def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef:
         try:
-            ptr = tensor.untyped_storage().data_ptr()
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
             return self.activations.wrap(tensor)
+        ptr = storage.data_ptr()
         source: Chunk | Key | None = self.residency.by_storage.get(ptr)
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
-            return self.activations.wrap(tensor)
+            return self.activations.wrap(tensor, storage)
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
 
     def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
@@ -238,11 +239,13 @@ class Runtime:
     def emit(self, name: str, stage: str, where: str) -> None:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
         the non-model data measured now (placement.Placer.moment)."""
-        self.placer.moment()
+        nonmodel = self.nonmodel_bytes()  # what a moment changes is chunks, not non-model data
+        self.placer.moment(nonmodel)
         if self.host_cache is not None:
             self.host_cache.tick()
-        self.device_bytes_peak = max(self.device_bytes_peak,
-                                     self.residency.stats.device_chunk_bytes + self.nonmodel_bytes())
+        device_bytes = self.residency.stats.device_chunk_bytes + nonmodel
+        if device_bytes > self.device_bytes_peak:
+            self.device_bytes_peak = device_bytes
         if self.observers:
             moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
             for observer in self.observers:
@@ -286,9 +289,8 @@ class Runtime:
         Note on lent ranges)."""
         chunk = group.chunks["grad"]
         self.emit("grad", "bwd", chunk.name)
-        self.placer.access([chunk], "grad", group.index)
+        self.placer.access([chunk], "grad", group.index)  # brings it if homed on the device
         if self.placer.homed(group.index):
-            self.residency.bring(chunk)
             chunk.write_device()
             lent = chunk.lent_part(start) if start is not None else None
             if accumulate:
