@@ -239,8 +239,11 @@ class Runtime:
     def emit(self, name: str, stage: str, where: str) -> None:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
         the non-model data measured now (placement.Placer.moment)."""
-        nonmodel = self.nonmodel_bytes()  # what a moment changes is chunks, not non-model data
+        nonmodel = self.nonmodel_bytes()
+        chunk_bytes = self.residency.stats.device_chunk_bytes
         self.placer.moment(nonmodel)
+        if self.residency.stats.device_chunk_bytes != chunk_bytes:  # chunks left: on CUDA the reading moves with them
+            nonmodel = self.nonmodel_bytes()
         if self.host_cache is not None:
             self.host_cache.tick()
         device_bytes = self.residency.stats.device_chunk_bytes + nonmodel
