@@ -29,8 +29,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.plan import Access, Plan, next_uses, victim
-from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_sequence
+from chunkmem.chunks.plan import Plan, next_uses, victim
+from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_chunks
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
@@ -306,7 +306,7 @@ class Placer:
         else:
             # Most steps make the plan's accesses: compare them before working out budgets for a new plan.
             planned = self._following.step
-            if not outgrown and self._same(*steady_sequence(events, self.by_index, self.homes), planned):
+            if not outgrown and self._same(events, planned):
                 step = planned
             else:
                 step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit)
@@ -323,11 +323,13 @@ class Placer:
             self.follower = Follower(step, step.plan(self.sizes, resident, dirty), self.sizes)
         self._following.cursor = 0
 
-    def _same(self, accesses: list[Access], nonmodel: list[int], planned: Step) -> bool:
-        """Whether a step made the plan's accesses with non-model data within the margin of the plan's."""
+    def _same(self, events: list[Event], planned: Step) -> bool:
+        """Whether a step's `events` made the plan's accesses with non-model data within the margin of the plan's."""
         margin = int(self.limit * SAFETY_FRACTION)
-        return [a.chunks for a in accesses] == [a.chunks for a in planned.accesses] and \
-            all(abs(a - b) <= margin for a, b in zip(nonmodel, planned.nonmodel))
+        steady = list(steady_chunks(events, self.by_index, self.homes))
+        return len(steady) == len(planned.accesses) and \
+            all(chunks == access.chunks and abs(event.nonmodel - nonmodel) <= margin
+                for (event, chunks), access, nonmodel in zip(steady, planned.accesses, planned.nonmodel))
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""

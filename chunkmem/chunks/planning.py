@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import NamedTuple
 
 from chunkmem.chunks.plan import Access, Plan, build_plan, planned_rule, simulate
@@ -65,21 +65,28 @@ class GroupChunks:
 Groups = dict[int, GroupChunks]
 
 
-def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[int]) -> tuple[list[Access], list[int]]:
-    """The device accesses of a step once homes are fixed, and the non-model bytes at each. An access
-    needs its chunks and those held around it on the device together."""
-    accesses, nonmodel = [], []
+def steady_chunks(events: Sequence[Event], groups: Groups,
+                  homes: Collection[int]) -> Iterator[tuple[Event, tuple[str, ...]]]:
+    """The events that are device accesses once homes are fixed, each with the chunks it needs on the device
+    together: its own and those held around it."""
     for event in events:
         if event.kind == "use":
-            accesses.append(Access(event.chunks + event.held))
+            yield event, event.chunks + event.held
         elif event.group in homes and event.kind == "grad":
-            accesses.append(Access((groups[event.group].grad, *event.held), frozenset([groups[event.group].grad])))
+            yield event, (groups[event.group].grad, *event.held)
         elif event.group in homes and event.kind == "optim":
             g = groups[event.group]
-            accesses.append(Access(tuple(dict.fromkeys((g.param, g.grad, *g.updated, *event.held))),
-                                   frozenset(g.kept)))
-        else:
-            continue
+            yield event, tuple(dict.fromkeys((g.param, g.grad, *g.updated, *event.held)))
+
+
+def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[int]) -> tuple[list[Access], list[int]]:
+    """The device accesses of a step once homes are fixed (what each writes: a gradient its chunk, an update
+    what stays homed), and the non-model bytes at each."""
+    accesses, nonmodel = [], []
+    for event, chunks in steady_chunks(events, groups, homes):
+        writes = frozenset() if event.kind == "use" else \
+            frozenset([chunks[0]]) if event.kind == "grad" else frozenset(groups[event.group].kept)
+        accesses.append(Access(chunks, writes))
         nonmodel.append(event.nonmodel)
     return accesses, nonmodel
 
