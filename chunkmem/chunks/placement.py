@@ -174,7 +174,7 @@ class Placer:
         if index is not None:
             follower.cursor = index + 1
             if index + 1 in follower.prefetches:
-                self._prefetch(index + 1)
+                self._prefetch(follower, index + 1)
 
     def updated_on_host(self, chunk: Chunk) -> None:
         """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
@@ -264,14 +264,11 @@ class Placer:
         if self.residency.stats.device_chunk_bytes > limit:
             self.residency.shrink()
 
-    def _prefetch(self, index: int) -> None:
-        follower = self._following
-        names = follower.prefetches.get(index)
-        if not names:
-            return
+    def _prefetch(self, follower: Follower, index: int) -> None:
+        """The plan's prefetches before access `index`."""
         # Into free room only: a prefetch never evicts (the limit may sit below the plan's, giving way).
         room = min(follower.plan.budgets[index - 1], follower.plan.budgets[index], self.residency.limit)
-        for name in names:
+        for name in follower.prefetches[index]:
             chunk = self.chunks[name]
             if not chunk.state.on_device and self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
                 self.residency.bring(chunk, "prefetch")

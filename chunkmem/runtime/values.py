@@ -53,7 +53,7 @@ class ModelData:
         return [r.view(flat) for r in records]
 
     def grad_views(self) -> list[torch.Tensor]:
-        """Gradients of this rank's parameters that have one, in model order (norms, clipping)."""
+        """Gradients of this rank's parameters that have one, chunk group by chunk group (norms, clipping)."""
         out = []
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
