@@ -14,6 +14,9 @@ nothing:
                         (and offloaded when configured)
   per-op Python         the mode, the saved-tensor hooks and the module hooks' work together: what is left
                         is the module hooks' calls themselves, the gradient path and the optimizer
+  resident              nothing patched: the steps after the warm-up run resident, as a fitting model's do
+                        by default (runtime's Note on resident steps); every other variant, "full" included,
+                        takes the full path every step, the path a model takes when chunks move
 
 Each round visits the variants in a shuffled order and times one plain step and one step of that
 variant's model back to back, in a random order. "extra ms" is the median over rounds of the variant's time
@@ -57,7 +60,9 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "no mode": (MODE,),
     "no saved hooks": (SAVED,),
     "no per-op Python": (MODE, SAVED, MODULE_WORK),
+    "resident": (),
 }
+RESIDENT = "resident"  # the one variant whose steps run resident, as a fitting model's do by default
 
 
 @contextlib.contextmanager
@@ -69,10 +74,11 @@ def _without(patches: tuple[Any, ...]) -> Iterator[None]:
 
 
 def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-                  patches: tuple[Any, ...]) -> Step:
-    """A chunkmem model whose every step, from its warm-up on, runs without the given mechanisms."""
+                  patches: tuple[Any, ...], resident: bool = False) -> Step:
+    """A chunkmem model whose every step, from its warm-up on, runs without the given mechanisms (and on the full
+    path unless `resident`)."""
     with _without(patches):
-        step, _ = chunk_step(make(), loss, dtype, None)
+        step, _ = chunk_step(make(), loss, dtype, None, resident=resident)
 
     def run() -> None:
         with _without(patches):
@@ -85,7 +91,7 @@ def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.
 def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
             rounds: int, order: random.Random) -> dict[str, list[float]]:
     """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
-    steps = {name: _variant_step(make, loss, dtype, patches) for name, patches in VARIANTS.items()}
+    steps = {name: _variant_step(make, loss, dtype, patches, name == RESIDENT) for name, patches in VARIANTS.items()}
     plain = plain_step(make(), loss, DTYPES[dtype])
     plain()
     extra: dict[str, list[float]] = {"plain": [], **{name: [] for name in steps}}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
@@ -64,9 +64,24 @@ class ChunkedModel(nn.Module):
             return getattr(self._modules["module"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map(self._to_compute, (args, kwargs))
-        with self.hooks.forward():
-            output = self.module(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        leaves = [self._to_compute(leaf) for leaf in leaves]
+        args, kwargs = tree_unflatten(leaves, spec)
+        inputs = (spec, *[_signature(leaf) for leaf in leaves])
+        restore: Callable[[], None] | None = None
+        try:
+            with self.hooks.forward(inputs) as resident:
+                restore = _random_state(self.runtime.device.torch_device) if resident else None
+                output = self.module(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            if restore is None:
+                raise
+            # Resident, no torch-function mode was there to retry the op that failed (runtime's Note on resident
+            # steps): the forward runs again under it, from the random state it started from.
+            self.runtime.placer.out_of_memory(error)
+            restore()
+            with self.hooks.forward(inputs):
+                output = self.module(*args, **kwargs)
         scaler = self.runtime.scaler
         if scaler is None or not torch.is_grad_enabled():
             return output
@@ -151,6 +166,26 @@ class ChunkedModel(nn.Module):
         if self.runtime.shards is not None:
             self.runtime.shards.drop_all()
         return _IncompatibleKeys(missing, unexpected)
+
+
+def _signature(value: Any) -> Any:
+    """What of a forward's input decides its activations: a tensor's shape and dtype, a plain value itself."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype
+    return value if value is None or isinstance(value, (bool, int, float, str)) else type(value)
+
+
+def _random_state(device: torch.device) -> Callable[[], None]:
+    """What puts the random state of the host and of `device` back as it is now."""
+    host = torch.get_rng_state()
+    if device.type != "cuda":
+        return lambda: torch.set_rng_state(host)
+    on_device = torch.cuda.get_rng_state(device)
+
+    def restore() -> None:
+        torch.set_rng_state(host)
+        torch.cuda.set_rng_state(on_device, device)
+    return restore
 
 
 LOCAL = "local"  # `prepare(..., group=LOCAL)`: no sharding, even under an initialised process group

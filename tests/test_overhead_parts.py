@@ -27,9 +27,10 @@ MECHANISMS = {"mode": (hooks.FetchMode, "__torch_function__"), "saved": (Runtime
     ("no mode", {"saved", "module"}),
     ("no saved hooks", {"mode", "module"}),
     ("no per-op Python", set()),
+    ("resident", {"saved"}),
 ])
 def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set[str]) -> None:
-    assert set(overhead_parts.VARIANTS) == {"full", "no mode", "no saved hooks", "no per-op Python"}
+    assert set(overhead_parts.VARIANTS) == {"full", "no mode", "no saved hooks", "no per-op Python", "resident"}
     seen: set[str] = set()
 
     def watched(name: str, owner: type, attribute: str) -> Any:
@@ -42,7 +43,8 @@ def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set
 
     with overhead_parts._without(tuple(watched(name, *where) for name, where in MECHANISMS.items())):
         loss = loss_fn("mlp", torch.randn(4, 8), torch.float32)
-        step = overhead_parts._variant_step(lambda: mlp(2, 8), loss, "fp32", overhead_parts.VARIANTS[variant])
+        step = overhead_parts._variant_step(lambda: mlp(2, 8), loss, "fp32", overhead_parts.VARIANTS[variant],
+                                            variant == overhead_parts.RESIDENT)
         seen.clear()
         step()
     assert seen == used

@@ -19,6 +19,13 @@ homes stay). A step that holds more non-model data than its record (a larger inp
 more tokens) keeps following, its budget lowered at every access and moment to what the non-model
 data leaves, and it too becomes the next plan. Only an out-of-memory error makes a step fall back to
 least-recently-used under the conservative budget and the next one record anew.
+
+[Note: resident steps]
+When every group is homed and every chunk is on the device (or FREE: a gradient chunk zeroed since, which
+materializes where its gradient arrives), nothing can move: no access needs room, so following the plan
+decides nothing. The runtime then serves the step "resident" (runtime's Note on resident steps): accesses
+come here only to be served, no moment is measured, and the step's end keeps the plan. A resident step that
+outgrew its plan's non-model data is followed by a recorded one.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class Follower:
             if action.verb != "fetch":
                 verb = self.evicts if action.verb == "evict" else self.prefetches
                 verb.setdefault(action.at, []).append(action.chunk)
+        self.peak_nonmodel = max(step.nonmodel, default=0)
         self.positions: dict[tuple[str, ...], list[int]] = {}
         for i, access in enumerate(step.accesses):
             self.positions.setdefault(access.chunks, []).append(i)
@@ -118,6 +126,8 @@ class Placer:
         self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
         self.replans = 0  # steps whose accesses differed from the plan's and became the next plan
         self.giving_way = False  # this step held more non-model data than its plan recorded
+        self.resident = False  # serving a resident step now (the Note on resident steps)
+        self.served_resident = False  # some of this step was served resident: its record is partial
         residency.policy = self
         residency.limit = self.conservative
 
@@ -151,10 +161,41 @@ class Placer:
         """Every group is homed and every chunk is on the device now: no access needs room, so none evicts."""
         return self.all_homed and len(self.residency.resident) == len(self.chunks)
 
+    @property
+    def can_stay(self) -> bool:
+        """Whether a resident step can start now: following a plan that homes every group, with every chunk
+        on the device or FREE (the Note on resident steps)."""
+        return self.phase is Phase.FOLLOW and self.all_homed and not self.giving_way and \
+            all(c.state.on_device or c.state is ChunkState.FREE for c in self.chunks.values())
+
+    def serve_resident(self) -> None:
+        """From now until the step ends, serve accesses without following the plan: nothing moves. Chunks
+        take the whole budget, so a FREE chunk materializing never evicts one; compute waits once for every
+        upload still landing, so no access needs a fence (parameters are read without one)."""
+        self.resident = self.served_resident = True
+        self.residency.limit = self.limit
+        for chunk in self.residency.resident.values():
+            chunk.fence()
+
+    def outgrown(self, nonmodel: int) -> bool:
+        """Whether `nonmodel` bytes are more than the plan recorded at any access, beyond the margin: a resident
+        step that sees that stops being one and gives way (the Note on following)."""
+        if nonmodel <= self._following.peak_nonmodel + int(self.limit * SAFETY_FRACTION):
+            return False
+        self.resident = False
+        self.giving_way = True
+        self._budget(self.residency.limit, nonmodel, 0)
+        return True
+
     def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
         optimizer update (device accesses only when the group is homed on the device)."""
         # The hot path: every module call, saved tensor unpacked, gradient written and group updated comes here.
+        if self.resident:  # nothing moves: only a FREE gradient chunk materializes (the Note on resident steps)
+            for chunk in chunks:
+                if not chunk.state.on_device:
+                    self.residency.bring(chunk)
+            return
         if self.off_path:
             self._fetch(chunks)
             return
@@ -191,7 +232,7 @@ class Placer:
     def moment(self, nonmodel: int) -> None:
         """Between accesses activations grow too (`nonmodel` bytes now): without a plan, or once a step outgrew
         its plan's record, re-fit the chunks at every moment."""
-        if self.off_path:
+        if self.off_path or self.resident:
             return
         if self.phase is not Phase.FOLLOW:
             self._conservative_now(nonmodel)
@@ -283,6 +324,7 @@ class Placer:
         """A compute op ran out of device memory: free every chunk not in use, stay conservative for the
         rest of this step and record the next (its non-model data outgrew what the plan assumed)."""
         self._diverge(f"device out of memory in a forward op ({error}); evicted every chunk not in use")
+        self.resident = False
         self.residency.evict_unpinned()
 
     # -- steps ------------------------------------------------------------------------------------
@@ -292,8 +334,12 @@ class Placer:
         resident chunks; re-record after a step that fell back."""
         events, self.events = self.events, []
         outgrown, self.giving_way = self.giving_way, False
-        if self.phase is Phase.DIVERGED:
+        partial, self.served_resident, self.resident = self.served_resident, False, False
+        if self.phase is Phase.DIVERGED or (partial and outgrown):
             self.phase = Phase.RECORD
+            return
+        if partial:  # nothing moved, and its accesses were not all recorded: the plan stays
+            self._following.cursor = 0
             return
         if self.phase is Phase.RECORD:
             step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed)

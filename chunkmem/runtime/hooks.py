@@ -42,7 +42,10 @@ class FetchMode(TorchFunctionMode):
         if records:
             self.runtime.acquire(records)
         if func is F.batch_norm:
-            args, kwargs = _affine_like_statistics(args, kwargs)
+            cast_args, cast_kwargs = _affine_like_statistics(args, kwargs)
+            if cast_args is not args or cast_kwargs is not kwargs:  # a step without this mode would miss the cast
+                self.runtime.resident_allowed = False
+                args, kwargs = cast_args, cast_kwargs
         try:
             return func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
@@ -122,6 +125,8 @@ class Hooks:
         self.runtime.grad_ready(record)
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
+        if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
+            return
         if not self.forwarding and self.outside is None:
             # Backward re-computes a checkpointed module (or a module is called on its own): its ops need
             # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
@@ -132,6 +137,8 @@ class Hooks:
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
+        if self.runtime.placer.resident:
+            return
         self.runtime.leave(module)
         self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
@@ -139,20 +146,25 @@ class Hooks:
             mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        """The context of one forward pass of the whole model."""
+    def forward(self, inputs: Any = None) -> Iterator[bool]:
+        """The context of one forward pass of the whole model, whose inputs have the signature `inputs`; it
+        gives whether the forward runs resident (runtime's Note on resident steps)."""
         runtime = self.runtime
+        training = torch.is_grad_enabled()
+        resident = runtime.begin_forward(inputs, training)
         # A forward without gradients (evaluation) is not part of the training step the plan follows.
-        runtime.placer.off_path = not torch.is_grad_enabled()
+        runtime.placer.off_path = not training
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True
         try:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
-            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), FetchMode(runtime), \
-                    set_checkpoint_early_stop(False):
-                yield
+            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), \
+                    contextlib.nullcontext() if resident else FetchMode(runtime), set_checkpoint_early_stop(False):
+                yield resident
+            if resident and training:
+                runtime.end_resident_forward(inputs)
         finally:
             self.forwarding = False
             if runtime.shards is not None and runtime.shards.off_path:

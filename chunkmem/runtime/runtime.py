@@ -8,6 +8,19 @@ Backward: autograd's saved tensors that are views into a device chunk are packed
 offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
 chunk may leave the device between forward and backward. An unpacked view keeps the old device
 buffer alive until the op that asked for it finishes: at most the few chunks one op reads.
+
+[Note: resident steps]
+When the whole model fits, every chunk stays on the device and nothing of the above has anything to
+decide; what it costs (Python at every module, op and moment) is all the overhead there is. So once a
+plan homes every group and every chunk is on the device (placement's Note on resident steps), a
+training forward whose inputs have the shapes of one that already ran under that plan without
+outgrowing it runs resident: no torch-function mode, module hooks that return at once, moments that
+only keep the device peak. What stays: the saved-tensor hooks (activations are still metered, and the
+non-model bytes are checked against the plan when the forward ends), gradients lent to their chunks,
+the optimizer's updates. What the mode did is not needed: every parameter is on the device, and the
+models whose BatchNorm needed its cast in the warm-up never run resident. An out-of-memory error in a
+resident forward makes the wrapper run the forward again under the mode, with the random state it
+started from (ChunkedModel.forward).
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ from chunkmem.zero.collectives import agree
 from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
 log = logging.getLogger("chunkmem")
+
+MAX_FITTED_INPUTS = 1024  # input signatures kept for resident steps (inputs of many lengths: the most recent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +97,11 @@ class Runtime:
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
         self.warmup = True
+        # Off: every step takes the full path (the torch-function mode changed an op's arguments in a step, or a
+        # benchmark times that path).
+        self.resident_allowed = True
+        self.fitted_inputs: set[Any] = set()  # input signatures of forwards that fit a plan homing everything
+        self.step_inputs: set[Any] = set()  # this step's, from forwards not run resident
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
                                    self.observers)
@@ -235,20 +255,57 @@ class Runtime:
             flat = self.shards.unpacked(saved.source)  # type: ignore[union-attr]
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
+    # -- resident steps (the Note on them) -----------------------------------------------------------
+    def begin_forward(self, inputs: Any, training: bool) -> bool:
+        """Whether this forward runs resident; `inputs` is its signature (shapes, dtypes and plain values), None
+        for a forward that never does (a pipeline stage's: its schedule interleaves micro-batches)."""
+        placer = self.placer
+        if inputs is None:
+            placer.resident = False
+            return False
+        if placer.resident:  # a step already resident: its later forwards too, if their inputs fitted
+            if not training or inputs in self.fitted_inputs:
+                return True
+            placer.resident = False
+        elif (not training or inputs in self.fitted_inputs) and self.resident_allowed and self.shards is None \
+                and self.host_cache is None and not self.observers and not self.activations.offload \
+                and placer.can_stay:
+            placer.serve_resident()
+            return True
+        if training:
+            self.step_inputs.add(inputs)
+        return False
+
+    def end_resident_forward(self, inputs: Any) -> None:
+        """A resident forward ended: its activations are at their peak. If they outgrew the plan's record, the
+        rest of the step gives way and these inputs no longer run resident."""
+        nonmodel = self.nonmodel_bytes()
+        self._note_peak(nonmodel)
+        if self.placer.outgrown(nonmodel):
+            log.info("a forward's activations outgrew the plan's record for inputs of the same shapes: "
+                     "recording the next step")
+            self.fitted_inputs.discard(inputs)
+
+    def _note_peak(self, nonmodel: int) -> None:
+        device_bytes = self.residency.stats.device_chunk_bytes + nonmodel
+        if device_bytes > self.device_bytes_peak:
+            self.device_bytes_peak = device_bytes
+
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
-        the non-model data measured now (placement.Placer.moment)."""
+        the non-model data measured now (placement.Placer.moment). In a resident step only the peak is kept."""
         nonmodel = self.nonmodel_bytes()
+        if self.placer.resident:
+            self._note_peak(nonmodel)
+            return
         chunk_bytes = self.residency.stats.device_chunk_bytes
         self.placer.moment(nonmodel)
         if self.residency.stats.device_chunk_bytes != chunk_bytes:  # chunks left: on CUDA the reading moves with them
             nonmodel = self.nonmodel_bytes()
         if self.host_cache is not None:
             self.host_cache.tick()
-        device_bytes = self.residency.stats.device_chunk_bytes + nonmodel
-        if device_bytes > self.device_bytes_peak:
-            self.device_bytes_peak = device_bytes
+        self._note_peak(nonmodel)
         if self.observers:
             moment = Moment(self.step_count, self.moment_index, name, stage, where, self.warmup)
             for observer in self.observers:
@@ -258,7 +315,14 @@ class Runtime:
     def step_done(self) -> None:
         if self.shards is not None:
             self.shards.step_done()
-        self.placer.step_done()
+        placer = self.placer
+        kept = placer.phase is not Phase.DIVERGED and not placer.giving_way
+        placer.step_done()
+        if kept and placer.phase is Phase.FOLLOW and placer.all_homed:  # these inputs fit a plan homing everything
+            if len(self.fitted_inputs) > MAX_FITTED_INPUTS:
+                self.fitted_inputs.clear()
+            self.fitted_inputs |= self.step_inputs
+        self.step_inputs.clear()
         if self.host_cache is not None:
             self.host_cache.step_done()
         self.warmup = self.placer.phase is not Phase.FOLLOW

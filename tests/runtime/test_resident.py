@@ -1,0 +1,154 @@
+"""Resident steps (runtime's Note on them): when the whole model fits, steps after the warm-up run without the
+torch-function mode or the module hooks' work, on plain PyTorch's bits, and fall back to the full path when
+the inputs change shape, a forward runs out of memory or activations outgrow the plan."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from chunkmem.chunks.placement import Phase
+from tests import zoo
+from tests.chunks.test_placement import FlakyTanh
+from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, prepared, tiny_gpt2, train
+from tests.test_zoo import plain_bf16
+
+pytest.importorskip("transformers")
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+ARCHS = zoo.available() + zoo.DATA_DEPENDENT
+
+
+def watched(model: nn.Module, loss_fn, flags: list[bool]):
+    """`loss_fn`, noting after each forward whether it ran resident."""
+    def loss(m: nn.Module, batch) -> torch.Tensor:
+        value = loss_fn(m, batch)
+        flags.append(model.runtime.placer.resident)
+        return value
+    return loss
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_a_fitting_architecture_steps_resident_on_plain_pytorchs_bits(arch: zoo.Arch) -> None:
+    model, batches = arch.build(), arch.batches(4)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)  # layers dropped at random draw the same
+    expected = train(ref, ADAMW(ref.parameters()), batches, zoo.loss)
+    peaks = []
+    for resident in (True, False):
+        cm, opt = prepared(model, ADAMW)
+        cm.runtime.resident_allowed = resident  # off: every step takes the full path
+        flags: list[bool] = []
+        torch.manual_seed(3)
+        assert train(cm, opt, batches, watched(cm, zoo.loss, flags)) == expected
+        assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+        assert flags == [False] + [resident] * 3, "resident after the warm-up, unless told not to be"
+        peaks.append(cm.memory_stats()["device_bytes_peak"])
+    assert peaks[0] == peaks[1], "the device peak is measured the same way"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "resnet"])
+def test_bf16_steps_resident_unless_batchnorm_needs_the_modes_cast(name: str) -> None:
+    arch = zoo.by_name(name)
+    model, batches = arch.build(), arch.batches(4)
+    cm, opt = prepared(model, ADAMW, dtype="bf16")
+    flags: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, zoo.loss, flags)) == plain_bf16(copy.deepcopy(model), batches)
+    batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert cm.runtime.resident_allowed != batchnorm
+    assert flags == [False] + [not batchnorm] * 3
+
+
+def test_inputs_of_a_new_shape_run_under_the_mode_once_then_resident() -> None:
+    model = tiny_gpt2()
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 128, (2, seq), generator=gen) for seq in (16, 16, 16, 24, 24, 16, 24)]
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW)
+    flags: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, gpt2_loss, flags)) == expected
+    assert flags == [False, True, True, False, True, True, True]
+    assert cm.runtime.placer.replans == 0, "the new shape ran the plan's accesses"
+
+
+def test_out_of_memory_in_a_resident_forward_runs_it_again_from_the_same_random_state(caplog) -> None:
+    model, batches = nn.Sequential(nn.Dropout(0.3), FlakyTanh(), mlp()), mlp_batches(6)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(5)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW)
+    flags: list[bool] = []
+    loss = watched(cm, mlp_loss, flags)
+    torch.manual_seed(5)
+    losses = train(cm, opt, batches[:2], loss)
+    cm.module[1].failures = 1  # the resident forward's dropout has drawn when tanh fails
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        losses += train(cm, opt, batches[2:3], loss)
+    assert cm.module[1].failures == 0 and cm.memory_stats()["oom_fallbacks"] == 1
+    assert any("out of memory in a forward op" in r.getMessage() for r in caplog.records)
+    assert cm.runtime.placer.phase is Phase.RECORD
+    losses += train(cm, opt, batches[3:], loss)
+    assert losses == expected, "dropout drew the same mask again"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert flags == [False, True, False, False, True, True], "the retry, the recorded step, then resident again"
+
+
+class Deepens(nn.Module):
+    """tanh applied `times` times: activations that depend on the module's state, not the input's shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = torch.tanh(x)
+        return x
+
+
+def test_activations_that_outgrow_the_plan_end_the_resident_step_and_the_next_is_recorded() -> None:
+    model, batches = nn.Sequential(mlp(), Deepens()), mlp_batches(6)
+    probe, _ = prepared(model, ADAMW)
+    train(probe, _, batches[:1], mlp_loss)
+    stats = probe.memory_stats()
+    budget = stats["model_data_bytes"] + 2 * probe.runtime.activations.peak  # everything fits, with room to spare
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    cm, opt = prepared(model, ADAMW, device_memory=budget)
+    flags: list[bool] = []
+    loss = watched(cm, mlp_loss, flags)
+    losses = train(cm, opt, batches[:3], loss)
+    expected = train(ref, ref_opt, batches[:3], mlp_loss)
+    assert flags == [False, True, True]
+    cm.module[1].times = ref[1].times = 400  # 400 saved outputs: far beyond the plan's record and its margin
+    losses += train(cm, opt, batches[3:4], loss)
+    expected += train(ref, ref_opt, batches[3:4], mlp_loss)
+    assert flags[3] is False and cm.runtime.placer.phase is Phase.RECORD
+    assert cm.memory_stats()["evictions"] > 0, "chunks gave way to the activations"
+    cm.module[1].times = ref[1].times = 1
+    losses += train(cm, opt, batches[4:], loss)
+    expected += train(ref, ref_opt, batches[4:], mlp_loss)
+    assert losses == expected
+    assert flags[4:] == [False, True], "recorded, then resident again"
+
+
+def test_a_resident_step_waits_for_uploads_still_landing() -> None:
+    model, batches = mlp(), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW)
+    flags: list[bool] = []
+    loss = watched(cm, mlp_loss, flags)
+    losses = train(cm, opt, batches[:2], loss)
+    residency = cm.runtime.residency
+    for chunk in [c for c in cm.runtime.store.chunks() if c.state.on_device]:
+        residency.evict(chunk)
+        residency.bring(chunk, "prefetch")  # its upload in flight: parameters are read without a fence
+    losses += train(cm, opt, batches[2:], loss)
+    assert flags == [False, True, True, True]
+    assert losses == expected
