@@ -100,6 +100,7 @@ class Runtime:
         # Off: every step takes the full path (the torch-function mode changed an op's arguments in a step, or a
         # benchmark times that path).
         self.resident_allowed = True
+        self.resident_steps = 0  # steps served resident, wholly or in part
         self.fitted_inputs: set[Any] = set()  # input signatures of forwards that fit a plan homing everything
         self.step_inputs: set[Any] = set()  # this step's, from forwards not run resident
         self.shards: Shards | None = None
@@ -317,6 +318,7 @@ class Runtime:
             self.shards.step_done()
         placer = self.placer
         kept = placer.phase is not Phase.DIVERGED and not placer.giving_way
+        self.resident_steps += placer.served_resident
         placer.step_done()
         if kept and placer.phase is Phase.FOLLOW and placer.all_homed:  # these inputs fit a plan homing everything
             if len(self.fitted_inputs) > MAX_FITTED_INPUTS:
@@ -414,6 +416,7 @@ class Runtime:
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)
         stats["activation_offload_bytes"] = self.activations.offload_bytes
+        stats["resident_steps"] = self.resident_steps
         stats.update(self.device.host_pool.stats())
         if self.host_cache is not None:
             stats.update(self.host_cache.stats())

@@ -47,6 +47,7 @@ def test_a_fitting_architecture_steps_resident_on_plain_pytorchs_bits(arch: zoo.
         assert train(cm, opt, batches, watched(cm, zoo.loss, flags)) == expected
         assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
         assert flags == [False] + [resident] * 3, "resident after the warm-up, unless told not to be"
+        assert cm.memory_stats()["resident_steps"] == 3 * resident
         peaks.append(cm.memory_stats()["device_bytes_peak"])
     assert peaks[0] == peaks[1], "the device peak is measured the same way"
 
