@@ -184,7 +184,7 @@ class Placer:
             return False
         self.resident = False
         self.giving_way = True
-        self._budget(self.residency.limit, nonmodel, 0)
+        self.moment(nonmodel)
         return True
 
     def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
@@ -232,7 +232,7 @@ class Placer:
     def moment(self, nonmodel: int) -> None:
         """Between accesses activations grow too (`nonmodel` bytes now): without a plan, or once a step outgrew
         its plan's record, re-fit the chunks at every moment."""
-        if self.off_path or self.resident:
+        if self.off_path:
             return
         if self.phase is not Phase.FOLLOW:
             self._conservative_now(nonmodel)

@@ -261,21 +261,16 @@ class Runtime:
         """Whether this forward runs resident; `inputs` is its signature (shapes, dtypes and plain values), None
         for a forward that never does (a pipeline stage's: its schedule interleaves micro-batches)."""
         placer = self.placer
-        if inputs is None:
+        fitted = inputs is not None and (not training or inputs in self.fitted_inputs)
+        if placer.resident and not fitted:  # the rest of this step takes the full path
             placer.resident = False
-            return False
-        if placer.resident:  # a step already resident: its later forwards too, if their inputs fitted
-            if not training or inputs in self.fitted_inputs:
-                return True
-            placer.resident = False
-        elif (not training or inputs in self.fitted_inputs) and self.resident_allowed and self.shards is None \
+        elif not placer.resident and fitted and self.resident_allowed and self.shards is None \
                 and self.host_cache is None and not self.observers and not self.activations.offload \
                 and placer.can_stay:
             placer.serve_resident()
-            return True
-        if training:
+        if training and not placer.resident and inputs is not None:
             self.step_inputs.add(inputs)
-        return False
+        return placer.resident
 
     def end_resident_forward(self, inputs: Any) -> None:
         """A resident forward ended: its activations are at their peak. If they outgrew the plan's record, the
