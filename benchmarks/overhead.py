@@ -23,9 +23,10 @@ it is what chunkmem's own work costs a step in absolute terms:
 
     python -m benchmarks.overhead --width 64 --vocab 256 --batch 1 --seq 16 --mlp-width 32
 
-When the model fits, steps after the warm-up run resident (runtime's Note on resident steps); `--full-path`
-adds, fitting, rows whose chunkmem model takes the full path every step, timed against the same plain step in
-the same rounds: what resident steps save.
+When the model fits, steps after the warm-up run resident (runtime's Note on resident steps); when chunks
+move, forwards after the first step run lean (runtime's Note on lean forwards). `--full-path` adds, fitting and
+at 50%, rows whose chunkmem model takes the full path every step, timed against the same plain step in the same
+rounds: what resident steps and lean forwards save.
 
 `--copied` adds, fitting and at 50%, rows whose chunkmem model copies each gradient into its chunk on the
 device instead of lending the chunk autograd's tensor (chunk's Note on lent ranges), timed against the same
@@ -111,8 +112,8 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
                memory: int | None, lend: bool = True, resident: bool = True) -> tuple[Step, torch.nn.Module]:
     """A chunkmem training step; with `lend` off, gradients are copied into their chunks on the device instead of
-    lent to them (chunk's Note on lent ranges), as before lending was built; with `resident` off, a model that
-    fits takes the full path every step (runtime's Note on resident steps), as before resident steps were built."""
+    lent to them (chunk's Note on lent ranges), as before lending was built; with `resident` off, every step takes
+    the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built."""
     wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())),
                                           chunkmem.Config(dtype=dtype, device_memory=memory))
     wrapped.runtime.resident_allowed = resident
@@ -169,10 +170,10 @@ def build(args: argparse.Namespace) -> list[dict]:
                     copied, unlent = chunk_step(make(), loss, dtype, memory, lend=False)
                     copied(), copied()
                     rows.append(_row(name, dtype, f"{label}, copied", plain, copied, unlent))
-                if args.full_path and label == "fits":
+                if args.full_path and label != "25%":
                     full, wrapped = chunk_step(make(), loss, dtype, memory, resident=False)
                     full(), full()
-                    rows.append(_row(name, dtype, "fits, full path", plain, full, wrapped))
+                    rows.append(_row(name, dtype, f"{label}, full path", plain, full, wrapped))
             first, twin = plain_step(make(), loss, torch_dtype), plain_step(make(), loss, torch_dtype)
             first(), twin()  # warmed up alike (the optimizer's state is made in the first step)
             rows.append(_row(name, dtype, "A/A", first, twin, None))  # plain against its own twin
@@ -200,8 +201,8 @@ def main() -> None:
                         help="also time, fitting and at 50%%, the same model with its gradients copied into their chunks "
                              "rather than lent to them, against the same plain step")
     parser.add_argument("--full-path", action="store_true",
-                        help="also time, fitting, the same model taking the full path every step (no resident steps) "
-                             "against the same plain step")
+                        help="also time, fitting and at 50%%, the same model taking the full path every step (no "
+                             "resident steps nor lean forwards) against the same plain step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 

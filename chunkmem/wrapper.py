@@ -70,14 +70,14 @@ class ChunkedModel(nn.Module):
         inputs = (spec, *[_signature(leaf) for leaf in leaves])
         restore: Callable[[], None] | None = None
         try:
-            with self.hooks.forward(inputs) as resident:
-                restore = _random_state(self.runtime.device.torch_device) if resident else None
+            with self.hooks.forward(inputs) as modeless:
+                restore = _random_state(self.runtime.device.torch_device) if modeless else None
                 output = self.module(*args, **kwargs)
         except torch.OutOfMemoryError as error:
             if restore is None:
                 raise
-            # Resident, no torch-function mode was there to retry the op that failed (runtime's Note on resident
-            # steps): the forward runs again under it, from the random state it started from.
+            # Resident or lean, no torch-function mode was there to retry the op that failed (runtime's Notes on
+            # them): the forward runs again under it, from the random state it started from.
             self.runtime.placer.out_of_memory(error)
             restore()
             with self.hooks.forward(inputs):

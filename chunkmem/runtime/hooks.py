@@ -40,6 +40,7 @@ class FetchMode(TorchFunctionMode):
         params = _parameters(args, kwargs)
         records = self.runtime.unannounced(params) if params else None
         if records:
+            self.runtime.lean_allowed = False  # a forward without this mode would miss the fetch
             self.runtime.acquire(records)
         if func is F.batch_norm:
             cast_args, cast_kwargs = _affine_like_statistics(args, kwargs)
@@ -148,10 +149,12 @@ class Hooks:
     @contextlib.contextmanager
     def forward(self, inputs: Any = None) -> Iterator[bool]:
         """The context of one forward pass of the whole model, whose inputs have the signature `inputs`; it
-        gives whether the forward runs resident (runtime's Note on resident steps)."""
+        gives whether the forward runs without the torch-function mode (runtime's Notes on resident steps and
+        lean forwards)."""
         runtime = self.runtime
         training = torch.is_grad_enabled()
-        resident = runtime.begin_forward(inputs, training)
+        modeless = runtime.begin_forward(inputs, training)
+        resident = runtime.placer.resident
         # A forward without gradients (evaluation) is not part of the training step the plan follows.
         runtime.placer.off_path = not training
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
@@ -161,8 +164,8 @@ class Hooks:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
             with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), \
-                    contextlib.nullcontext() if resident else FetchMode(runtime), set_checkpoint_early_stop(False):
-                yield resident
+                    contextlib.nullcontext() if modeless else FetchMode(runtime), set_checkpoint_early_stop(False):
+                yield modeless
             if resident and training:
                 runtime.end_resident_forward(inputs)
         finally:

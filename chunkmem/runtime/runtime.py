@@ -21,6 +21,20 @@ the optimizer's updates. What the mode did is not needed: every parameter is on 
 models whose BatchNorm needed its cast in the warm-up never run resident. An out-of-memory error in a
 resident forward makes the wrapper run the forward again under the mode, with the random state it
 started from (ChunkedModel.forward).
+
+[Note: lean forwards]
+When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
+not: it exists for parameters used outside their module, for BatchNorm's cast, and to retry an op out of
+memory, and it costs a Python call on every op (as much as 5% of a transformer's step). So a training
+forward whose inputs have the shapes of one that already ran a step under the plan being followed runs
+lean: without the mode, everything else as on the full path. Unless the mode was ever needed: a model
+whose forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode) or needed
+BatchNorm's cast (`resident_allowed`) never runs lean. An out-of-memory error in a lean forward is retried
+as in a resident one: the plan is dropped, chunks not in use leave, and the forward runs again under the
+mode from the same random state. The limit: a parameter used outside its module for the first time in a
+lean forward (a branch that only some batches of the same shapes take) is neither fetched nor waited for,
+so its op may read a host tensor (an error on CUDA) or an upload still landing (the simulation's checker
+reports it).
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
 log = logging.getLogger("chunkmem")
 
-MAX_FITTED_INPUTS = 1024  # input signatures kept for resident steps (inputs of many lengths: the most recent)
+MAX_FITTED_INPUTS = 1024  # input signatures kept for resident and lean forwards (of many lengths: the latest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +115,9 @@ class Runtime:
         # benchmark times that path).
         self.resident_allowed = True
         self.resident_steps = 0  # steps served resident, wholly or in part
-        self.fitted_inputs: set[Any] = set()  # input signatures of forwards that fit a plan homing everything
+        self.lean_allowed = True  # off once FetchMode caught a parameter used outside its module (lean forwards)
+        self.lean_forwards = 0  # training forwards run lean, not resident
+        self.fitted_inputs: set[Any] = set()  # input signatures of forwards in steps that kept the plan followed now
         self.step_inputs: set[Any] = set()  # this step's, from forwards not run resident
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
@@ -256,21 +272,27 @@ class Runtime:
             flat = self.shards.unpacked(saved.source)  # type: ignore[union-attr]
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
-    # -- resident steps (the Note on them) -----------------------------------------------------------
+    # -- resident steps and lean forwards (the Notes on them) ------------------------------------------------------
     def begin_forward(self, inputs: Any, training: bool) -> bool:
-        """Whether this forward runs resident; `inputs` is its signature (shapes, dtypes and plain values), None
-        for a forward that never does (a pipeline stage's: its schedule interleaves micro-batches)."""
+        """Whether this forward runs without the torch-function mode, resident or lean (the Notes on them);
+        `inputs` is its signature (shapes, dtypes and plain values), None for a forward that never does (a
+        pipeline stage's: its schedule interleaves micro-batches)."""
         placer = self.placer
         fitted = inputs is not None and (not training or inputs in self.fitted_inputs)
+        plain = self.resident_allowed and self.shards is None and self.host_cache is None and not self.observers \
+            and not self.activations.offload
         if placer.resident and not fitted:  # the rest of this step takes the full path
             placer.resident = False
-        elif not placer.resident and fitted and self.resident_allowed and self.shards is None \
-                and self.host_cache is None and not self.observers and not self.activations.offload \
-                and placer.can_stay:
+        elif not placer.resident and fitted and plain and placer.can_stay:
             placer.serve_resident()
-        if training and not placer.resident and inputs is not None:
+        if placer.resident:
+            return True
+        if training and inputs is not None:
             self.step_inputs.add(inputs)
-        return placer.resident
+        lean = training and fitted and plain and self.lean_allowed and placer.phase is Phase.FOLLOW \
+            and not placer.giving_way
+        self.lean_forwards += lean
+        return lean
 
     def end_resident_forward(self, inputs: Any) -> None:
         """A resident forward ended: its activations are at their peak. If they outgrew the plan's record, the
@@ -314,10 +336,11 @@ class Runtime:
         placer = self.placer
         kept = placer.phase is not Phase.DIVERGED and not placer.giving_way
         self.resident_steps += placer.served_resident
+        plans = placer.plans
         placer.step_done()
-        if kept and placer.phase is Phase.FOLLOW and placer.all_homed:  # these inputs fit a plan homing everything
-            if len(self.fitted_inputs) > MAX_FITTED_INPUTS:
-                self.fitted_inputs.clear()
+        if placer.plans != plans or len(self.fitted_inputs) > MAX_FITTED_INPUTS:  # inputs fitted another plan
+            self.fitted_inputs.clear()
+        if kept and placer.phase is Phase.FOLLOW:  # these inputs ran the plan followed from now on
             self.fitted_inputs |= self.step_inputs
         self.step_inputs.clear()
         if self.host_cache is not None:
@@ -412,6 +435,7 @@ class Runtime:
         stats = dataclasses.asdict(self.residency.stats)
         stats["activation_offload_bytes"] = self.activations.offload_bytes
         stats["resident_steps"] = self.resident_steps
+        stats["lean_forwards"] = self.lean_forwards
         stats.update(self.device.host_pool.stats())
         if self.host_cache is not None:
             stats.update(self.host_cache.stats())

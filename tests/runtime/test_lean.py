@@ -1,0 +1,100 @@
+"""Lean forwards (runtime's Note on them): while chunks stream, a forward whose inputs already ran a step under
+the plan runs without the torch-function mode, on plain PyTorch's bits; never for a model whose forward needed
+the mode, and an out-of-memory error in one runs it again under the mode."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from chunkmem.chunks.placement import Phase
+from tests import zoo
+from tests.chunks.test_placement import FlakyTanh
+from tests.helpers import least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared, train
+
+pytest.importorskip("transformers")
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def watched(model: nn.Module, loss_fn, flags: list[bool]):
+    """`loss_fn`, noting after each forward whether it started lean."""
+    def loss(m: nn.Module, batch) -> torch.Tensor:
+        before = model.runtime.lean_forwards
+        value = loss_fn(m, batch)
+        flags.append(model.runtime.lean_forwards > before)
+        return value
+    return loss
+
+
+def streaming(model: nn.Module) -> int:
+    """Half the parameter bytes (an eighth of the model data), or the least budget prepare accepts if more."""
+    return least_accepted(model, ADAMW, low=param_bytes(model) // 2)
+
+
+@pytest.mark.parametrize("arch", zoo.available(), ids=[a.name for a in zoo.available()])
+def test_a_streaming_architecture_runs_lean_after_its_first_step_on_plain_pytorchs_bits(arch: zoo.Arch) -> None:
+    model, batches = arch.build(), arch.batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, zoo.loss)
+    budget = streaming(model)
+    for lean in (True, False):
+        cm, opt = prepared(model, ADAMW, device_memory=budget)
+        cm.runtime.resident_allowed = lean  # off: every forward runs under the mode
+        flags: list[bool] = []
+        assert train(cm, opt, batches, watched(cm, zoo.loss, flags)) == expected
+        assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+        stats = cm.memory_stats()
+        assert stats["evictions"] > 0 and stats["resident_steps"] == 0, "chunks must move"
+        assert flags == [False] + [lean and cm.runtime.lean_allowed] * 3
+    assert cm.runtime.lean_allowed, "no zoo model uses a parameter outside its module"
+
+
+class Borrows(nn.Module):
+    """A model whose forward uses its first layer's parameters itself (F.linear on them), outside the layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.rest = nn.Linear(32, 32), mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(torch.tanh(F.linear(x, self.first.weight, self.first.bias)))
+
+
+def test_a_model_using_a_parameter_outside_its_module_never_runs_lean() -> None:
+    model, batches = Borrows(), mlp_batches(5)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=streaming(model))
+    flags: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, mlp_loss, flags)) == expected
+    assert not cm.runtime.lean_allowed and flags == [False] * 5
+    assert cm.memory_stats()["evictions"] > 0
+
+
+def test_out_of_memory_in_a_lean_forward_runs_it_again_under_the_mode_from_the_same_random_state(caplog) -> None:
+    model, batches = nn.Sequential(nn.Dropout(0.3), FlakyTanh(), mlp()), mlp_batches(6)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(5)
+    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=streaming(model))
+    flags: list[bool] = []
+    loss = watched(cm, mlp_loss, flags)
+    torch.manual_seed(5)
+    losses = train(cm, opt, batches[:2], loss)
+    cm.module[1].failures = 1  # the lean forward's dropout has drawn when tanh fails
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        losses += train(cm, opt, batches[2:3], loss)
+    assert cm.module[1].failures == 0 and cm.memory_stats()["oom_fallbacks"] == 1
+    assert any("out of memory in a forward op" in r.getMessage() for r in caplog.records)
+    assert cm.runtime.placer.phase is Phase.RECORD
+    losses += train(cm, opt, batches[3:], loss)
+    assert losses == expected, "dropout drew the same mask again"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert flags == [False, True, True, False, True, True], "lean, the retry under the mode, recorded, lean again"
+    assert cm.memory_stats()["evictions"] > 0
