@@ -1,12 +1,11 @@
 """Resident steps (runtime's Note on them): when the whole model fits, steps after the warm-up run without the
 torch-function mode or the module hooks' work, on plain PyTorch's bits, and fall back to the full path when
-the inputs change shape, a forward runs out of memory or activations outgrow the plan."""
+the inputs change shape or activations outgrow the plan (a forward out of memory: tests/runtime/test_lean.py)."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import logging
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from torch import nn
 
 from chunkmem.chunks.placement import Phase
 from tests import zoo
-from tests.chunks.test_placement import FlakyTanh
 from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, prepared, tiny_gpt2, train
 from tests.test_zoo import plain_bf16
 
@@ -75,28 +73,6 @@ def test_inputs_of_a_new_shape_run_under_the_mode_once_then_resident() -> None:
     assert train(cm, opt, batches, watched(cm, gpt2_loss, flags)) == expected
     assert flags == [False, True, True, False, True, True, True]
     assert cm.runtime.placer.replans == 0, "the new shape ran the plan's accesses"
-
-
-def test_out_of_memory_in_a_resident_forward_runs_it_again_from_the_same_random_state(caplog) -> None:
-    model, batches = nn.Sequential(nn.Dropout(0.3), FlakyTanh(), mlp()), mlp_batches(6)
-    ref = copy.deepcopy(model)
-    torch.manual_seed(5)
-    expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
-    cm, opt = prepared(model, ADAMW)
-    flags: list[bool] = []
-    loss = watched(cm, mlp_loss, flags)
-    torch.manual_seed(5)
-    losses = train(cm, opt, batches[:2], loss)
-    cm.module[1].failures = 1  # the resident forward's dropout has drawn when tanh fails
-    with caplog.at_level(logging.WARNING, logger="chunkmem"):
-        losses += train(cm, opt, batches[2:3], loss)
-    assert cm.module[1].failures == 0 and cm.memory_stats()["oom_fallbacks"] == 1
-    assert any("out of memory in a forward op" in r.getMessage() for r in caplog.records)
-    assert cm.runtime.placer.phase is Phase.RECORD
-    losses += train(cm, opt, batches[3:], loss)
-    assert losses == expected, "dropout drew the same mask again"
-    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
-    assert flags == [False, True, False, False, True, True], "the retry, the recorded step, then resident again"
 
 
 class Deepens(nn.Module):
