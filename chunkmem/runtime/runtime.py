@@ -25,16 +25,16 @@ started from (ChunkedModel.forward).
 [Note: lean forwards]
 When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
 not: it exists for parameters used outside their module, for BatchNorm's cast, and to retry an op out of
-memory, and it costs a Python call on every op (as much as 5% of a transformer's step). So a training
-forward whose inputs have the shapes of one that already ran a step under the plan being followed runs
-lean: without the mode, everything else as on the full path. Unless the mode was ever needed: a model
-whose forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode) or needed
-BatchNorm's cast (`resident_allowed`) never runs lean. An out-of-memory error in a lean forward is retried
-as in a resident one: the plan is dropped, chunks not in use leave, and the forward runs again under the
-mode from the same random state. The limit: a parameter used outside its module for the first time in a
-lean forward (a branch that only some batches of the same shapes take) is neither fetched nor waited for,
-so its op may read a host tensor (an error on CUDA) or an upload still landing (the simulation's checker
-reports it).
+memory, and it costs a Python call on every op (up to 3% of a step in benchmarks/overhead.py's bf16
+rows). So a training forward whose inputs have the shapes of one that already ran a step under the plan
+being followed runs lean: without the mode, everything else as on the full path. Unless the mode was ever
+needed: a model whose forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode)
+or needed BatchNorm's cast (`resident_allowed`) never runs lean. An out-of-memory error in a lean forward
+is retried as in a resident one: the plan is dropped, chunks not in use leave, and the forward runs again
+under the mode from the same random state. The limit: a parameter used outside its module for the first
+time in a lean forward (a branch that only some batches of the same shapes take) is neither fetched nor
+waited for, so its op may read a host tensor (an error on CUDA) or an upload still landing (the
+simulation's checker reports it).
 """
 
 from __future__ import annotations
@@ -279,17 +279,17 @@ class Runtime:
         pipeline stage's: its schedule interleaves micro-batches)."""
         placer = self.placer
         fitted = inputs is not None and (not training or inputs in self.fitted_inputs)
-        plain = self.resident_allowed and self.shards is None and self.host_cache is None and not self.observers \
+        simple = self.resident_allowed and self.shards is None and self.host_cache is None and not self.observers \
             and not self.activations.offload
         if placer.resident and not fitted:  # the rest of this step takes the full path
             placer.resident = False
-        elif not placer.resident and fitted and plain and placer.can_stay:
+        elif not placer.resident and fitted and simple and placer.can_stay:
             placer.serve_resident()
         if placer.resident:
             return True
         if training and inputs is not None:
             self.step_inputs.add(inputs)
-        lean = training and fitted and plain and self.lean_allowed and placer.phase is Phase.FOLLOW \
+        lean = training and fitted and simple and self.lean_allowed and placer.phase is Phase.FOLLOW \
             and not placer.giving_way
         self.lean_forwards += lean
         return lean
