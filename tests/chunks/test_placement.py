@@ -191,6 +191,7 @@ def test_activation_checkpointing_with_chunks_moving_matches_plain_pytorch(offlo
     losses = train(cm, opt, batches, gpt2_loss)
     stats = cm.memory_stats()
     assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
+    assert stats["lean_forwards"] == (0 if offload else 2), "re-computation runs under the mode after lean forwards"
     assert losses == expected
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
 
