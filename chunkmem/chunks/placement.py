@@ -125,7 +125,6 @@ class Placer:
         self.start: set[str] = set()
         self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
         self.replans = 0  # steps whose accesses differed from the plan's and became the next plan
-        self.plans = 0  # plans made: one after each warm-up, one at each re-plan
         self.giving_way = False  # this step held more non-model data than its plan recorded
         self.resident = False  # serving a resident step now (the Note on resident steps)
         self.served_resident = False  # some of this step was served resident: its record is partial
@@ -347,7 +346,6 @@ class Placer:
             self.homes = set(step.homes)
             self._send_home_others()
             self.phase = Phase.FOLLOW
-            self.plans += 1
         else:
             # Most steps make the plan's accesses: compare them before working out budgets for a new plan.
             planned = self._following.step
@@ -359,7 +357,6 @@ class Placer:
                     log.info("this step's chunk accesses or non-model data differ from its plan's (modules chosen by "
                              "the data, another input size?): each step follows a plan made from the one before")
                 self.replans += 1
-                self.plans += 1
         # The plan starts from what is resident now and stays valid into the next step; the steady state
         # repeats, so the plan is rebuilt only when the step or that start changes.
         resident = set(self.residency.resident) & step.carried

@@ -26,8 +26,9 @@ started from (ChunkedModel.forward).
 When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
 not: it exists for parameters used outside their module, for BatchNorm's cast, and to retry an op out of
 memory, and it costs a Python call on every op (up to 3% of a step in benchmarks/overhead.py's bf16
-rows). So a training forward whose inputs have the shapes of one that already ran a step under the plan
-being followed runs lean: without the mode, everything else as on the full path. Unless the mode was ever
+rows). So a training forward, while a plan is followed, whose inputs have the shapes of one that already
+ran a step under a plan runs lean: without the mode, everything else as on the full path (moments follow
+the plan and make room as ever, so the plan that inputs ran under does not matter). Unless the mode was ever
 needed: a model whose forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode)
 or needed BatchNorm's cast (`resident_allowed`) never runs lean. An out-of-memory error in a lean forward
 is retried as in a resident one: the plan is dropped, chunks not in use leave, and the forward runs again
@@ -117,7 +118,8 @@ class Runtime:
         self.resident_steps = 0  # steps served resident, wholly or in part
         self.lean_allowed = True  # off once FetchMode caught a parameter used outside its module (lean forwards)
         self.lean_forwards = 0  # training forwards run lean, not resident
-        self.fitted_inputs: set[Any] = set()  # input signatures of forwards in steps that kept the plan followed now
+        self.fitted_inputs: set[Any] = set()  # input signatures of forwards that fit a plan homing everything
+        self.ran_inputs: set[Any] = set()  # input signatures of forwards in steps that kept a plan
         self.step_inputs: set[Any] = set()  # this step's, from forwards not run resident
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
@@ -289,8 +291,8 @@ class Runtime:
             return True
         if training and inputs is not None:
             self.step_inputs.add(inputs)
-        lean = training and fitted and simple and self.lean_allowed and placer.phase is Phase.FOLLOW \
-            and not placer.giving_way
+        lean = training and inputs in self.ran_inputs and simple and self.lean_allowed \
+            and placer.phase is Phase.FOLLOW and not placer.giving_way
         self.lean_forwards += lean
         return lean
 
@@ -336,12 +338,11 @@ class Runtime:
         placer = self.placer
         kept = placer.phase is not Phase.DIVERGED and not placer.giving_way
         self.resident_steps += placer.served_resident
-        plans = placer.plans
         placer.step_done()
-        if placer.plans != plans or len(self.fitted_inputs) > MAX_FITTED_INPUTS:  # inputs fitted another plan
-            self.fitted_inputs.clear()
-        if kept and placer.phase is Phase.FOLLOW:  # these inputs ran the plan followed from now on
-            self.fitted_inputs |= self.step_inputs
+        if kept and placer.phase is Phase.FOLLOW:  # these inputs ran a step under a plan
+            _remember(self.ran_inputs, self.step_inputs)
+            if placer.all_homed:  # one homing everything
+                _remember(self.fitted_inputs, self.step_inputs)
         self.step_inputs.clear()
         if self.host_cache is not None:
             self.host_cache.step_done()
@@ -452,3 +453,9 @@ class Runtime:
     def groups(self) -> list[ChunkGroup]:
         return list(self.store.trainable_groups())
 
+
+def _remember(known: set[Any], inputs: set[Any]) -> None:
+    """Add input signatures to `known`, which holds the latest MAX_FITTED_INPUTS or so."""
+    if len(known) > MAX_FITTED_INPUTS:
+        known.clear()
+    known |= inputs
