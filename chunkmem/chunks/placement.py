@@ -162,10 +162,15 @@ class Placer:
         return self.all_homed and len(self.residency.resident) == len(self.chunks)
 
     @property
+    def steady(self) -> bool:
+        """Following a plan, with no more non-model data than it recorded so far this step."""
+        return self.phase is Phase.FOLLOW and not self.giving_way
+
+    @property
     def can_stay(self) -> bool:
-        """Whether a resident step can start now: following a plan that homes every group, with every chunk
+        """Whether a resident step can start now: steady under a plan that homes every group, with every chunk
         on the device or FREE (the Note on resident steps)."""
-        return self.phase is Phase.FOLLOW and self.all_homed and not self.giving_way and \
+        return self.steady and self.all_homed and \
             all(c.state.on_device or c.state is ChunkState.FREE for c in self.chunks.values())
 
     def serve_resident(self) -> None:

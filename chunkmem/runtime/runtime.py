@@ -291,8 +291,7 @@ class Runtime:
             return True
         if training and inputs is not None:
             self.step_inputs.add(inputs)
-        lean = training and inputs in self.ran_inputs and simple and self.lean_allowed \
-            and placer.phase is Phase.FOLLOW and not placer.giving_way
+        lean = training and inputs in self.ran_inputs and simple and self.lean_allowed and placer.steady
         self.lean_forwards += lean
         return lean
 
