@@ -18,8 +18,11 @@ Plain PyTorch: fp32 is the model and `torch.optim.AdamW`. bf16 is the same mixed
 chunkmem runs, written as a user would: bf16 parameters for forward and backward, fp32 master weights
 and AdamW states, gradients cast up, the master cast down after the step.
 Targets (issue 14): within 1.05x when the model fits, 1.10x at 50%. "extra ms" is the median of
-chunkmem's time less plain's in the same round. On models so small that compute costs next to nothing,
-it is what chunkmem's own work costs a step in absolute terms:
+chunkmem's time less plain's in the same round; "extra ms fwd / bwd / opt" splits it by phase (the forward
+and loss, the backward, the optimizer's step and zero_grad: the median of each phase's difference, so they
+need not add up to the whole), and "copies ms fwd / bwd / opt" is the simulation's copies within each phase
+(below): the copies backward issues land when the step waits for them. On models so small that compute
+costs next to nothing, "extra ms" is what chunkmem's own work costs a step in absolute terms:
 
     python -m benchmarks.overhead --width 64 --vocab 256 --batch 1 --seq 16 --mlp-width 32
 
@@ -53,18 +56,25 @@ import functools
 import random
 import resource
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 import chunkmem
-from benchmarks.common import gpt2, table, timed, write_json
+from benchmarks.common import gpt2, table, write_json
 from benchmarks.placement import llama
 
-Step = Callable[[], None]
+Lap = Callable[[], None]  # marks the end of a step's phase: its forward (and loss), then its backward
+Step = Callable[..., None]  # one training step; it takes a Lap, called after each phase but the last
+PHASES = ("fwd", "bwd", "opt")  # forward and loss, backward, the optimizer's step and zero_grad
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+
+
+def _nothing() -> None:
+    pass
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:
@@ -86,8 +96,11 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     if dtype == torch.float32:
         optimizer = make_optimizer(list(model.parameters()))
 
-        def step() -> None:
-            loss(model).backward()
+        def step(lap: Lap = _nothing) -> None:
+            value = loss(model)
+            lap()
+            value.backward()
+            lap()
             optimizer.step()
             optimizer.zero_grad()
         return step
@@ -97,8 +110,11 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     for param in low:  # buffers keep their precision, as under chunkmem (LLaMA's rotary frequencies stay fp32)
         param.data = param.data.to(dtype)
 
-    def mixed() -> None:
-        loss(model).backward()
+    def mixed(lap: Lap = _nothing) -> None:
+        value = loss(model)
+        lap()
+        value.backward()
+        lap()
         for m, p in zip(master, low):
             m.grad = p.grad.float()
             p.grad = None
@@ -120,8 +136,11 @@ def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     for group in wrapped.runtime.groups():
         group.chunks["grad"].lends = lend
 
-    def step() -> None:
-        loss(wrapped).backward()
+    def step(lap: Lap = _nothing) -> None:
+        value = loss(wrapped)
+        lap()
+        value.backward()
+        lap()
         optimizer.step()
         optimizer.zero_grad()
     return step, wrapped
@@ -183,14 +202,32 @@ def build(args: argparse.Namespace) -> list[dict]:
 def _row(model: str, dtype: str, budget: str, plain: Step, chunk: Step, wrapped: torch.nn.Module | None) -> dict:
     return {"model": model, "dtype": dtype, "budget": budget, "plain": plain, "chunkmem": chunk, "wrapped": wrapped,
             "before": wrapped.memory_stats() if wrapped is not None else None, "ratios": [], "plain_s": [],
-            "extra_s": [], "less_copies": [], "copy_share": [], "faults": {"plain": [], "chunkmem": []}}
+            "extra_s": [], "less_copies": [], "copy_share": [], "phase_extra": [], "phase_copies": [],
+            "faults": {"plain": [], "chunkmem": []}}
 
 
-def timed_faults(step: Step) -> tuple[float, int]:
-    """Seconds and minor page faults of one step."""
+def timed_phases(step: Step, device: object) -> tuple[list[float], list[float], int]:
+    """Seconds of each of one step's PHASES, the seconds `device` (a simulated one; none: zero) spent on copies
+    in each, and the step's minor page faults."""
+    marks = []
+
+    def lap() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        marks.append((time.perf_counter(), getattr(device, "copy_seconds", 0.0)))
+
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    seconds = timed(step)
-    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    lap()
+    step(lap)
+    lap()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    seconds, copies = ([b[i] - a[i] for a, b in zip(marks, marks[1:])] for i in (0, 1))
+    return seconds, copies, faults
+
+
+def _medians_ms(rounds: list[list[float]]) -> str:
+    """Per phase, the median over rounds, in ms: "fwd / bwd / opt"."""
+    return " / ".join(f"{1000 * statistics.median(phase):.1f}" for phase in zip(*rounds))
 
 
 def main() -> None:
@@ -210,14 +247,15 @@ def main() -> None:
     order = random.Random(0)
     for _ in range(args.rounds):
         for row in order.sample(rows, len(rows)):
-            sides = order.sample(["plain", "chunkmem"], 2)
-            device = row["wrapped"].runtime.device if row["wrapped"] is not None else None
-            copied = getattr(device, "copy_seconds", 0.0)
-            times = {}
-            for side in sides:
-                times[side], faults = timed_faults(row[side])
+            phases, copies = {}, {}
+            for side in order.sample(["plain", "chunkmem"], 2):
+                device = row["wrapped"].runtime.device if side == "chunkmem" and row["wrapped"] is not None else None
+                phases[side], copies[side], faults = timed_phases(row[side], device)
                 row["faults"][side].append(faults)
-            copied = getattr(device, "copy_seconds", 0.0) - copied
+            times = {side: sum(seconds) for side, seconds in phases.items()}
+            copied = sum(copies["chunkmem"])
+            row["phase_extra"].append([c - p for c, p in zip(phases["chunkmem"], phases["plain"])])
+            row["phase_copies"].append(copies["chunkmem"])
             row["ratios"].append(times["chunkmem"] / times["plain"])
             row["less_copies"].append((times["chunkmem"] - copied) / times["plain"])
             row["copy_share"].append(copied / times["chunkmem"])
@@ -237,6 +275,8 @@ def main() -> None:
                         "max": round(max(row["ratios"]), 3),
                         "copies %": round(100 * statistics.median(row["copy_share"]), 1),
                         "median less copies": round(statistics.median(row["less_copies"]), 3),
+                        "extra ms " + " / ".join(PHASES): _medians_ms(row["phase_extra"]),
+                        "copies ms " + " / ".join(PHASES): _medians_ms(row["phase_copies"]),
                         "moved MiB/step": round(moved, 1), "faults": f"{faulted['chunkmem']} / {faulted['plain']}"})
     print(f"{len(rows)} rows, {args.rounds} shuffled rounds; chunkmem / plain PyTorch per round")
     print(table(results, list(results[0])))

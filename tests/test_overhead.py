@@ -9,11 +9,14 @@ one that cast LLaMA's rotary frequencies (a buffer) to bf16, which chunkmem keep
 
 from __future__ import annotations
 
+import time
+import types
+
 import pytest
 import torch
 
 from benchmarks.common import gpt2
-from benchmarks.overhead import DTYPES, chunk_step, loss_fn, mlp, plain_step
+from benchmarks.overhead import DTYPES, PHASES, chunk_step, loss_fn, mlp, plain_step, timed_phases
 from benchmarks.placement import llama
 
 TINY = {"mlp": lambda: mlp(3, 16), "gpt2": lambda: gpt2(2, 32, 64, 8), "llama": lambda: llama(2, 32, 64, 8)}
@@ -38,3 +41,40 @@ def test_the_plain_step_lands_on_chunkmems_bits(name: str, dtype: str) -> None:
         assert value.dtype == DTYPES[dtype]
         assert torch.equal(ours[param_name].detach(), value.detach()), f"{param_name} differs after 3 steps"
     assert any(not torch.equal(value, start[n]) for n, value in ours.items()), "three steps changed nothing"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_both_steps_lap_after_their_loss_and_after_their_backward(dtype: str) -> None:
+    """The per-phase columns compare like with like: each side laps once its loss is computed and once its
+    backward has run, and nowhere else."""
+    events: list[str] = []
+    base = loss_fn("mlp", torch.randn(4, 16), DTYPES[dtype])
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        value = base(model)
+        events.append("loss")
+        value.register_hook(lambda grad: events.append("backward"))
+        return value
+
+    chunk, _ = chunk_step(mlp(3, 16), loss, dtype, None)
+    for step in (plain_step(mlp(3, 16), loss, DTYPES[dtype]), chunk):
+        events.clear()
+        step(lambda: events.append("lap"))
+        assert events == ["loss", "lap", "backward", "lap"]
+        assert len(PHASES) == events.count("lap") + 1
+
+
+def test_timed_phases_splits_a_step_at_its_laps_and_counts_copies_per_phase() -> None:
+    device = types.SimpleNamespace(copy_seconds=0.0)
+
+    def step(lap: object) -> None:
+        for seconds, copied in ((0.02, 1.0), (0.06, 0.0), (0.04, 2.5)):
+            time.sleep(seconds)
+            device.copy_seconds += copied
+            if seconds != 0.04:
+                lap()  # type: ignore[operator]
+
+    seconds, copies, _ = timed_phases(step, device)
+    assert copies == [1.0, 0.0, 2.5]
+    assert len(seconds) == 3 and all(s >= need for s, need in zip(seconds, (0.02, 0.06, 0.04))), seconds
+    assert timed_phases(step, None)[1] == [0.0] * 3  # plain PyTorch's side has no simulated copies
