@@ -31,6 +31,12 @@ move, forwards after the first step run lean (runtime's Note on lean forwards). 
 at 50%, rows whose chunkmem model takes the full path every step, timed against the same plain step in the same
 rounds: what resident steps and lean forwards save.
 
+`--native` adds, at 50% and 25%, rows whose chunkmem model updates its streamed groups on the host with the
+native kernel (csrc/cpu_optim.cpp, one pass), as it does by default on CUDA; the simulation's default is
+torch.optim's functions, which give plain PyTorch's bits. Plain PyTorch's side is the same (torch.optim), so
+these rows time a faster host update, not less bookkeeping: they say how much of a streaming row is the host
+update of its streamed groups.
+
 `--copied` adds, fitting and at 50%, rows whose chunkmem model copies each gradient into its chunk on the
 device instead of lending the chunk autograd's tensor (chunk's Note on lent ranges), timed against the same
 plain step in the same rounds: what lending saves.
@@ -126,12 +132,14 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
 
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-               memory: int | None, lend: bool = True, resident: bool = True) -> tuple[Step, torch.nn.Module]:
+               memory: int | None, lend: bool = True, resident: bool = True,
+               native: bool | None = None) -> tuple[Step, torch.nn.Module]:
     """A chunkmem training step; with `lend` off, gradients are copied into their chunks on the device instead of
     lent to them (chunk's Note on lent ranges), as before lending was built; with `resident` off, every step takes
-    the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built."""
-    wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())),
-                                          chunkmem.Config(dtype=dtype, device_memory=memory))
+    the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built;
+    `native` is Config.native_optimizer."""
+    config = chunkmem.Config(dtype=dtype, device_memory=memory, native_optimizer=native)
+    wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())), config)
     wrapped.runtime.resident_allowed = resident
     for group in wrapped.runtime.groups():
         group.chunks["grad"].lends = lend
@@ -189,6 +197,10 @@ def build(args: argparse.Namespace) -> list[dict]:
                     copied, unlent = chunk_step(make(), loss, dtype, memory, lend=False)
                     copied(), copied()
                     rows.append(_row(name, dtype, f"{label}, copied", plain, copied, unlent))
+                if args.native and label != "fits":
+                    native, wrapped = chunk_step(make(), loss, dtype, memory, native=True)
+                    native(), native()
+                    rows.append(_row(name, dtype, f"{label}, native", plain, native, wrapped))
                 if args.full_path and label != "25%":
                     full, wrapped = chunk_step(make(), loss, dtype, memory, resident=False)
                     full(), full()
@@ -240,6 +252,10 @@ def main() -> None:
     parser.add_argument("--full-path", action="store_true",
                         help="also time, fitting and at 50%%, the same model taking the full path every step (no "
                              "resident steps nor lean forwards) against the same plain step")
+    parser.add_argument("--native", action="store_true",
+                        help="also time, at 50%% and 25%%, the same model with its streamed groups updated on the host by "
+                             "the native kernel (Config.native_optimizer: CUDA's default, within 1e-6 of torch.optim, "
+                             "not its bits), against the same plain step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
