@@ -83,6 +83,14 @@ def _nothing() -> None:
     pass
 
 
+def _forward_backward(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], lap: Lap) -> None:
+    """The loss and its backward, each followed by a lap."""
+    value = loss(model)
+    lap()
+    value.backward()
+    lap()
+
+
 def mlp(layers: int, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
     blocks = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.GELU())]
@@ -103,10 +111,7 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
         optimizer = make_optimizer(list(model.parameters()))
 
         def step(lap: Lap = _nothing) -> None:
-            value = loss(model)
-            lap()
-            value.backward()
-            lap()
+            _forward_backward(model, loss, lap)
             optimizer.step()
             optimizer.zero_grad()
         return step
@@ -117,10 +122,7 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
         param.data = param.data.to(dtype)
 
     def mixed(lap: Lap = _nothing) -> None:
-        value = loss(model)
-        lap()
-        value.backward()
-        lap()
+        _forward_backward(model, loss, lap)
         for m, p in zip(master, low):
             m.grad = p.grad.float()
             p.grad = None
@@ -145,10 +147,7 @@ def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
         group.chunks["grad"].lends = lend
 
     def step(lap: Lap = _nothing) -> None:
-        value = loss(wrapped)
-        lap()
-        value.backward()
-        lap()
+        _forward_backward(wrapped, loss, lap)
         optimizer.step()
         optimizer.zero_grad()
     return step, wrapped
