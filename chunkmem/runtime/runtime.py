@@ -72,7 +72,7 @@ from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
 log = logging.getLogger("chunkmem")
 
-MAX_FITTED_INPUTS = 1024  # input signatures kept for resident and lean forwards (of many lengths: the latest)
+MAX_INPUT_SIGNATURES = 1024  # input signatures kept for resident and lean forwards (of many lengths: the latest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +454,7 @@ class Runtime:
 
 
 def _remember(known: set[Any], inputs: set[Any]) -> None:
-    """Add input signatures to `known`, which holds the latest MAX_FITTED_INPUTS or so."""
-    if len(known) > MAX_FITTED_INPUTS:
+    """Add input signatures to `known`, which holds the latest MAX_INPUT_SIGNATURES or so."""
+    if len(known) > MAX_INPUT_SIGNATURES:
         known.clear()
     known |= inputs
