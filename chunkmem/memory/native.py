@@ -21,6 +21,7 @@ reported once per process, by whichever of it and the loaders speaks first.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import importlib.util
 import logging
@@ -59,24 +60,38 @@ def _build_directory(name: str = "cpu_optim") -> Path:
     return root / tag / name
 
 
-def _announce_build(part: str, source: Path, build_dir: Path, name: str) -> None:
-    """One line before a build that makes the caller wait a minute; none when a current build is cached."""
-    built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
-    if not built or max(built) < source.stat().st_mtime:
-        _log.warning("chunkmem: building the %s from %s (about a minute, once: cached in %s)", part, source.name,
-                     build_dir)
+def _load_extension(part: str, name: str, source: Path, build_dir: Path, **options: Any) -> ModuleType:
+    """torch's JIT build of `source` in `build_dir`: one line first when it will make the caller wait, and
+    one build at a time under a lock the kernel drops when its holder dies.
+
+    [Note: a build that was stopped]
+    torch marks a build in progress with a file named `lock` in its folder and waits, without end, for
+    that file to go. A build killed midway (Ctrl-C, a job's time limit) leaves it there, and every later
+    import of chunkmem would hang in silence. chunkmem's own builds take an flock first, which the kernel
+    releases with its process, so whoever holds it knows no chunkmem build is running and removes a
+    `lock` it finds as stale."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "chunkmem.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            _log.warning("chunkmem: removing %s, left by a build of the %s that was stopped", stale, part)
+            stale.unlink(missing_ok=True)
+        built = [p.stat().st_mtime for p in build_dir.glob(f"{name}*.so")]
+        if not built or max(built) < source.stat().st_mtime:
+            _log.warning("chunkmem: building the %s from %s (about a minute, once: cached in %s)", part,
+                         source.name, build_dir)
+        return load_extension(name=name, sources=[str(source)], build_directory=str(build_dir), verbose=False,
+                              **options)
 
 
 def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load as load_extension
-
     if not SOURCE.is_file():
         raise FileNotFoundError(f"{SOURCE} is missing (chunkmem installed without its csrc/ folder)")
-    build_dir = _build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    _announce_build(CPU_KERNEL, SOURCE, build_dir, "chunkmem_cpu_optim")
-    return load_extension(name="chunkmem_cpu_optim", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                          extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
+    return _load_extension(CPU_KERNEL, "chunkmem_cpu_optim", SOURCE, _build_directory(), extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS)
 
 
 @functools.cache
@@ -145,14 +160,9 @@ def load_copy_engine() -> ModuleType | None:
     """The compiled copy engine (built on first call, about a minute), or None when it cannot be."""
     why = _copy_engine_blocker()
     if why is None:
-        from torch.utils.cpp_extension import load as load_extension
-
         try:
-            build_dir = _build_directory("copy_engine")
-            build_dir.mkdir(parents=True, exist_ok=True)
-            _announce_build(COPY_ENGINE, COPY_ENGINE_SOURCE, build_dir, "chunkmem_copy_engine")
-            return load_extension(name="chunkmem_copy_engine", sources=[str(COPY_ENGINE_SOURCE)],
-                                  extra_cuda_cflags=["-O2"], build_directory=str(build_dir), verbose=False)
+            return _load_extension(COPY_ENGINE, "chunkmem_copy_engine", COPY_ENGINE_SOURCE,
+                                   _build_directory("copy_engine"), extra_cuda_cflags=["-O2"])
         except Exception as exc:  # as in load(): compiler, header and linker failures take many forms
             why = f"build failed: {type(exc).__name__}: {str(exc).strip()[-500:]}"
     _missing[COPY_ENGINE] = why

@@ -9,6 +9,7 @@ torch's CPU sqrt (MKL) is sometimes one ulp off the correctly rounded result the
 from __future__ import annotations
 
 import copy
+import fcntl
 import logging
 import os
 from pathlib import Path
@@ -354,3 +355,35 @@ def test_a_build_says_so_before_the_wait(tmp_path, monkeypatch: pytest.MonkeyPat
         caplog.clear()
         native._build()  # cached: torch only loads it, quickly, and nothing is said
     assert said_first == [True, False] and "building" not in caplog.text
+
+
+def test_a_lock_left_by_a_stopped_build_is_cleared_and_builds_take_turns(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture):
+    """On the lent H100 a build killed by a time limit left torch's `lock` file, and every later import of
+    chunkmem waited on it for good (native's Note on a build that was stopped)."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build_dir = native._build_directory()
+    build_dir.mkdir(parents=True)
+    (build_dir / "lock").touch()
+    seen = []
+
+    def build(name: str, build_directory: str, **kwargs: object) -> str:
+        """Stands in for torch's JIT build: is torch's lock gone, and does another build have to wait?"""
+        with open(Path(build_directory) / "chunkmem.flock") as other:  # another open file, as another process has
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                others_wait = False
+            except BlockingIOError:
+                others_wait = True
+        seen.append(((Path(build_directory) / "lock").exists(), others_wait))
+        (Path(build_directory) / f"{name}.so").touch()
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        native._build()
+    assert seen == [(False, True)] and "left by a build of the CPU optimizer kernel that was stopped" in caplog.text
+    with open(build_dir / "chunkmem.flock") as after:
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released once the build returned
