@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import chunkmem
+from chunkmem.memory.gpu_memory import outside_bytes
 
 MiB = 1 << 20
 NEEDS_GPU = "needs a CUDA GPU: skipped"
@@ -59,6 +60,22 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list, device
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def budget_for(device: str, nbytes: int | None) -> int | None:
+    """A `device_memory` that leaves `nbytes` for model data and activations on `device`. On CUDA the budget
+    counts everything the process holds there (gpu_memory's Note): the tensors it already has, and what it
+    holds outside PyTorch's allocator, read once a prepared model has trained (the copy engine, its streams
+    and the kernels of a step loaded)."""
+    if nbytes is None or device == "cpu":
+        return nbytes
+    warm = mlp(64, 2)
+    cm, opt = chunkmem.prepare(warm, torch.optim.AdamW(warm.parameters()), chunkmem.Config(device=device))
+    train(cm, opt, batches(64, 4, 2), torch.device(device))
+    del warm, cm, opt
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return nbytes + torch.cuda.memory_allocated(device) + outside_bytes(device)
 
 
 def model_data_bytes(model: nn.Module) -> int:
@@ -173,9 +190,9 @@ def check_parity() -> Row:
         runs, resident, lean = {}, {}, {}
         for device in ("cuda", "cpu"):
             model = copy.deepcopy(reference)
-            budget = None if fraction is None else int(model_data_bytes(model) * fraction)
-            cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                       chunkmem.Config(device=device, device_memory=budget, native_optimizer=False))
+            room = None if fraction is None else int(model_data_bytes(model) * fraction)
+            cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), chunkmem.Config(
+                device=device, device_memory=budget_for(device, room), native_optimizer=False))
             runs[device] = (train(cm, opt, data, cm.runtime.device.torch_device), cm.state_dict())
             resident[device] = cm.memory_stats()["resident_steps"]
             lean[device] = cm.memory_stats()["lean_forwards"]
@@ -200,14 +217,14 @@ def budget_worker(fraction: float) -> dict[str, Any]:
     """In a fresh process: train under a budget of `fraction` of the model data (plus activations) and read
     what the process really took from the device."""
     model = mlp(1024, 12)
-    budget = int(model_data_bytes(model) * fraction) + 64 * MiB
+    limit = budget_for("cuda", int(model_data_bytes(model) * fraction) + 64 * MiB)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                               chunkmem.Config(device="cuda", device_memory=budget))
+                               chunkmem.Config(device="cuda", device_memory=limit))
     torch.cuda.reset_peak_memory_stats()
     train(cm, opt, batches(1024, 64, 6), cm.runtime.device.torch_device)
     outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory is not None else 0
     stats = cm.memory_stats()
-    return {"budget": budget, "max_reserved": torch.cuda.max_memory_reserved(), "outside_allocator": outside,
+    return {"budget": limit, "max_reserved": torch.cuda.max_memory_reserved(), "outside_allocator": outside,
             "groups_homed": len(cm.runtime.placer.homes), "groups": len(cm.runtime.placer.groups),
             "h2d_bytes": stats["h2d_bytes"], "oom_fallbacks": stats["oom_fallbacks"]}
 
@@ -231,9 +248,9 @@ def sanitizer_worker() -> dict[str, Any]:
     a race raises here and the process fails."""
     for fraction in (None, 0.5, 0.25):
         model = mlp(256, 6)
-        budget = None if fraction is None else int(model_data_bytes(model) * fraction)
+        room = None if fraction is None else int(model_data_bytes(model) * fraction)
         cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                   chunkmem.Config(device="cuda", device_memory=budget))
+                                   chunkmem.Config(device="cuda", device_memory=budget_for("cuda", room)))
         train(cm, opt, batches(256, 16, 3), cm.runtime.device.torch_device)
         cm.state_dict()
     torch.cuda.synchronize()
@@ -305,8 +322,9 @@ def check_overlap() -> Row:
 
     width = 2048
     model = mlp(width, 16)
+    limit = budget_for("cuda", int(model_data_bytes(model) * 0.3))
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                               chunkmem.Config(device="cuda", device_memory=int(model_data_bytes(model) * 0.3)))
+                               chunkmem.Config(device="cuda", device_memory=limit))
     data = batches(width, 256, 5)
     train(cm, opt, data[:2], cm.runtime.device.torch_device)  # warm-up and the first planned step
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

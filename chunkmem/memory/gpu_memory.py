@@ -37,6 +37,7 @@ import torch
 
 log = logging.getLogger("chunkmem")
 REFRESH_S = 1.0
+MiB = 1 << 20
 
 
 class DeviceMemory:
@@ -92,10 +93,19 @@ def allocator_fraction(budgets: list[int], outside: int, total: int) -> float:
     it, less what the process holds outside the allocator (see the Note on the budget)."""
     allowed = sum(budgets) - outside
     if allowed <= 0:
-        raise ValueError(f"the device budget ({sum(budgets)} bytes) is less than the {outside} bytes this process "
-                         "already holds on the device outside PyTorch's allocator (CUDA context, libraries): "
-                         "raise Config.device_memory")
+        raise ValueError(f"device_memory ({sum(budgets) / MiB:.0f} MiB) leaves nothing for training: this process "
+                         f"already holds {outside / MiB:.0f} MiB on the device outside PyTorch's allocator (CUDA "
+                         "context, libraries), and the budget counts those bytes too; give device_memory those "
+                         "bytes plus what training needs (chunkmem.memory.gpu_memory.outside_bytes reads them)")
     return min(1.0, allowed / total)
+
+
+def outside_bytes(device: str | torch.device) -> int:
+    """What this process holds on `device` outside PyTorch's allocator now: 0 in the simulation or without
+    NVML. `device_memory` counts these bytes (the Note on the budget): a budget meant as N bytes for model
+    data and activations is N plus these, read after the CUDA libraries the run uses have loaded."""
+    device = torch.device(device)
+    return DeviceMemory(device, load_nvml()).outside_allocator() if device.type == "cuda" else 0
 
 
 def load_nvml() -> Any:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import chunkmem
+from chunkmem.selftest import budget_for
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -56,7 +57,8 @@ def test_streaming_tracks_plain_cuda_and_the_simulation(deterministic, fraction)
     for device in ("cuda", "cpu"):
         model = tiny_gpt2()
         cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(
-            device=device, device_memory=int(param_bytes(model) * fraction), native_optimizer=False))
+            device=device, device_memory=budget_for(device, int(param_bytes(model) * fraction)),
+            native_optimizer=False))
         results[device] = (train(cm, opt, batches, gpt2_loss), cm.state_dict(), cm.memory_stats())
     for device, (losses, state, stats) in results.items():
         assert losses == pytest.approx(ref_losses, rel=1e-5), device
@@ -74,7 +76,7 @@ def test_what_the_process_reserves_stays_within_the_budget(fraction):
     before = torch.cuda.memory_reserved()
     model = tiny_gpt2(layers=8)
     probe, _ = chunkmem.prepare(tiny_gpt2(layers=8), adamw(model.parameters()), chunkmem.Config(device="cpu"))
-    budget = int(probe.memory_stats()["model_data_bytes"] * fraction) + (8 << 20)  # + activations
+    budget = budget_for("cuda", int(probe.memory_stats()["model_data_bytes"] * fraction) + (8 << 20))  # + activ.
     del probe
     torch.cuda.reset_peak_memory_stats()
     cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cuda", device_memory=budget))
@@ -164,10 +166,11 @@ def test_training_under_the_cuda_sanitizer_reports_no_race(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import torch, chunkmem\n"
+        "from chunkmem.selftest import budget_for\n"
         "from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train\n"
         "for fraction in (None, 0.5, 0.25):\n"
         "    model = tiny_gpt2()\n"
-        "    budget = None if fraction is None else int(param_bytes(model) * fraction)\n"
+        "    budget = None if fraction is None else budget_for('cuda', int(param_bytes(model) * fraction))\n"
         "    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),\n"
         "                               chunkmem.Config(device='cuda', device_memory=budget))\n"
         "    train(cm, opt, gpt2_batches(3), gpt2_loss)\n"
@@ -188,10 +191,11 @@ def test_a_process_on_its_own_gpu_creates_no_context_on_gpu_0(tmp_path):
     script.write_text(
         "import os, pynvml, torch, chunkmem\n"
         "from chunkmem.memory.gpu_memory import nvml_uuid\n"
+        "from chunkmem.selftest import budget_for\n"
         "from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train\n"
         "model = tiny_gpt2()\n"
         "cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(\n"
-        "    device='cuda:1', device_memory=param_bytes(model) * 2))\n"
+        "    device='cuda:1', device_memory=budget_for('cuda:1', param_bytes(model) * 2)))\n"
         "train(cm, opt, gpt2_batches(2), gpt2_loss)\n"
         "torch.cuda.synchronize('cuda:1')\n"
         "pynvml.nvmlInit()\n"
