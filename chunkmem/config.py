@@ -13,6 +13,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # One default for Config, `chunkmem finetune` and `chunkmem plan`: a plan must describe the run it plans.
 DEFAULT_DTYPE = "fp32"
+DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
 
 
 def parse_size(field: str, value: int | str | None) -> int | None:
@@ -33,6 +34,13 @@ def parse_size(field: str, value: int | str | None) -> int | None:
 
 
 def default_device() -> str:
+    """$CHUNKMEM_DEVICE when set (the test suite sets "cpu", so that its tests judge the simulation on a GPU
+    machine too), else "cuda" where CUDA is available, else "cpu"."""
+    chosen = os.environ.get("CHUNKMEM_DEVICE")
+    if chosen:
+        if not re.fullmatch(DEVICE_PATTERN, chosen):
+            raise ValueError(f"CHUNKMEM_DEVICE={chosen!r}: expected 'cuda', 'cuda:N' or 'cpu', or unset it")
+        return chosen
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -40,8 +48,12 @@ def default_device() -> str:
 class Config:
     """How chunkmem places model data. See SPEC section 3.
 
-    device: "cuda", "cuda:N" or "cpu" (the CPU simulation of a device with a budget).
-    device_memory: most bytes of chunks on the device; None means all that is free.
+    device: "cuda", "cuda:N" or "cpu" (the CPU simulation of a device with a budget); default: see
+        default_device.
+    device_memory: most bytes the process may hold on the device: chunks, activations and the rest of what
+        PyTorch allocates, and on CUDA what the process holds outside PyTorch's allocator too (the CUDA
+        context and libraries, about 0.6-0.85 GiB on an H100: chunkmem/memory/gpu_memory.py's Note on
+        the budget); None means all that is free.
     host_memory: most bytes of chunks in host memory; None means what the machine can spare.
     dtype: "fp32" | "bf16" | "fp16", the dtype of parameters and gradients during compute.
     chunk_size: elements per chunk; None searches the size that wastes least.
@@ -74,7 +86,7 @@ class Config:
     disk_memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+        if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
             raise ValueError(f"Config.device={self.device!r}: expected 'cuda', 'cuda:N' or 'cpu'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"Config.device={self.device!r} but CUDA is not available: "

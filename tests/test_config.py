@@ -126,3 +126,16 @@ def test_gather_units_are_class_names():
     for bad in ("SwitchTransformersSparseMLP", ("",), (3,)):
         with pytest.raises(ValueError, match=r"Config.gather_units=.*expected a tuple of module class names"):
             chunkmem.Config(device="cpu", gather_units=bad)
+
+
+def test_chunkmem_device_chooses_the_default_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the lent H100 a config that named no device went to CUDA with the simulation's tiny budgets; the
+    # suite sets CHUNKMEM_DEVICE=cpu (conftest) so that its tests judge the simulation on any machine.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("CHUNKMEM_DEVICE")
+    assert chunkmem.config.default_device() == "cuda"
+    monkeypatch.setenv("CHUNKMEM_DEVICE", "cpu")
+    assert chunkmem.Config().device == "cpu"
+    monkeypatch.setenv("CHUNKMEM_DEVICE", "gpu0")
+    with pytest.raises(ValueError, match=r"CHUNKMEM_DEVICE='gpu0': expected 'cuda', 'cuda:N' or 'cpu', or unset it"):
+        chunkmem.Config()
