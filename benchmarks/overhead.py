@@ -42,9 +42,14 @@ device instead of lending the chunk autograd's tensor (chunk's Note on lent rang
 plain step in the same rounds: what lending saves.
 
 On the CPU simulation the chunks' copies are memcpy on the two cores that also compute, where a GPU's copy
-engines run them beside compute: "copies %" is the median share of the chunkmem step they took (the
-simulated device's own clock), and "median less copies" the paired ratio with that time taken out, what
-the step costs when every copy overlaps (an upper bound on what overlap can give; only a GPU shows it).
+engines run them beside compute. The simulation lands them on a copy thread of idle priority (sim.py's
+background landing), which only gets a core that compute leaves idle, and the compute thread lands any copy it
+needs that the thread has not: "copies %" is the median share of the chunkmem step the compute thread spent
+landing copies or waiting for them (the simulated device's own clock), and "median less copies" the paired
+ratio with that time taken out, what the step costs when every copy overlaps (an upper bound on what overlap
+can give; only a GPU shows it). `--waited` adds, at 50% and 25%, rows whose copies all land on the compute
+thread when it waits for them (CHUNKMEM_SIM_LANDING=wait, the test suite's landing), against the same plain
+step in the same rounds: what landing beside compute saves.
 
 The host allocator weighs on both sides: plain PyTorch allocates its gradients and the optimizer's
 temporaries afresh every step, and glibc serves them from fresh (page-faulting) mappings or from its heap
@@ -59,11 +64,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 import resource
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
@@ -135,13 +142,15 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
                memory: int | None, lend: bool = True, resident: bool = True,
-               native: bool | None = None) -> tuple[Step, torch.nn.Module]:
+               native: bool | None = None, landing: str | None = None) -> tuple[Step, torch.nn.Module]:
     """A chunkmem training step; with `lend` off, gradients are copied into their chunks on the device instead of
     lent to them (chunk's Note on lent ranges), as before lending was built; with `resident` off, every step takes
     the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built;
-    `native` is Config.native_optimizer."""
+    `native` is Config.native_optimizer; `landing` the simulation's CHUNKMEM_SIM_LANDING (None: as the
+    environment says)."""
     config = chunkmem.Config(dtype=dtype, device_memory=memory, native_optimizer=native)
-    wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())), config)
+    with mock.patch.dict(os.environ, {"CHUNKMEM_SIM_LANDING": landing} if landing else {}):
+        wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())), config)
     wrapped.runtime.resident_allowed = resident
     for group in wrapped.runtime.groups():
         group.chunks["grad"].lends = lend
@@ -200,6 +209,10 @@ def build(args: argparse.Namespace) -> list[dict]:
                     native, wrapped = chunk_step(make(), loss, dtype, memory, native=True)
                     native(), native()
                     rows.append(_row(name, dtype, f"{label}, native", plain, native, wrapped))
+                if args.waited and label != "fits":
+                    waited, wrapped = chunk_step(make(), loss, dtype, memory, landing="wait")
+                    waited(), waited()
+                    rows.append(_row(name, dtype, f"{label}, waited", plain, waited, wrapped))
                 if args.full_path and label != "25%":
                     full, wrapped = chunk_step(make(), loss, dtype, memory, resident=False)
                     full(), full()
@@ -255,6 +268,9 @@ def main() -> None:
                         help="also time, at 50%% and 25%%, the same model with its streamed groups updated on the host by "
                              "the native kernel (Config.native_optimizer: CUDA's default, within 1e-6 of torch.optim, "
                              "not its bits), against the same plain step")
+    parser.add_argument("--waited", action="store_true",
+                        help="also time, at 50%% and 25%%, the same model whose simulated copies land only when the "
+                             "compute thread waits for them (CHUNKMEM_SIM_LANDING=wait), against the same plain step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 

@@ -14,6 +14,7 @@ import pytest
 from chunkmem.memory import sim
 
 os.environ.setdefault("CHUNKMEM_SIM_CHECK", "1")  # "0" runs the suite without the checker, to time it
+os.environ.setdefault("CHUNKMEM_SIM_LANDING", "wait")  # copies land at the last moment (sim.py), not in the background
 os.environ.setdefault("CHUNKMEM_DEVICE", "cpu")  # Config's default device: the simulation, on a GPU machine too
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests
 

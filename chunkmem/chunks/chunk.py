@@ -101,8 +101,9 @@ class Chunk:
     def settled(self) -> torch.Tensor:
         """The host payload in host memory, once every copy and disk I/O on it is done (the tier's own access)."""
         landings, self.landings = self.landings, []
-        for token, then in landings:
-            self._dev.wait_host(token)
+        if landings:  # downloads, on one stream: the newest has landed only once every earlier one has
+            self._dev.wait_host(landings[-1][0])
+        for _, then in landings:
             if then is not None:
                 then()
         io, self.io = self.io, []

@@ -6,11 +6,14 @@ landed only through an event: compute learns it by waiting on the event (`Device
 synchronising with it (`Device.wait_host`), or either through a later copy that was fenced after such
 a wait. The simulation keeps exactly that knowledge and no more:
 
-- Copies land late. A copy lands when someone learns that it has (in stream order: an upload that
-  is known to have landed implies every earlier upload has). With `CHUNKMEM_SIM_LANDING=random:SEED`
-  copies may also land at random earlier moments, still in stream order. A device buffer is NaN until
-  its upload lands (`alloc` poisons it while the checker is on) and a host buffer keeps its old bytes
-  until its download lands, so code that reads without waiting computes on garbage and tests fail.
+- Copies land late. With `CHUNKMEM_SIM_LANDING=wait` (the test suite's) a copy lands when someone
+  learns that it has (in stream order: an upload that is known to have landed implies every earlier
+  upload has). With `random:SEED` copies may also land at random earlier moments, still in stream
+  order. A device buffer is NaN until its upload lands (`alloc` poisons it while the checker is on)
+  and a host buffer keeps its old bytes until its download lands, so code that reads without waiting
+  computes on garbage and tests fail. The default, `background`, lands copies in issue order on a
+  thread of idle priority, beside compute as a GPU's copy engines do (landing.py); learning of a copy
+  it has not landed yet lands it then. Where a thread cannot take idle priority, it is `wait`.
 - A happens-before checker (`checking()`, on for the whole test suite and, through
   CHUNKMEM_SIM_CHECK=1, in the processes tests start) watches every ATen op. An op that touches a
   buffer a copy may still be writing, or changes one a copy may still be reading, before the side
@@ -45,6 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunkmem.memory.hostpool import HostPool, PlainAllocator
+from chunkmem.memory.landing import CopyThread, idle_priority_available
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
@@ -78,7 +82,8 @@ class SimulatedDevice:
 
     def __init__(self, host_memory: int | None = None, landing: str | None = None) -> None:
         self.fail_allocations = 0
-        # Time spent moving copies' bytes, on the thread that computes: a GPU's copy engines do it beside compute.
+        # Time the thread that computes spent landing copies or waiting for them to land: a GPU's copy engines
+        # move the bytes beside compute (with background landing, the copy thread does, when a core is idle).
         self.copy_seconds = 0.0
         self._blocks: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # (numel, dtype) -> bases, in use or free
         self.memory_limit: int | None = None  # what limit_memory was told
@@ -87,7 +92,10 @@ class SimulatedDevice:
         self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self._ids = itertools.count(1)
         self._in_flight: list[Copy] = []  # not landed yet, oldest first
-        self._random = _landing_rng(landing if landing is not None else os.environ.get("CHUNKMEM_SIM_LANDING", "wait"))
+        landing = landing if landing is not None else os.environ.get("CHUNKMEM_SIM_LANDING", "background")
+        self._random = _landing_rng(landing)
+        self._background = landing == "background" and idle_priority_available()
+        self._copy_thread: CopyThread | None = None  # started at the first copy (background landing)
         if os.environ.get("CHUNKMEM_SIM_CHECK") == "1":
             ensure_checking()
 
@@ -100,14 +108,16 @@ class SimulatedDevice:
         # Freed memory is reused, as CUDA's caching allocator reuses it, rather than taken fresh from the
         # kernel page by page (faults a GPU does not take): a block of this size whose storage no tensor
         # holds any more (nor a copy in flight, whose closure holds its tensor). Callers get a view; the
-        # cache keeps the base. Free blocks never outweigh live ones: past that, a miss gives them back.
+        # cache keeps the base. Free blocks never outweigh live ones: past that, a miss gives them back. The
+        # search starts after the block handed out last (it rotates to the end), where blocks held longest are.
         blocks = self._blocks.setdefault((numel, dtype), [])
-        block = next((b for b in blocks if _free(b)), None)
-        if block is None:
+        found = next((i for i, b in enumerate(blocks) if _free(b)), None)
+        if found is None:
             self._trim()
-            block = torch.empty(numel, dtype=dtype)
-            blocks.append(block)
-        return undefined(block.view(numel))
+            blocks.append(torch.empty(numel, dtype=dtype))
+        else:
+            blocks[:] = blocks[found + 1:] + blocks[:found + 1]
+        return undefined(blocks[-1].view(numel))
 
     def _trim(self) -> None:
         cached = [b for blocks in self._blocks.values() for b in blocks]
@@ -190,6 +200,10 @@ class SimulatedDevice:
         self._tick()
         copy = Copy(next(self._ids), stream, what, self._fence(), land)
         self._in_flight.append(copy)
+        if self._background:
+            if self._copy_thread is None or self._copy_thread.pid != os.getpid():
+                self._copy_thread = CopyThread()
+            self._copy_thread.add(copy)
         return copy
 
     def _learn(self, knows: Knowledge, copy: Copy) -> None:
@@ -217,9 +231,12 @@ class SimulatedDevice:
         if not copies:
             return
         start = time.perf_counter()
+        thread = self._copy_thread
         with paused():
             for copy in sorted(copies, key=lambda c: c.id):
-                if copy.land is not None:
+                if thread is not None:
+                    thread.land(copy)
+                elif copy.land is not None:
                     copy.land()
                     copy.land = None
         self.copy_seconds += time.perf_counter() - start
@@ -255,11 +272,12 @@ def _copy(token: object) -> Copy:
 
 
 def _landing_rng(landing: str) -> random.Random | None:
-    if landing == "wait":
+    if landing in ("wait", "background"):
         return None
     kind, _, seed = landing.partition(":")
     if kind != "random" or not seed.isdigit():
-        raise ValueError(f"CHUNKMEM_SIM_LANDING={landing!r}: expected 'wait' or 'random:SEED' (SEED an integer)")
+        raise ValueError(f"CHUNKMEM_SIM_LANDING={landing!r}: expected 'background', 'wait' or 'random:SEED' "
+                         "(SEED an integer)")
     return random.Random(int(seed))
 
 

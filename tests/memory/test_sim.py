@@ -126,7 +126,7 @@ def test_random_landing_lands_copies_in_stream_order_and_never_changes_results()
 
 
 def test_a_bad_landing_mode_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"CHUNKMEM_SIM_LANDING='soon': expected 'wait' or 'random:SEED'"):
+    with pytest.raises(ValueError, match=r"CHUNKMEM_SIM_LANDING='soon': expected 'background', 'wait' or 'random:SEED'"):
         SimulatedDevice(landing="soon")
 
 

@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 
+from chunkmem.memory.landing import idle_priority_available
 from tests import zoo
 from tests.helpers import (gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared,
                            tiny_gpt2, train)
@@ -230,17 +231,21 @@ def test_model_data_bytes_counts_every_family():
     assert chunks // 5 * 4096 >= numel
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_copies_landing_at_random_moments_change_nothing(monkeypatch, seed):
+@pytest.mark.parametrize("landing", ["random:1", "random:2", "background"])
+def test_copies_landing_at_random_moments_change_nothing(monkeypatch, landing):
     # CUDA lands a copy at any moment after it is issued; the simulation lands each at a random later
-    # device call here (in stream order), instead of at the latest moment it may.
-    monkeypatch.setenv("CHUNKMEM_SIM_LANDING", f"random:{seed}")
+    # device call here (in stream order), or on its copy thread as soon as a core is idle, instead of at
+    # the latest moment it may.
+    monkeypatch.setenv("CHUNKMEM_SIM_LANDING", landing)
     model, make_opt, batches = tiny_gpt2(), OPTIMIZERS["adamw"], gpt2_batches(4)
     ref_losses, ref_state = reference(model, make_opt, batches, gpt2_loss, accumulate=2)
     for fraction in [0.5, 0.25]:
         cm, opt = prepared(model, make_opt, device_memory=budget(model, fraction))
-        assert cm.runtime.device._random is not None
+        device = cm.runtime.device
+        assert device._random is not None or device._background or not idle_priority_available()
         assert train(cm, opt, batches, gpt2_loss, accumulate=2) == ref_losses, fraction
+        if device._copy_thread is not None:
+            assert device._copy_thread.landed > 0, "copies landed beside compute"
         state = cm.state_dict()
         for key, value in ref_state.items():
             assert torch.equal(state[key], value), (fraction, key)
