@@ -90,10 +90,7 @@ class _Queue:
             if move is None:
                 return
             self.claimed = copy
-        try:
-            move()
-        finally:
-            self._landed(copy)
+        self._move(copy, move)
 
     def run(self) -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
@@ -113,25 +110,25 @@ class _Queue:
                     continue
                 self.landing = copy
             try:
-                move()
-            except Exception:  # noqa: BLE001  left unlanded: the compute thread lands it again and sees the error
-                with self.cond:
-                    self.landing = None
-                    self.cond.notify_all()
-                continue
-            finally:
-                del move
-            self.landed += 1
-            self._landed(copy)
+                self._move(copy, move)
+                self.landed += 1
+            except Exception:  # noqa: BLE001  left unlanded: whoever waits for it lands it again and sees the error
+                pass
+            del move
 
-    def _landed(self, copy: Landable) -> None:
-        with self.cond:
-            copy.land = None
-            if self.landing is copy:
-                self.landing = None
-            if self.claimed is copy:
-                self.claimed = None
-            self.cond.notify_all()
+    def _move(self, copy: Landable, move: Callable[[], Any]) -> None:
+        """Land `copy` (claimed by this thread), and mark it landed; if it fails, it stays unlanded."""
+        landed = False
+        try:
+            move()
+            landed = True
+        finally:
+            with self.cond:
+                if landed:
+                    copy.land = None
+                self.landing = self.landing if self.landing is not copy else None
+                self.claimed = self.claimed if self.claimed is not copy else None
+                self.cond.notify_all()
 
     def close(self, thread: threading.Thread) -> None:
         with self.cond:

@@ -113,7 +113,7 @@ def test_a_copy_that_fails_on_the_thread_raises_where_it_is_waited_for():
     eventually(lambda: bool(attempts), "the copy thread never tried")
     with pytest.raises(RuntimeError, match="copy failed"):
         thread.land(copy)
-    assert attempts[-1] == threading.get_ident()
+    assert attempts[-1] == threading.get_ident() and copy.land is not None, "a failed copy has not landed"
     thread.close()
 
 
