@@ -61,7 +61,9 @@ class Residency:
     """Keeps the device's chunk bytes within `limit`, evicting by `policy` when a chunk must come in.
 
     `on_move(chunk)` is called whenever a chunk's device payload appears or goes, so parameter
-    views can follow it.
+    views can follow it. `before_leave(chunk)`, when set, is called before a chunk's device payload is read
+    back to the host, dropped or reset: the last moment to finish writing it (optim's Note on updates made
+    together).
     """
 
     def __init__(self, device: Device, limit: int, policy: EvictionPolicy,
@@ -74,6 +76,7 @@ class Residency:
         self.stats = TrafficStats()
         self.resident: dict[str, Chunk] = {}
         self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
+        self.before_leave: Callable[[Chunk], None] | None = None
 
     def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
         """Make `chunk` resident (evicting others if needed) and return its device payload, to read."""
@@ -118,6 +121,8 @@ class Residency:
 
     def _write_back(self, chunk: Chunk, reason: str) -> None:
         """Start bringing the host payload up to date; whoever reads `chunk.host` next waits for it."""
+        if self.before_leave is not None:
+            self.before_leave(chunk)
         if chunk.state is ChunkState.DEVICE_DIRTY:
             start = time.perf_counter()
             chunk.download(self.device)
@@ -159,6 +164,8 @@ class Residency:
 
     def reset(self, chunk: Chunk) -> None:
         """Forget the chunk's contents: it reads as zeros again (gradients at zero_grad)."""
+        if self.before_leave is not None:
+            self.before_leave(chunk)
         if chunk.state.on_device:
             self._removed(chunk)
         chunk.reset()

@@ -4,6 +4,27 @@ The update of each chunk group runs where its fp32 master lives (device or host)
 torch.optim's functional Adam/AdamW/SGD on views into the master, gradient and state chunks. So the
 arithmetic is PyTorch's: in fp32 the result is bit-identical to the plain optimizer on that device.
 `param_groups` are the user's own dicts, so LR schedulers and manual edits take effect.
+
+[Note: updates made together]
+A call of the update rule costs more than its arithmetic: on the CPU simulation, a chunk group updated in
+its turn, between its neighbours' bookkeeping, cost 0.1-0.2 ms more than in one call with them (16 groups
+of a 16x1024 MLP: 2 ms of a 70 ms step; on CUDA, each foreach kernel also launches once for them all). So
+fp32 groups update together (`Together`), later than their turn; the update is the same elementwise
+arithmetic on the same payloads, so the bits are the same. That is safe as long as those payloads stay
+where the views point and nothing else reads or writes them first:
+- Groups on the device update at the end of the step, or as soon as one of their chunks is about to leave
+  the device (read back, dropped or reset: `Residency.before_leave`), whichever comes first. Nothing is
+  pinned, so an access that needs room gets it as before, the updates made first.
+- A run of groups updated on the host by torch.optim updates when a group homed on the device comes or the
+  step ends. Their payloads are theirs alone meanwhile: their master and state chunks left the device when
+  claimed for the host, their gradient chunk is read on the host, and a host group's access runs no plan
+  action. A homed group's access may (evictions, prefetches, a prefetch of a run's parameter chunk among
+  them), so the run updates first, then sends its parameter chunks up (`Placer.updated_on_host`) in group
+  order. On CUDA the native kernel, its default there, updates group by group, each upload overlapping the
+  next group's update; with torch.optim a run's uploads start once it is done (a 4 MiB chunk took 0.08 ms
+  at the lent H100's 46-55 GB/s), and the next forward waits only for those it reaches before they land.
+Not with a disk tier (a group's chunks are in host memory only during its turn), nor in low precision
+(one fp32 copy of a gradient alive at a time).
 """
 
 from __future__ import annotations
@@ -90,19 +111,16 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 class Together:
-    """Updates of chunk groups that stay on the device, made in one call of the update rule per param group
-    once every group was visited: per-call costs are paid once (on CUDA, each foreach kernel launches once
-    for them all, not once per chunk). The arithmetic is elementwise, so the result is the same bits. Their
-    chunks stay pinned until then."""
+    """Updates of chunk groups made in one call of the update rule per param group, later than each group's
+    turn (the Note on updates made together). `chunks` are those the pending updates use on the device: one of
+    them about to leave it makes them all now (`leaving`). `after` are host-updated parameter chunks to send up
+    once the updates are made."""
 
-    def __init__(self) -> None:
+    def __init__(self, rule: Rule) -> None:
+        self.rule = rule
         self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
-        self.pinned: list[Chunk] = []
-
-    def hold(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            chunk.pins += 1
-            self.pinned.append(chunk)
+        self.chunks: set[Chunk] = set()
+        self.after: list[Chunk] = []
 
     def add(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: dict[str, list],
             steps: list[torch.Tensor]) -> None:
@@ -114,14 +132,16 @@ class Together:
             all_states[kind] += views
         all_steps += steps
 
-    def update(self, rule: Rule) -> None:
-        for group, params, grads, states, steps in self.lists.values():
-            rule.update(group, params, grads, states, steps)
+    def update(self) -> None:
+        lists, self.lists = self.lists, {}
+        self.chunks.clear()
+        for group, params, grads, states, steps in lists.values():
+            self.rule.update(group, params, grads, states, steps)
 
-    def release(self) -> None:
-        for chunk in self.pinned:
-            chunk.pins -= 1
-        self.pinned.clear()
+    def leaving(self, chunk: Chunk) -> None:
+        """Residency.before_leave: `chunk`'s device payload is about to be read back, dropped or reset."""
+        if chunk in self.chunks:
+            self.update()
 
 
 class ChunkOptimizer(Optimizer):
@@ -195,21 +215,36 @@ class ChunkOptimizer(Optimizer):
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
-        together = Together()
+        together, hosted = Together(self.rule), Together(self.rule)  # on the device; a run on the host
+        runtime.residency.before_leave = together.leaving
         try:
             for chunk_group in runtime.groups():
                 members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
-                if members:
-                    runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
-                    self._step_group(chunk_group, members, group_of, inv_scale, together)
-                    if not runtime.placer.homed(chunk_group.index):
-                        runtime.placer.updated_on_host(chunk_group.param)
-                    runtime.emit("post_optimizer", "optim", chunk_group.master.name)
-            together.update(self.rule)
+                if not members:
+                    continue
+                homed = runtime.placer.homed(chunk_group.index)
+                if homed:  # its access may move chunks: the host run goes first, its uploads too
+                    self._finish_host_run(hosted)
+                runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
+                later = self._step_group(chunk_group, members, group_of, inv_scale, together if homed else hosted)
+                if not homed and later:
+                    hosted.after.append(chunk_group.param)
+                elif not homed:
+                    runtime.placer.updated_on_host(chunk_group.param)
+                runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+            self._finish_host_run(hosted)
+            together.update()
         finally:
-            together.release()
+            runtime.residency.before_leave = None
         runtime.step_done()
         return loss
+
+    def _finish_host_run(self, hosted: Together) -> None:
+        """Update the run of host groups made together so far, then send their parameter chunks up."""
+        hosted.update()
+        for chunk in hosted.after:
+            self.runtime.placer.updated_on_host(chunk)
+        hosted.after.clear()
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would
@@ -222,23 +257,24 @@ class ChunkOptimizer(Optimizer):
                                  "prepare (prepare a fresh copy of the model to train it)")
 
     def _step_group(self, chunk_group: ChunkGroup, members: list[ParamRecord],
-                    group_of: dict[ParamRecord, dict], inv_scale: float, together: Together) -> None:
+                    group_of: dict[ParamRecord, dict], inv_scale: float, together: Together) -> bool:
+        """Update one chunk group now, or add it to `together` (True)."""
         runtime, on_device = self.runtime, self.runtime.placer.homed(chunk_group.index)
         needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
                                 *(chunk_group.chunks[k] for k in self.rule.states)])
         runtime.placer.access(list(needed), "optim", chunk_group.index)
         # With a disk tier, master and states stay in host memory while they update, then are written back.
         with runtime.host_cache.using(needed) if runtime.host_cache is not None else contextlib.nullcontext():
-            self._update(chunk_group, members, group_of, inv_scale, on_device, together)
+            return self._update(chunk_group, members, group_of, inv_scale, on_device, together)
 
     def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
-                inv_scale: float, on_device: bool, together: Together) -> None:
+                inv_scale: float, on_device: bool, together: Together) -> bool:
         runtime = self.runtime
         if self.native is not None and not on_device:
             uniform = self._uniform(chunk_group, members, group_of)
             if uniform is not None:
                 self._native_step(chunk_group, members, uniform, inv_scale)
-                return
+                return False
         lowp = "master" in chunk_group.chunks
         grads = runtime.data.grads(members, on_device)
         if lowp:
@@ -246,14 +282,12 @@ class ChunkOptimizer(Optimizer):
         grad_of = dict(zip(members, grads))
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
-        # When every chunk is on the device to stay, fp32 groups update together at the end of the step
-        # (Together): no access can need their room meanwhile. Otherwise a homed group's chunks may have to
-        # leave once it has updated; and a low-precision group updates now, so that one fp32 copy of a
-        # gradient is alive at a time.
-        later = on_device and not lowp and runtime.placer.nothing_moves
-        if later:
-            together.hold([chunk_group.chunks["grad"], chunk_group.master,
-                           *(chunk_group.chunks[k] for k in self.rule.states)])
+        # fp32 groups update together (the Note on updates made together); a low-precision group updates now, so
+        # that one fp32 copy of a gradient is alive at a time.
+        later = not lowp and runtime.host_cache is None
+        if later and on_device:
+            together.chunks.update([chunk_group.chunks["grad"], chunk_group.master,
+                                    *(chunk_group.chunks[k] for k in self.rule.states)])
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
             lists = ([r.view(master) for r in subset], [grad_of[r] for r in subset],
@@ -264,6 +298,7 @@ class ChunkOptimizer(Optimizer):
                 self.rule.update(group, *lists)
         if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
+        return later
 
     def _uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                  group_of: dict[ParamRecord, dict]) -> dict | None:
