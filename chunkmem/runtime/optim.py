@@ -220,24 +220,31 @@ class ChunkOptimizer(Optimizer):
         try:
             for chunk_group in runtime.groups():
                 members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
-                if not members:
-                    continue
-                homed = runtime.placer.homed(chunk_group.index)
-                if homed:  # its access may move chunks: the host run goes first, its uploads too
-                    self._finish_host_run(hosted)
-                runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
-                later = self._step_group(chunk_group, members, group_of, inv_scale, together if homed else hosted)
-                if not homed and later:
-                    hosted.after.append(chunk_group.param)
-                elif not homed:
-                    runtime.placer.updated_on_host(chunk_group.param)
-                runtime.emit("post_optimizer", "optim", chunk_group.master.name)
+                if members:
+                    self._visit(chunk_group, members, group_of, inv_scale, together, hosted)
             self._finish_host_run(hosted)
             together.update()
         finally:
             runtime.residency.before_leave = None
         runtime.step_done()
         return loss
+
+    def _visit(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
+               inv_scale: float, together: Together, hosted: Together) -> None:
+        """A chunk group's turn: updated now, or with those on the device or with its run on the host (the
+        Note on updates made together)."""
+        runtime = self.runtime
+        homed = runtime.placer.homed(chunk_group.index)
+        if homed:  # its access may move chunks: the host run goes first, its uploads too
+            self._finish_host_run(hosted)
+        runtime.emit("pre_optimizer", "optim", chunk_group.master.name)
+        later = self._step_group(chunk_group, members, group_of, inv_scale, together if homed else hosted)
+        if not homed:
+            if later:
+                hosted.after.append(chunk_group.param)
+            else:
+                runtime.placer.updated_on_host(chunk_group.param)
+        runtime.emit("post_optimizer", "optim", chunk_group.master.name)
 
     def _finish_host_run(self, hosted: Together) -> None:
         """Update the run of host groups made together so far, then send their parameter chunks up."""
