@@ -157,11 +157,6 @@ class Placer:
         return len(self.homes) == len(self.groups)
 
     @property
-    def nothing_moves(self) -> bool:
-        """Every group is homed and every chunk is on the device now: no access needs room, so none evicts."""
-        return self.all_homed and len(self.residency.resident) == len(self.chunks)
-
-    @property
     def steady(self) -> bool:
         """Following a plan, with no more non-model data than it recorded so far this step."""
         return self.phase is Phase.FOLLOW and not self.giving_way

@@ -114,7 +114,7 @@ class _Queue:
                 self.landed += 1
             except Exception:  # noqa: BLE001  left unlanded: whoever waits for it lands it again and sees the error
                 pass
-            del move
+            del move  # its closure holds the copy's buffers: free them for reuse before waiting for the next
 
     def _move(self, copy: Landable, move: Callable[[], Any]) -> None:
         """Land `copy` (claimed by this thread), and mark it landed; if it fails, it stays unlanded."""
@@ -126,8 +126,10 @@ class _Queue:
             with self.cond:
                 if landed:
                     copy.land = None
-                self.landing = self.landing if self.landing is not copy else None
-                self.claimed = self.claimed if self.claimed is not copy else None
+                if self.landing is copy:
+                    self.landing = None
+                if self.claimed is copy:
+                    self.claimed = None
                 self.cond.notify_all()
 
     def close(self, thread: threading.Thread) -> None:
