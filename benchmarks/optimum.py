@@ -21,9 +21,8 @@ Accesses of a group's own chunks at its "grad"/"optim" happen iff h_g (act_p = h
   dirty_p >= act_p                 where access p writes the chunk;
   dirty_b >= dirty_a + keep_j - 1  (kept, it stays dirty);        back_j >= dirty_a - keep_j;
   memory at each event t: sum of sizes of the chunks accessed at t (times act) and of the intervals
-  kept across t, <= b_t when t is a device access. b_t depends on which event is the next device
-  access: for each candidate e, a row that binds unless t or e is not a device access or one between
-  is (big-M: the largest budget any device access since the last "use" can have; _budget_rows).
+  kept across t, <= b_t when t is a device access (a row that binds only then; big-M: the largest
+  budget any device access since the last "use" can have; _budget_rows).
   minimise  sum_j size * (act_b - keep_j) (not for an empty gradient chunk) + size * back_j
             + sum_g streamed_g * (1 - h_g).
 Integral solutions are exactly the normal-form schedules, so the optimum is exact (HiGHS, gap 0);
@@ -179,40 +178,15 @@ class _Program:
         return occupancy
 
     def _budget_rows(self) -> None:
-        """memory_t <= b_t at every device access t, where b_t depends on which event is the next one.
-
-        For every candidate e for the next device access (the events after t up to the next "use",
-        which always is one, or the step's end), a row memory_t <= cap(t, e) that binds only when t
-        and e are device accesses and none between is. Its big-M is the ceiling: the largest budget
-        any device access since the last "use" can have, which memory at t never exceeds (an event
-        that is not a device access holds at most what the device access before it held).
-        """
-        n = len(self.instance.accesses)
-        caps = [{e: self._cap(t, e) for e in self._candidates(t)} for t in range(n)]
-        ceilings = self._ceilings([max(c.values()) for c in caps])
+        """memory_t <= b_t at every device access t, a row that binds only when t is one. Its big-M is the
+        ceiling: the largest budget any device access since the last "use" can have, which memory at t never
+        exceeds (an event that is not a device access holds at most what the device access before it held)."""
+        caps = [self.instance.budget(access) // self.unit for access in self.instance.accesses]
+        ceilings = self._ceilings(caps)
         for t, memory in enumerate(self._occupancy()):
             constant = memory.pop(-1, 0.0)
             self._row(memory, -math.inf, ceilings[t] - constant)
-            largest = max(caps[t].values())
-            self._switched(memory, largest - constant, ceilings[t] - largest, on=[t], off=[])
-            for e, cap in caps[t].items():
-                if cap < largest:
-                    between = range(t + 1, self.step_end[t] + 1 if e is None else e)
-                    self._switched(memory, cap - constant, ceilings[t] - cap, on=[t, e], off=list(between))
-
-    def _candidates(self, t: int) -> list[int | None]:
-        accesses = self.instance.accesses
-        out: list[int | None] = []
-        for e in range(t + 1, self.step_end[t] + 1):
-            out.append(e)
-            if accesses[e].group is None:
-                return out
-        return out + [None]  # nothing ahead: the step's end
-
-    def _cap(self, t: int, e: int | None) -> int:
-        """b_t in units if e is the next device access (None: there is none)."""
-        accesses = self.instance.accesses
-        return self.instance.budget(accesses[t], 0 if e is None else accesses[e].nonmodel) // self.unit
+            self._switched(memory, caps[t] - constant, ceilings[t] - caps[t], on=[t], off=[])
 
     def _ceilings(self, largest: list[int]) -> list[int]:
         out, since_use = [], None

@@ -20,9 +20,10 @@ and the state chunks). A choice of homes H (a set of groups) decides where each 
     any of them is worthless from that moment.
 The device accesses of a step are then every "use" and the homed groups' "grad" and "optim". At
 device access i the chunks resident may hold at most
-    b_i = max(need_i, L - margin - max(nonmodel_i, nonmodel_j))
-bytes, j the next device access of the step (nonmodel 0 after the last), need_i the bytes access i
-names: the runtime's budget (a 5% margin of the limit L), which depends on H through j.
+    b_i = max(need_i, L - margin - P)
+bytes, P the most non-model bytes at any event of the step, need_i the bytes access i names: the
+runtime's budget (a 5% margin of the limit L), the same at every access of a step (chunk memory does not
+trade bytes with activations within a step: chunkmem/chunks/planning.py's Note on one budget a step).
 Costs per step: a chunk brought to the device costs its size, unless it holds no data yet (a gradient
 chunk before its first write in the step); a chunk leaving the device costs its size if it changed
 there since it came (a write-back); streamed groups add their gradient bytes. Gradient chunks are
@@ -136,8 +137,9 @@ class Instance:
     def need(self, access: Access) -> int:
         return sum(self.sizes[c] for c in access.chunks)
 
-    def budget(self, access: Access, ahead: int) -> int:
-        return max(self.need(access), self.limit - self.margin - max(access.nonmodel, ahead))
+    def budget(self, access: Access) -> int:
+        peak = max(a.nonmodel for a in self.accesses if a.step == access.step)
+        return max(self.need(access), self.limit - self.margin - peak)
 
     def device_accesses(self, homes: Iterable[int]) -> list[Access]:
         homes = set(homes)
@@ -145,9 +147,7 @@ class Instance:
 
     def budgets(self, homes: Iterable[int]) -> list[int]:
         """The chunk budget at each device access (`device_accesses(homes)`)."""
-        device = self.device_accesses(homes)
-        return [self.budget(a, device[i + 1].nonmodel if i + 1 < len(device) and device[i + 1].step == a.step else 0)
-                for i, a in enumerate(device)]
+        return [self.budget(a) for a in self.device_accesses(homes)]
 
     def rewrites(self, homes: Iterable[int]) -> dict[int, frozenset[str]]:
         """Event index -> chunks the host optimizer rewrites there (streamed groups' updates)."""

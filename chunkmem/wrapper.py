@@ -78,10 +78,12 @@ class ChunkedModel(nn.Module):
                 raise
             # Resident or lean, no torch-function mode was there to retry the op that failed (runtime's Notes on
             # them): the forward runs again under it, from the random state it started from.
-            self.runtime.placer.out_of_memory(error)
-            restore()
-            with self.hooks.forward(inputs):
-                output = self.module(*args, **kwargs)
+            def again() -> Any:
+                restore()
+                with self.hooks.forward(inputs):
+                    return self.module(*args, **kwargs)
+
+            output = self.runtime.placer.out_of_memory(error, again)
         scaler = self.runtime.scaler
         if scaler is None or not torch.is_grad_enabled():
             return output

@@ -6,17 +6,36 @@ their CUDA device."""
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from chunkmem.memory import sim
+from chunkmem.memory.allocator import Sizes
+from chunkmem.memory.simmemory import SimulatedMemory, stop_simulated_memory, use_simulated_memory
 
 os.environ.setdefault("CHUNKMEM_SIM_CHECK", "1")  # "0" runs the suite without the checker, to time it
 os.environ.setdefault("CHUNKMEM_SIM_LANDING", "wait")  # copies land at the last moment (sim.py), not in the background
 os.environ.setdefault("CHUNKMEM_DEVICE", "cpu")  # Config's default device: the simulation, on a GPU machine too
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests
+# Most tests use budgets of a few KiB on tiny models to make chunks move, far below what a GPU's allocator could
+# place (2 MiB segments): they judge placement and bits, with non-model data counted as saved activations. The
+# tests of budgets as CUDA holds them turn the allocator model on (`sim_memory`; chunkmem/memory/simmemory.py).
+os.environ.setdefault("CHUNKMEM_SIM_MEMORY", "0")
+
+
+@pytest.fixture
+def sim_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[float], SimulatedMemory]]:
+    """`sim_memory(d)`: devices made from now on place device memory by the caching allocator model, its sizes
+    divided by `d` (CUDA's for 1), starting empty. Its op hook goes with the test."""
+    def use(divisor: float = 1.0) -> SimulatedMemory:
+        monkeypatch.setenv("CHUNKMEM_SIM_MEMORY", f"scale:{divisor}")
+        gc.collect()  # models of earlier tests still alive would hold memory in it
+        return use_simulated_memory(Sizes.scaled(divisor))
+    yield use
+    stop_simulated_memory()
 
 
 @pytest.fixture(autouse=True)

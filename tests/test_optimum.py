@@ -134,12 +134,12 @@ def test_the_cyclic_start_keeps_what_the_next_step_needs_first():
     assert simulate(case, "belady", ()).bytes == 3
 
 
-def test_budgets_are_what_non_model_data_leaves_now_and_next():
-    """The budget at an access is the limit less the larger of its non-model bytes and the next
-    access's: a chunk read before an activation peak must make room ahead of it."""
+def test_budgets_are_what_the_steps_non_model_peak_leaves_at_every_access():
+    """The budget at every access is the limit less the most non-model bytes of the step (one budget a step:
+    chunkmem/chunks/planning.py): room for one of a and b, even where activations are fewer."""
     case = instance([use("a"), use("b", nonmodel=0), use(nonmodel=3), use("a")], {"a": 2, "b": 2}, limit=5)
-    assert case.budgets(()) == [5, 2, 2, 5]
-    assert solve(case).per_step == 2  # a leaves at b's access, before the peak it cannot see, and comes back
+    assert case.budgets(()) == [2, 2, 2, 2]
+    assert solve(case).per_step == 4  # b evicts a, a evicts b: each fetched once a step
 
 
 def test_a_schedule_repeating_every_two_steps_can_beat_the_best_single_step():

@@ -82,6 +82,8 @@ class Chunk:
         self.state = ChunkState.FREE
         self.pins = 0  # member tensors in COMPUTE
         self.pending: object | None = None  # the device's token for an upload compute has not waited on
+        self._last_copy: object | None = None  # the newest copy that read or wrote the device payload
+        self._host_read_by: object | None = None  # an upload from the host payload the host has not waited for
         self.landings: list[Landing] = []  # downloads into `host` not waited for, oldest first
         self.io: list[Waitable] = []  # disk reads into and writes from `host` not waited for
         self.unwritten: list[tuple[int, int]] = []  # [start, end) of `_fresh` nobody wrote yet (Note above)
@@ -159,7 +161,7 @@ class Chunk:
         """Allocate the device payload of a lending chunk and copy the lent ranges in."""
         if self._unallocated is None:
             return
-        flat = self._device = self._unallocated.alloc(self.numel, self.dtype)
+        flat = self._device = self._take_written_by_compute(self._unallocated)
         self._unallocated = None
         for tensor, target in self._lent_targets(flat):
             target.copy_(tensor.view(-1))
@@ -250,6 +252,7 @@ class Chunk:
         """FREE -> HOST: the host payload reads as zeros from now on (zeroed when first read: the Note on
         unwritten ranges). Its old bytes are poisoned in the simulation, as fresh device memory is."""
         new = self._check("materialize_host")
+        self._host_writable()
         self._leave_unwritten(undefined(self.host))
         self._changed()
         self.state = new
@@ -265,27 +268,45 @@ class Chunk:
         if self.lends:
             self._unallocated = dev
         else:
-            self._device = dev.alloc(self.numel, self.dtype)
+            self._device = self._take_written_by_compute(dev)
             self._leave_unwritten(self._device)
         self.state = new
 
+    def _take_written_by_compute(self, dev: Device) -> torch.Tensor:
+        """A device payload from the arena (arena.py's Note on chunk memory) that compute writes first: compute
+        waits for the slot's last copy, if one is still reading or writing it."""
+        payload, after = dev.arena.take(self.numel, self.dtype)
+        if after is not None:
+            dev.wait(after)
+        return undefined(payload)
+
     def upload(self, dev: Device) -> None:
         new = self._check("upload")
-        self._device = dev.alloc(self.numel, self.dtype)
-        self.pending = dev.upload(self.host, self._device, self.name)
+        payload, after = dev.arena.take(self.numel, self.dtype)
+        self._device = payload
+        self.pending = self._last_copy = self._host_read_by = dev.upload(self.host, payload, self.name, after)
         self.state = new
+
+    def _host_writable(self) -> None:
+        """The host is about to change the host payload: an upload still reading it must have landed first (compute
+        waiting for it tells the host nothing: device.py's Note on tokens)."""
+        if self._host_read_by is not None:
+            self._dev.wait_host(self._host_read_by)
+            self._host_read_by = None
 
     def download(self, dev: Device) -> None:
         """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
         if self.lending:  # the lent tensors go straight to the host payload, the rest is zeroed there now
+            self._host_writable()
             host = self.settled()
             pairs = self._lent_targets(host)
             self._zero_unwritten(host)
             for tensor, target in pairs:
                 self.landings.append((dev.download(tensor.view(-1), target, self.name), None))
         else:
-            self.landings.append((dev.download(self.device, self.host_unfenced, self.name), None))  # type: ignore[arg-type]
+            self._last_copy = dev.download(self.device, self.host_unfenced, self.name)  # type: ignore[arg-type]
+            self.landings.append((self._last_copy, None))
         self._changed()
         self.state = new
 
@@ -296,6 +317,7 @@ class Chunk:
         be HOST: the host payload is the only copy."""
         if self.state is not ChunkState.HOST:
             raise ChunkStateError(f"{self!r}: receive needs the host payload to be the only copy")
+        self._host_writable()
         target = part(self.host_unfenced)
         self._take(self.host_unfenced, target, zero=staged is not None)
         if staged is None:
@@ -312,11 +334,16 @@ class Chunk:
     def _forget_device(self) -> None:
         if self.pending is not None:  # a prefetch never used: its bytes will not be read
             self._dev.discard(self.pending)
-        self._device, self.pending, self._unallocated = None, None, None
+        if self._device is not None:  # its slot is free for the next chunk, after the last copy on it
+            if self._fresh is self._device:
+                self.unwritten, self._fresh = [], None
+            self._dev.arena.give(self._device, self._last_copy)
+        self._device, self.pending, self._unallocated, self._last_copy = None, None, None, None
         self.lent.clear()
 
     def write_host(self) -> None:
         new = self._check("write_host")
+        self._host_writable()
         self._changed()
         self.state = new
 
@@ -327,6 +354,11 @@ class Chunk:
         new = self._check("reset")
         self._check_unpinned("reset")
         self._forget_device()
+        # Downloads into the host payload still land (the host waits for them: they write its bytes), but
+        # what was queued after them, gradients added from staging buffers, is forgotten with the contents.
+        landings, self.landings = self.landings, []
+        if landings:
+            self._dev.wait_host(landings[-1][0])
         self.unwritten, self._fresh = [], None
         self.state = new
 

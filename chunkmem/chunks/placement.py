@@ -34,6 +34,9 @@ import bisect
 import enum
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.plan import Plan, next_uses, victim
@@ -41,8 +44,10 @@ from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, 
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
+from chunkmem.errors import MemoryBudgetError
 
 log = logging.getLogger("chunkmem")
+T = TypeVar("T")
 
 WARMUP_FRACTION = 0.5  # of the device budget, for chunks, while nothing is known of non-model data
 
@@ -98,11 +103,12 @@ class Placer:
     """
 
     def __init__(self, residency: Residency, store: ParamStore, limit: int, working_set: int,
-                 nonmodel: Callable[[], int]) -> None:
+                 nonmodel: Callable[[], int], headroom: Callable[[], int] = lambda: 0) -> None:
         self.residency = residency
         self.store = store
         self.limit = limit
         self.nonmodel = nonmodel
+        self.headroom = headroom  # non-model bytes a plan leaves room for beyond its record (runtime.largest_block)
         self.chunks = {c.name: c for c in store.chunks()}
         self.pinned: set[str] = set()  # parameter chunks the running modules pin (`pin`)
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
@@ -320,12 +326,26 @@ class Placer:
         self.phase = Phase.DIVERGED
         self.residency.limit = self.conservative
 
-    def out_of_memory(self, error: Exception) -> None:
-        """A compute op ran out of device memory: free every chunk not in use, stay conservative for the
-        rest of this step and record the next (its non-model data outgrew what the plan assumed)."""
-        self._diverge(f"device out of memory in a forward op ({error}); evicted every chunk not in use")
+    def out_of_memory(self, error: torch.OutOfMemoryError, retry: Callable[[], T]) -> T:
+        """A compute op ran out of device memory: free chunks not in use until `retry()` succeeds, stay
+        conservative (at the chunk bytes left) for the rest of this step and record the next (its non-model data
+        outgrew what the plan assumed). When no chunk is left to free, activations alone do not fit: a
+        MemoryBudgetError that says so."""
+        self._diverge(f"device out of memory in a forward op ({error}); evicting chunks not in use until it fits")
         self.resident = False
-        self.residency.evict_unpinned()
+        try:
+            return self.residency.retry_out_of_memory(error, retry)
+        except torch.OutOfMemoryError as failed:
+            pinned = self.residency.stats.device_chunk_bytes
+            raise MemoryBudgetError(
+                f"activations and temporaries do not fit the device budget: with only the {pinned} bytes of chunks "
+                f"the running modules need on the device ({_mib(pinned)}), the other {_mib(self.nonmodel())} it "
+                f"holds and the next allocation exceed Config.device_memory={self.limit} bytes ({_mib(self.limit)}). "
+                "Raise device_memory, lower the batch size or sequence length, checkpoint activations "
+                "(model.gradient_checkpointing_enable() on a Hugging Face model) or offload them "
+                f"(Config(offload_activations=True)). The allocator said: {failed}") from failed
+        finally:
+            self.residency.limit = max(self.working_set, self.residency.stats.device_chunk_bytes)
 
     # -- steps ------------------------------------------------------------------------------------
     def step_done(self) -> None:
@@ -341,18 +361,21 @@ class Placer:
         if partial:  # nothing moved, and its accesses were not all recorded: the plan stays
             self._following.cursor = 0
             return
+        held = max((e.nonmodel for e in events), default=0) + self.headroom()
         if self.phase is Phase.RECORD:
-            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed)
+            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held)
             self.homes = set(step.homes)
             self._send_home_others()
             self.phase = Phase.FOLLOW
         else:
-            # Most steps make the plan's accesses: compare them before working out budgets for a new plan.
+            # Most steps make the plan's accesses: compare them before working out budgets for a new plan. Non-model
+            # memory that grew within the margin (the allocator's holes move from step to step) lowers the budget
+            # of the steps after, so that the margin is for one step's growth (planning's Note on one budget a step).
             planned = self._following.step
             if not outgrown and self._same(events, planned):
-                step = planned
+                step = planned if held <= planned.room_for else planned.leaving_room_for(held, self.sizes, self.limit)
             else:
-                step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit)
+                step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit, held)
                 if not self.replans:
                     log.info("this step's chunk accesses or non-model data differ from its plan's (modules chosen by "
                              "the data, another input size?): each step follows a plan made from the one before")
@@ -363,7 +386,10 @@ class Placer:
         if self.follower is None or step is not self.follower.step or resident != self.start:
             self.start = resident
             dirty = {n for n in resident if self.chunks[n].state is ChunkState.DEVICE_DIRTY}
-            self.follower = Follower(step, step.plan(self.sizes, resident, dirty), self.sizes)
+            plan = step.plan(self.sizes, resident, dirty, [n for n, c in self.chunks.items() if c.lends])
+            if self.follower is None or plan.slots != self.follower.plan.slots:
+                self.residency.device.arena.reserve(dict(plan.slots))  # planning's Note on one budget a step
+            self.follower = Follower(step, plan, self.sizes)
         self._following.cursor = 0
 
     def _same(self, events: list[Event], planned: Step) -> bool:
@@ -381,6 +407,10 @@ class Placer:
                 for kind, chunk in group.chunks.items():
                     if kind != "param":
                         self.residency.evict(chunk)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _bytes(names: Sequence[str], sizes: dict[str, int]) -> int:

@@ -40,7 +40,7 @@ class Action:
 class Plan:
     actions: tuple[Action, ...]
     budgets: tuple[int, ...]
-
+    slots: tuple[tuple[int, int], ...] = ()  # (bytes, most chunks of that size resident at once), by size
     def at(self, index: int) -> list[Action]:
         return [a for a in self.actions if a.at == index]
 
@@ -74,13 +74,16 @@ def victim(index: int, candidates: Collection[str], nexts: dict[str, int], dirty
 
 
 def build_plan(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int],
-               resident: Collection[str] = (), dirty: Collection[str] = (), carried: Collection[str] = ()) -> Plan:
+               resident: Collection[str] = (), dirty: Collection[str] = (), carried: Collection[str] = (),
+               lending: Collection[str] = ()) -> Plan:
     """The write-back-aware Belady placement of `accesses` with `budgets[i]` bytes for chunks at access i,
-    from `resident` chunks (`dirty` among them changed on the device)."""
+    from `resident` chunks (`dirty` among them changed on the device). Its `slots` count the chunks resident
+    at once by size, but for `lending` ones (their bytes are autograd's: chunk.py's Note on lent ranges)."""
     _check_inputs(accesses, sizes, budgets)
     nxt = next_uses(accesses, carried)
     held, changed = set(resident), set(dirty) & set(resident)
     actions: list[Action] = []
+    slots = _by_size(held, sizes, lending)
     for i, access in enumerate(accesses):
         needed = set(access.chunks)
         over = sum(sizes[c] for c in held | needed) - budgets[i]
@@ -102,7 +105,17 @@ def build_plan(accesses: Sequence[Access], sizes: dict[str, int], budgets: Seque
                     held.add(name)
                     room -= sizes[name]
                     actions.append(Action(i + 1, "prefetch", name))
-    return Plan(tuple(actions), tuple(budgets))
+        for size, count in _by_size(held, sizes, lending).items():
+            slots[size] = max(slots.get(size, 0), count)
+    return Plan(tuple(actions), tuple(budgets), tuple(sorted(slots.items())))
+
+
+def _by_size(names: Collection[str], sizes: dict[str, int], lending: Collection[str]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for name in names:
+        if name not in lending:
+            counts[sizes[name]] = counts.get(sizes[name], 0) + 1
+    return counts
 
 
 def _check_inputs(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int]) -> None:

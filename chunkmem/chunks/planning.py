@@ -17,6 +17,14 @@ room; from each it adds, drops or swaps one group at a time while that lowers th
 the best of where they end wins. A near-empty chunk
 (a few parameters in a large chunk) saves little for its room and is left to stream.
 (benchmarks/placement.py measures the result against an exact integer-programming optimum.)
+
+[Note: one budget a step]
+Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving
+them more where activations are fewer (early in the forward, in the optimizer phase) would move memory
+between chunks and activations twice a step, through the caching allocator, and memory that moves through it
+fragments: chunk slots allocated between activations leave holes the next activations cannot use (the lent
+H100 ran out of memory that way, arena.py's Note on chunk memory). With one budget, the arena's slots are
+reserved once, when a plan is made and no activation is alive, and stay put.
 """
 
 from __future__ import annotations
@@ -92,19 +100,15 @@ def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[i
 
 
 def chunk_budgets(accesses: Sequence[Access], nonmodel: Sequence[int], sizes: dict[str, int],
-                  limit: int) -> list[int]:
-    """Budget for chunks at each access: what non-model data (now and next) leaves, less the margin.
+                  limit: int, peak: int = 0) -> list[int]:
+    """Budget for chunks at each access: what the step's non-model peak (or `peak`, if more: the most an earlier
+    step held) leaves, less the margin (the Note on one budget a step).
 
     Never below what the access itself needs: if non-model data leaves less, the plan holds only
     that access's chunks there, and the out-of-memory fallback handles the rest.
     """
-    margin = int(limit * SAFETY_FRACTION)
-    out = []
-    for i, access in enumerate(accesses):
-        ahead = nonmodel[i + 1] if i + 1 < len(nonmodel) else 0
-        need = sum(sizes[c] for c in set(access.chunks))
-        out.append(max(need, limit - max(nonmodel[i], ahead) - margin))
-    return out
+    floor = limit - max(max(nonmodel, default=0), peak) - int(limit * SAFETY_FRACTION)
+    return [max(sum(sizes[c] for c in set(access.chunks)), floor) for access in accesses]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,18 +121,25 @@ class Step:
     nonmodel: list[int]
     budgets: list[int]
     carried: frozenset[str]
+    room_for: int = 0  # the non-model bytes its budgets leave room for: its peak, or more (`leaving_room_for`)
 
     @classmethod
     def of(cls, events: Sequence[Event], groups: Groups, homes: Collection[int], sizes: dict[str, int],
-           limit: int) -> Step:
+           limit: int, peak: int = 0) -> Step:
         accesses, nonmodel = steady_sequence(events, groups, homes)
         # Gradient chunks are freed at every step's end; a streamed group's parameter chunk is rewritten on the host.
         stale = {g.grad for g in groups.values()} | {g.param for i, g in groups.items() if i not in homes}
-        return cls(frozenset(homes), accesses, nonmodel, chunk_budgets(accesses, nonmodel, sizes, limit),
-                   frozenset(set(sizes) - stale))
+        return cls(frozenset(homes), accesses, nonmodel, chunk_budgets(accesses, nonmodel, sizes, limit, peak),
+                   frozenset(set(sizes) - stale), max(max(nonmodel, default=0), peak))
 
-    def plan(self, sizes: dict[str, int], resident: Collection[str] = (), dirty: Collection[str] = ()) -> Plan:
-        return build_plan(self.accesses, sizes, self.budgets, resident, dirty, self.carried)
+    def leaving_room_for(self, peak: int, sizes: dict[str, int], limit: int) -> Step:
+        """This step with budgets that leave room for `peak` non-model bytes (fragmentation grew since its record)."""
+        return dataclasses.replace(self, budgets=chunk_budgets(self.accesses, self.nonmodel, sizes, limit, peak),
+                                   room_for=max(self.room_for, peak))
+
+    def plan(self, sizes: dict[str, int], resident: Collection[str] = (), dirty: Collection[str] = (),
+             lending: Collection[str] = ()) -> Plan:
+        return build_plan(self.accesses, sizes, self.budgets, resident, dirty, self.carried, lending)
 
 
 def fits(step: Step, groups: Groups, sizes: dict[str, int]) -> bool:
@@ -161,9 +172,10 @@ def step_cost(step: Step, groups: Groups, sizes: dict[str, int]) -> int:
 
 
 def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-                 limit: int, streamed: Collection[int] = ()) -> Step:
+                 limit: int, streamed: Collection[int] = (), peak: int = 0) -> Step:
     """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes) and leave
-    the `streamed` groups (disk-backed ones: chunks/hostcache.py) to stream."""
+    the `streamed` groups (disk-backed ones: chunks/hostcache.py) to stream; budgets leave room for `peak`
+    non-model bytes if that is more than the record's peak."""
     by_index = {g.index: g for g in groups}
     steps: dict[frozenset[int], Step] = {}
     costs: dict[frozenset[int], int] = {}
@@ -171,7 +183,7 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     def step(homes: Collection[int]) -> Step:
         key = frozenset(homes)
         if key not in steps:
-            steps[key] = Step.of(events, by_index, key, sizes, limit)
+            steps[key] = Step.of(events, by_index, key, sizes, limit, peak)
         return steps[key]
 
     def score(homes: frozenset[int]) -> tuple[int, int]:  # ties keep more groups home: they step on the device

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -22,6 +22,7 @@ from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
 
 log = logging.getLogger("chunkmem")
+T = TypeVar("T")
 
 
 class EvictionPolicy(Protocol):
@@ -69,7 +70,7 @@ class Residency:
     def __init__(self, device: Device, limit: int, policy: EvictionPolicy,
                  on_move: Callable[[Chunk], None], observers: list[Observer] | None = None) -> None:
         self.device = device
-        self.limit = limit
+        self._limit = limit
         self.policy = policy
         self.on_move = on_move
         self.observers = observers if observers is not None else []
@@ -77,6 +78,17 @@ class Residency:
         self.resident: dict[str, Chunk] = {}
         self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
         self.before_leave: Callable[[Chunk], None] | None = None
+        device.arena.fit(limit)
+
+    @property
+    def limit(self) -> int:
+        """Most chunk bytes on the device; the arena holds no more slots than that (arena.py's Note)."""
+        return self._limit
+
+    @limit.setter
+    def limit(self, limit: int) -> None:
+        self._limit = limit
+        self.device.arena.fit(limit)
 
     def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
         """Make `chunk` resident (evicting others if needed) and return its device payload, to read."""
@@ -94,10 +106,9 @@ class Residency:
             except torch.OutOfMemoryError as error:
                 # The budget was right for chunks but the device is full (non-model data grew beyond the
                 # warm-up's record).
-                log.warning("device out of memory bringing %s (%s): evicting every chunk not in use and "
-                            "retrying; if this repeats, lower Config.device_memory", chunk.name, error)
-                self.evict_unpinned()
-                self._bring(chunk, reason)
+                log.warning("device out of memory bringing %s (%s): evicting chunks not in use until it fits; "
+                            "if this repeats, lower Config.device_memory", chunk.name, error)
+                self.retry_out_of_memory(error, lambda: self._bring(chunk, reason))
             self._added(chunk)
         if reason != "prefetch":
             chunk.fence()
@@ -150,12 +161,24 @@ class Residency:
             self._drop(chunk)
         chunk.write_host()
 
-    def evict_unpinned(self) -> None:
-        """The most conservative placement, after an out-of-memory error: no chunk on the device that
-        no tensor is using right now."""
+    def retry_out_of_memory(self, error: torch.OutOfMemoryError, retry: Callable[[], T]) -> T:
+        """After an out-of-memory error: give the allocator what the failed allocation needs, a chunk nothing uses
+        at a time (the policy's victim) with every free slot, and `retry()` until it succeeds; the error again
+        when nothing is left to give."""
         self.stats.oom_fallbacks += 1
-        for chunk in [c for c in self.resident.values() if not c.pins]:
-            self.evict(chunk)
+        while True:
+            candidates = [c for c in self.resident.values() if not c.pins]
+            if candidates:
+                self.evict(self.policy.victim(candidates))
+                self.stats.evictions += 1
+            released = self.device.arena.free_bytes
+            self.device.arena.release()
+            if not candidates and not released:
+                raise error
+            try:
+                return retry()
+            except torch.OutOfMemoryError as again:
+                error = again
 
     def evict(self, chunk: Chunk) -> None:
         if chunk.state.on_device:
@@ -204,6 +227,7 @@ class Residency:
         self._removed(chunk)
         chunk.drop_device()
         self.on_move(chunk)
+        self.device.arena.fit(self._limit)  # a slot freed beyond a lowered limit goes back to the allocator
 
     def _added(self, chunk: Chunk) -> None:
         self.resident[chunk.name] = chunk

@@ -24,7 +24,8 @@ import torch
 
 from chunkmem.config import parse_size
 from chunkmem.memory import native
-from chunkmem.memory.gpu_memory import allocator_fraction
+from chunkmem.memory.arena import SlotArena
+from chunkmem.memory.gpu_memory import allocator_fraction, held_bytes
 from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
 from chunkmem.memory.sim import SimulatedDevice
 
@@ -32,11 +33,13 @@ from chunkmem.memory.sim import SimulatedDevice
 class Device(Protocol):
     torch_device: torch.device
     host_pool: HostPool  # where host_alloc's buffers come from; its stats() go into memory_stats()
+    arena: SlotArena  # where chunk payloads live on the device (arena.py's Note on chunk memory)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
-    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> object:
-        """Start a host-to-device copy; returns a token for `wait`."""
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> object:
+        """Start a host-to-device copy, after the copy `after` if given (whatever its stream); returns a token
+        for `wait`."""
         ...
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> object:
@@ -71,6 +74,17 @@ class Device(Protocol):
         """Block the host until everything issued on the device is done."""
         ...
 
+    def holds(self, tensor: torch.Tensor) -> int:
+        """How many tensors on `tensor`'s storage the device itself keeps for copies in flight (arena.py)."""
+        ...
+
+    def memory_reading(self) -> tuple[int, int] | None:
+        """The most the device's caching allocator held since the last call (gpu_memory.held_bytes: live blocks and
+        the holes between them; temporaries come and go between two calls) and the largest block it handed out
+        since; None where the simulation does not model it."""
+        ...
+
+    def empty_cache(self) -> None: ...
     def free_bytes(self) -> int: ...
     def total_bytes(self) -> int: ...
 
@@ -114,12 +128,14 @@ class CudaDevice:
     def __init__(self, name: str, host_memory: int | None = None) -> None:
         self.torch_device = use_device(name)
         module = native.load_copy_engine()
+        self.engine_module: Any = module
         self.engine: Any = None  # the device's CopyEngine when the extension is built
         self.h2d_stream: torch.cuda.Stream  # uploads
         self.d2h_stream: torch.cuda.Stream  # downloads
         allocator: HostAllocator
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
+            module.track_allocations()  # peaks between moments, without resetting PyTorch's (held_peak)
             allocator = EngineAllocator(module)
             # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
             self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
@@ -130,6 +146,7 @@ class CudaDevice:
             self.d2h_stream = torch.cuda.Stream(self.torch_device)
         self.comm_stream = torch.cuda.Stream(self.torch_device)  # ZeRO's collectives
         self.host_pool = HostPool(allocator, host_memory, before_free=self.synchronize)
+        self.arena = SlotArena(self)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
@@ -137,7 +154,9 @@ class CudaDevice:
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host_pool.tensor(numel, dtype)
 
-    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> object:
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> object:
+        if after is not None:  # the copy stream waits (a download from the same slot, say); compute does not
+            self._stream_waits(self.h2d_stream, after)
         return self._copy(device, host, self.h2d_stream, device)
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> object:
@@ -172,13 +191,18 @@ class CudaDevice:
             return _Collective(issue())
 
     def wait(self, token: object) -> None:
-        compute = torch.cuda.current_stream(self.torch_device)
         if isinstance(token, _Collective):
             token.work.wait()  # NCCL: the current stream waits
-        elif isinstance(token, torch.cuda.Event):
-            compute.wait_event(token)
         else:
-            token.wait(compute.cuda_stream)  # type: ignore[attr-defined]  # the engine's event
+            self._stream_waits(torch.cuda.current_stream(self.torch_device), token)
+
+    @staticmethod
+    def _stream_waits(stream: torch.cuda.Stream, token: object) -> None:
+        """Work queued on `stream` from now on starts after the copy behind `token`; the host does not block."""
+        if isinstance(token, torch.cuda.Event):
+            stream.wait_event(token)
+        else:
+            token.wait(stream.cuda_stream)  # type: ignore[attr-defined]  # the engine's event
 
     def wait_host(self, token: object) -> None:
         if isinstance(token, _Collective):
@@ -201,6 +225,19 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
+
+    def holds(self, tensor: torch.Tensor) -> int:
+        return 0  # a copy keeps no tensor alive: record_stream keeps the allocator from reusing its blocks
+
+    def memory_reading(self) -> tuple[int, int]:
+        held = held_bytes(self.torch_device)
+        if self.engine_module is None:  # no tracker: what is held now, and no size of the blocks between readings
+            return held, 0
+        excess, largest = self.engine_module.take_allocation_reading(self.torch_device.index)
+        return held + excess, largest
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.torch_device)[0]

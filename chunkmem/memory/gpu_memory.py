@@ -1,12 +1,13 @@
 """What a CUDA device holds besides chunkmem's chunks: the non-model memory the placement plans around.
 
-Two parts. PyTorch's allocator reports the bytes its live tensors use (`memory_allocated`); minus the
-chunk bytes, that is activations, temporaries and communication buffers. Memory outside PyTorch's
-allocator (the CUDA context, cuBLAS/cuDNN workspaces, NCCL's own buffers) shows only in the driver's
-per-process reading, which NVML gives: the process's used bytes minus what PyTorch has reserved.
-
-Cached-but-free allocator blocks (reserved - allocated) are not counted: PyTorch releases them and
-retries before it reports an out-of-memory error, so chunks can still use that room.
+Two parts. PyTorch's allocator reports what it holds: its live blocks, and the free blocks between them in
+segments it has split (`held_bytes`); minus a model's chunk memory (its arena of slots,
+chunkmem/memory/arena.py), that is activations, temporaries and communication buffers, with the holes they
+leave. The holes count: one is reserved but usable only by a request that fits in it, and the lent H100 ran
+out of memory with 402 MiB reserved and free, in holes. Wholly free cached segments do not count: the
+allocator releases them at its cap and retries. Memory outside PyTorch's allocator (the CUDA context,
+cuBLAS/cuDNN workspaces, NCCL's own buffers) shows only in the driver's per-process reading, which NVML
+gives: the process's used bytes minus what PyTorch has reserved.
 
 The outside part changes rarely (it grows when a library first initialises) and an NVML query costs
 tens of microseconds, so it is read at most every REFRESH_S seconds, not at every moment. NVML numbers
@@ -14,15 +15,16 @@ its devices its own way, not as CUDA_VISIBLE_DEVICES renumbers them for the proc
 is found by its UUID.
 
 [Note: the budget and the caching allocator]
-The placement keeps chunk bytes plus allocated non-model bytes within `device_memory`, but PyTorch's
-caching allocator holds more than is allocated: freed chunks stay cached (and held by record_stream
-until their copies end), and fixed-size chunks beside activations fragment the cache. So on CUDA a
-prepared model also caps the allocator with `torch.cuda.set_per_process_memory_fraction`: what it may
-reserve is the device budget (the sum of the budgets of the live prepared models on that device) less
-what the process already holds outside the allocator (NVML's reading at prepare). At the cap the
-allocator releases cached blocks and retries before it reports out of memory, and chunkmem's
-fallback then evicts chunks and retries. So reserved memory, plus what NVML sees outside it, stays
-within the budget by construction; `chunkmem selftest` measures `max_memory_reserved` against it.
+The placement keeps a model's chunk memory plus everything else the process reserves within
+`device_memory`: chunks in the arena's slots, which activations never see (arena.py's Note on chunk
+memory), and the rest counted as the allocator holds it, holes included, so that what the plan gives chunks
+is room CUDA really has. On CUDA a prepared model also caps the allocator with
+`torch.cuda.set_per_process_memory_fraction`: what it may reserve is the device budget (the sum of the
+budgets of the live prepared models on that device) less what the process holds outside the allocator
+(NVML's reading at prepare, read again after the first step: libraries load lazily). At the cap the
+allocator releases cached blocks and retries before it reports out of memory, and chunkmem's fallback then
+evicts chunks, gives their slots back and retries. So reserved memory, plus what NVML sees outside it,
+stays within the budget by construction; `chunkmem selftest` measures `max_memory_reserved` against it.
 The cap is process-wide for that device, as the budget means everything the process takes there.
 """
 
@@ -41,7 +43,8 @@ MiB = 1 << 20
 
 
 class DeviceMemory:
-    """Non-model bytes on one CUDA device. `nvml` is the pynvml module, or None to read the allocator only."""
+    """What the process holds on one CUDA device outside PyTorch's allocator. `nvml` is the pynvml module, or None
+    (nothing is counted outside)."""
 
     def __init__(self, device: torch.device, nvml: Any = None) -> None:
         self.device = device
@@ -50,13 +53,10 @@ class DeviceMemory:
         self._outside = 0
         self._read_at = -REFRESH_S
 
-    def nonmodel(self, chunk_bytes: int) -> int:
-        allocated = torch.cuda.memory_allocated(self.device)
-        return max(0, allocated - chunk_bytes) + self.outside_allocator()
-
-    def outside_allocator(self) -> int:
-        """Bytes this process holds on the device that PyTorch's allocator did not reserve (0 without NVML)."""
-        if self.nvml is None or time.monotonic() - self._read_at < REFRESH_S:
+    def outside_allocator(self, fresh: bool = False) -> int:
+        """Bytes this process holds on the device that PyTorch's allocator did not reserve (0 without NVML); read
+        again at most every REFRESH_S seconds, or now if `fresh`."""
+        if self.nvml is None or (not fresh and time.monotonic() - self._read_at < REFRESH_S):
             return self._outside
         self._read_at = time.monotonic()
         used = self._process_used()
@@ -79,6 +79,14 @@ class DeviceMemory:
                      error)
             self.nvml = None
         return None
+
+
+def held_bytes(device: torch.device) -> int:
+    """What the caching allocator holds on `device` and would not give back at its cap: its live blocks and the free
+    blocks between them in split segments (holes a request fits only if it is no larger). Wholly free cached
+    segments are not counted: the allocator releases them and retries before it runs out of memory."""
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("allocated_bytes.all.current", 0) + stats.get("inactive_split_bytes.all.current", 0)
 
 
 def nvml_uuid(device: torch.device) -> str:

@@ -159,10 +159,15 @@ class EngineAllocator:
         self.engine = engine
 
     def alloc(self, nbytes: int) -> Block:
-        return Block(int(self.engine.pinned_alloc(nbytes)), nbytes, True)
+        ptr, error = self.engine.pinned_alloc(nbytes)
+        if error:  # the extension returns its errors (native.CopyEngine says why): the pool falls back to pageable
+            raise MemoryError(error)
+        return Block(int(ptr), nbytes, True)
 
     def free(self, block: Block) -> None:
-        self.engine.pinned_free(block.ptr)
+        error = self.engine.pinned_free(block.ptr)
+        if error:
+            raise RuntimeError(error)
 
 
 @dataclasses.dataclass

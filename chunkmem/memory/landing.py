@@ -27,10 +27,12 @@ from typing import Any, Protocol
 
 
 class Landable(Protocol):
-    """A copy in flight (sim.Copy): `land` moves its bytes, None once it has landed."""
+    """A copy in flight (sim.Copy): `land` moves its bytes, None once it has landed, as is `held`, the buffer
+    it keeps alive until then."""
 
     id: int
     land: Callable[[], Any] | None
+    held: Any
 
 
 def idle_priority_available() -> bool:
@@ -125,7 +127,7 @@ class _Queue:
         finally:
             with self.cond:
                 if landed:
-                    copy.land = None
+                    copy.land = copy.held = None
                 if self.landing is copy:
                     self.landing = None
                 if self.claimed is copy:

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 __all__ = ["load", "adam_step", "sgd_step", "supported_isas", "SOURCE", "CFLAGS", "LDFLAGS", "COPY_ENGINE_SOURCE",
-           "load_copy_engine", "copy_engine", "copy_engine_nvcc_flags", "missing", "report_missing"]
+           "load_copy_engine", "copy_engine", "CopyEngine", "EngineEvent", "copy_engine_nvcc_flags", "missing",
+           "report_missing"]
 
 _log = logging.getLogger("chunkmem")
 
@@ -170,10 +171,77 @@ def load_copy_engine() -> ModuleType | None:
 
 
 @functools.cache
-def copy_engine(device: int) -> Any:
+def copy_engine(device: int) -> CopyEngine | None:
     """The copy engine of CUDA device `device`, or None; one per process: its streams outlive runtimes."""
     module = load_copy_engine()
-    return None if module is None else module.CopyEngine(device)
+    return None if module is None else CopyEngine(module.CopyEngine(device))
+
+
+class CopyEngine:
+    """csrc/copy_engine.cu's engine of one device. The extension returns its errors rather than throwing them (a
+    C++ exception ended the process on the lent H100): this raises them as RuntimeError, and checks a batch before
+    handing it over, so that a bad argument never reaches the C++ side."""
+
+    def __init__(self, raw: Any) -> None:
+        _raise(raw.error)
+        self.raw = raw
+        self.device: int = raw.device
+        self.h2d_stream: int = raw.h2d_stream
+        self.d2h_stream: int = raw.d2h_stream
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor], after: int) -> EngineEvent:
+        """dst[i].copy_(src[i]) for every i, one direction, on that direction's stream after the work queued on
+        stream `after`; the event after the last copy."""
+        _raise(_invalid_batch(dst, src, self.device))
+        event, error = self.raw.copy(dst, src, after)
+        _raise(error)
+        return EngineEvent(event)
+
+
+class EngineEvent:
+    """The engine's event after a batch of copies (a token of CudaDevice)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def wait(self, stream: int) -> None:
+        """Work queued on `stream` from now on starts after the copies."""
+        _raise(self.raw.wait(stream))
+
+    def synchronize(self) -> None:
+        _raise(self.raw.synchronize())
+
+    def query(self) -> bool:
+        done, error = self.raw.query()
+        _raise(error)
+        return bool(done)
+
+
+def _raise(error: str) -> None:
+    if error:
+        raise RuntimeError(error)
+
+
+def _invalid_batch(dst: list[torch.Tensor], src: list[torch.Tensor], device: int) -> str:
+    """What is wrong with a batch of copies for the engine of CUDA `device` ("" when nothing is): the extension's
+    own check, in the same words."""
+    if len(dst) != len(src):
+        return f"chunkmem copy engine: {len(dst)} destinations but {len(src)} sources; pass one of each per chunk"
+    if not dst:
+        return "chunkmem copy engine: empty batch; pass at least one chunk"
+    upload = dst[0].is_cuda
+    for i, (to, from_) in enumerate(zip(dst, src)):
+        device_side, host_side = (to, from_) if upload else (from_, to)
+        if not device_side.is_cuda or device_side.get_device() != device or host_side.device.type != "cpu":
+            way = f"cpu -> cuda:{device}" if upload else f"cuda:{device} -> cpu"
+            return (f"chunkmem copy engine: pair {i} goes the wrong direction for this batch ({way}); split batches "
+                    "by direction and device")
+        if not (to.is_contiguous() and from_.is_contiguous()):
+            return f"chunkmem copy engine: pair {i} is not contiguous; chunks are flat buffers, pass them whole"
+        if to.nbytes != from_.nbytes or to.dtype != from_.dtype:
+            return (f"chunkmem copy engine: pair {i} has {from_.nbytes} bytes for {to.nbytes} bytes, or another "
+                    "dtype; both sides must match")
+    return ""
 
 
 # ---- saying what is missing, once ---------------------------------------------------------------------

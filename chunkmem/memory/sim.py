@@ -47,8 +47,10 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.hostpool import HostPool, PlainAllocator
 from chunkmem.memory.landing import CopyThread, idle_priority_available
+from chunkmem.memory.simmemory import simulated_memory
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
@@ -69,6 +71,7 @@ class Copy:
     deps: Knowledge  # compute's knowledge when it was issued (the fence)
     land: Callable[[], Any] | None  # moves the bytes; None once landed (or for a collective)
     work: Any = None  # a torch.distributed Work to wait for (collectives)
+    held: torch.Tensor | None = None  # the device buffer `land` holds until it lands (Device.holds)
 
 
 class SimulatedDevice:
@@ -85,7 +88,10 @@ class SimulatedDevice:
         # Time the thread that computes spent landing copies or waiting for them to land: a GPU's copy engines
         # move the bytes beside compute (with background landing, the copy thread does, when a core is idle).
         self.copy_seconds = 0.0
-        self._blocks: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # (numel, dtype) -> bases, in use or free
+        self.memory = simulated_memory()  # this process's device memory (None: not modelled)
+        if self.memory is not None:
+            self.memory.devices.add(self)
+        self.arena = SlotArena(self)
         self.memory_limit: int | None = None  # what limit_memory was told
         self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
@@ -101,30 +107,16 @@ class SimulatedDevice:
 
     # -- memory ---------------------------------------------------------------------------------------
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory, placed by the model of CUDA's caching allocator (simmemory.py): torch.OutOfMemoryError
+        where a GPU of the budget would raise it."""
         self._tick()
         if self.fail_allocations > 0:
             self.fail_allocations -= 1
             raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
-        # Freed memory is reused, as CUDA's caching allocator reuses it, rather than taken fresh from the
-        # kernel page by page (faults a GPU does not take): a block of this size whose storage no tensor
-        # holds any more (nor a copy in flight, whose closure holds its tensor). Callers get a view; the
-        # cache keeps the base. Free blocks never outweigh live ones: past that, a miss gives them back. The
-        # search starts after the block handed out last (it rotates to the end), where blocks held longest are.
-        blocks = self._blocks.setdefault((numel, dtype), [])
-        found = next((i for i, b in enumerate(blocks) if _free(b)), None)
-        if found is None:
-            self._trim()
-            blocks.append(torch.empty(numel, dtype=dtype))
-        else:
-            blocks[:] = blocks[found + 1:] + blocks[:found + 1]
-        return undefined(blocks[-1].view(numel))
-
-    def _trim(self) -> None:
-        cached = [b for blocks in self._blocks.values() for b in blocks]
-        free = sum(b.nbytes for b in cached if _free(b))
-        if 2 * free > sum(b.nbytes for b in cached):
-            for blocks in self._blocks.values():
-                blocks[:] = [b for b in blocks if not _free(b)]
+        tensor = torch.empty(numel, dtype=dtype)
+        if self.memory is not None:
+            self.memory.charge(tensor)
+        return undefined(tensor)
 
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.host_pool.tensor(numel, dtype)
@@ -133,21 +125,32 @@ class SimulatedDevice:
         return psutil.virtual_memory().available
 
     def limit_memory(self, owner: object, limit: int, outside: int) -> None:
-        """CudaDevice caps its caching allocator here; CPU memory has none, so this only records the cap."""
+        """Cap the simulated allocator as CudaDevice caps CUDA's, at the live owners' budgets."""
         self.memory_limit = limit - outside
+        if self.memory is not None:
+            self.memory.limit(owner, limit - outside)
+
+    def memory_reading(self) -> tuple[int, int] | None:
+        """The most the allocator held since the last call (live blocks and the holes between them) and the largest
+        block it handed out since (None: memory not modelled, CHUNKMEM_SIM_MEMORY=0)."""
+        return self.memory.allocator.take_reading() if self.memory is not None else None
+
+    def empty_cache(self) -> None:
+        if self.memory is not None:
+            self.memory.allocator.empty_cache()
 
     def total_bytes(self) -> int:
         return psutil.virtual_memory().total
 
     # -- copies ---------------------------------------------------------------------------------------
-    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "") -> Copy:
-        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.copy_(host))
+    def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
+        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.copy_(host), device, after)
         guard(self, copy, device, "device", write_only=False)
         guard(self, copy, host, "host", write_only=True)
         return copy
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
-        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.copy_(device))
+        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.copy_(device), device)
         guard(self, copy, device, "device", write_only=True)
         guard(self, copy, host, "host", write_only=False)
         return copy
@@ -191,14 +194,30 @@ class SimulatedDevice:
         self._learn(self.host_knows, everything)
         self._learn(self.compute_knows, everything)
 
-    def _fence(self) -> Knowledge:
-        """What a copy issued now is ordered after: compute's work so far, and what the host knows
-        (work issued after the host learned of a copy runs after it)."""
-        return {s: max(self.compute_knows[s], self.host_knows[s]) for s in STREAMS}
+    def holds(self, tensor: torch.Tensor) -> int:
+        """How many tensors on `tensor`'s storage the simulation keeps for copies in flight and their hazards
+        (a GPU keeps none: arena.py)."""
+        address = tensor.untyped_storage().data_ptr()
+        held = {id(c.held) for c in self._in_flight if c.held is not None and c.held.untyped_storage().data_ptr() == address}
+        if _active is not None:
+            held |= {id(h.tensor) for h in _active.hazards.get(address, [])}
+        return len(held)
 
-    def _issue(self, stream: str, what: str, land: Callable[[], Any]) -> Copy:
+    def _fence(self, after: object | None = None) -> Knowledge:
+        """What a copy issued now is ordered after: compute's work so far, what the host knows (work issued
+        after the host learned of a copy runs after it), and the copy `after`, if given, on whatever stream."""
+        fence = {s: max(self.compute_knows[s], self.host_knows[s]) for s in STREAMS}
+        if after is not None:
+            before = _copy(after)
+            for stream in STREAMS:
+                fence[stream] = max(fence[stream], before.deps[stream])
+            fence[before.stream] = max(fence[before.stream], before.id)
+        return fence
+
+    def _issue(self, stream: str, what: str, land: Callable[[], Any], held: torch.Tensor | None = None,
+               after: object | None = None) -> Copy:
         self._tick()
-        copy = Copy(next(self._ids), stream, what, self._fence(), land)
+        copy = Copy(next(self._ids), stream, what, self._fence(after), land, held=held)
         self._in_flight.append(copy)
         if self._background:
             if self._copy_thread is None or self._copy_thread.pid != os.getpid():
@@ -215,17 +234,25 @@ class SimulatedDevice:
         if _active is not None:
             _active.forget_known(self)
 
+    def settle(self) -> None:
+        """Land every copy in flight, nobody learning of it (the allocator's wait at its cap: allocator.py)."""
+        self._land(list(self._in_flight))
+
     def _tick(self) -> None:
         """With random landing, some of the oldest copies of each stream land now."""
         if self._random is None or not self._in_flight:
             return
-        landing = []
+        landing: list[Copy] = []
         for stream in STREAMS:
             for copy in (c for c in self._in_flight if c.stream == stream):
-                if self._random.random() < 0.5:
+                if self._random.random() < 0.5 or not self._ready(copy, landing):
                     break
                 landing.append(copy)
         self._land(landing)
+
+    def _ready(self, copy: Copy, landing: list[Copy]) -> bool:
+        """Whether every copy on another stream that `copy` is ordered after has landed or lands with it."""
+        return all(c in landing for c in self._in_flight if c.stream != copy.stream and c.id <= copy.deps[c.stream])
 
     def _land(self, copies: list[Copy]) -> None:
         if not copies:
@@ -238,7 +265,7 @@ class SimulatedDevice:
                     thread.land(copy)
                 elif copy.land is not None:
                     copy.land()
-                    copy.land = None
+                    copy.land, copy.held = None, None
         self.copy_seconds += time.perf_counter() - start
         self._in_flight = [c for c in self._in_flight if c.land is not None]
 
@@ -257,12 +284,6 @@ def undefined(tensor: torch.Tensor) -> torch.Tensor:
     if _active is not None and tensor.dtype.is_floating_point:
         tensor.fill_(float("nan"))
     return tensor
-
-
-def _free(block: torch.Tensor) -> bool:
-    """Whether a cached block's storage has no user but the cache: two references when probed, the base
-    and the probe's own."""
-    return torch._C._storage_Use_Count(block.untyped_storage()._cdata) <= 2
 
 
 def _copy(token: object) -> Copy:

@@ -52,8 +52,7 @@ class FetchMode(TorchFunctionMode):
         except torch.OutOfMemoryError as error:
             # Activations outgrew the warm-up's record: make room with the chunks nobody uses and run
             # the op again (forward ops only: backward's kernels do not pass through this mode).
-            self.runtime.placer.out_of_memory(error)
-            return func(*args, **kwargs)
+            return self.runtime.placer.out_of_memory(error, lambda: func(*args, **kwargs))
         finally:
             if records:
                 self.runtime.release(records)
@@ -153,6 +152,8 @@ class Hooks:
         lean forwards)."""
         runtime = self.runtime
         training = torch.is_grad_enabled()
+        if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
+            runtime.grads.hide()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
         # A forward without gradients (evaluation) is not part of the training step the plan follows.
@@ -168,6 +169,7 @@ class Hooks:
                 yield modeless
             if resident and training:
                 runtime.end_resident_forward(inputs)
+            runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
             if runtime.shards is not None and runtime.shards.off_path:

@@ -87,11 +87,23 @@ def _check_flags(name: str, group: dict) -> None:
 def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
           states: dict[str, list], steps: list[torch.Tensor]) -> None:
     beta1, beta2 = group["betas"]
-    adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], steps,
+    counted = fused_steps(group, params, steps)
+    adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], counted,
                 foreach=group.get("foreach"), fused=group.get("fused"),
                 decoupled_weight_decay=group.get("decoupled_weight_decay", False),
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+    if counted is not steps:
+        torch._foreach_add_(steps, 1.0)  # the kernel counted the step on the device copies
+
+
+def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The step counters to hand torch's fused Adam: its CUDA kernel reads them by address on the device, so for
+    parameters there, copies on their device (chunkmem keeps one counter per parameter on the host, wherever its
+    group updates); else `steps` themselves."""
+    if not group.get("fused") or not params or params[0].device.type == "cpu":
+        return steps
+    return list(torch.stack(steps).to(params[0].device, non_blocking=True).unbind(0))
 
 
 def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -199,6 +211,7 @@ class ChunkOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         runtime = self.runtime
+        runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
         self._check_still_frozen()
         if runtime.shards is not None:
             runtime.shards.check_order()
@@ -227,6 +240,7 @@ class ChunkOptimizer(Optimizer):
         finally:
             runtime.residency.before_leave = None
         runtime.step_done()
+        runtime.fence_uploads()  # parameters sent up during the step are read next, maybe outside forward (an EMA)
         return loss
 
     def _visit(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],

@@ -63,6 +63,7 @@ from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.values import ModelData
@@ -93,6 +94,7 @@ class Runtime:
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
         check_sizes(config, self.device.torch_device)
+        self.device.empty_cache()  # blocks cached by earlier work would count as this model's non-model data
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
@@ -111,6 +113,10 @@ class Runtime:
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
+        # The largest block non-model data took: a hole it filled in one step may be taken in the next, so the
+        # plan leaves room for one more of it (placement's Note on warm-up).
+        self.largest_block = 0
+        self._slots_seen = 0  # the arena's slot allocations at the last memory reading
         self.warmup = True
         # Off: every step takes the full path (the torch-function mode changed an op's arguments in a step, or a
         # benchmark times that path).
@@ -124,19 +130,21 @@ class Runtime:
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
                                    self.observers)
+        self.grads = ShownGrads(self.store, self.residency)
         self.store.load_initial_values()
         for chunk_group in self.store.owned_groups():
             self.store.point_views(chunk_group.param)
         self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share,
                              config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
-        self._flush_queued = False
+        self._backward_queued = False  # the end of this backward is queued (`_backward_done`)
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
-        self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes)
+        self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
+                             lambda: 2 * self.largest_block)
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
@@ -163,7 +171,7 @@ class Runtime:
             raise RuntimeError(f"chunk family {kind!r} added after training started: add it before the first step")
         self.store.add_family(kind, dtype, disk_backed=False)
         old = self.placer
-        self.placer = Placer(self.residency, self.store, old.limit, old.working_set, self.nonmodel_bytes)
+        self.placer = Placer(self.residency, self.store, old.limit, old.working_set, self.nonmodel_bytes, old.headroom)
 
     def _disk_tier(self, module: nn.Module, size: int, world: int, states: int) -> HostCache | None:
         """The disk tier when Config.disk is set and host memory cannot hold all model data (hostcache's Note)."""
@@ -180,12 +188,21 @@ class Runtime:
         return self.device.host_pool.tensor(tensor.numel(), tensor.dtype, tag="transient").view(tensor.shape)
 
     def nonmodel_bytes(self) -> int:
-        """Device bytes that are not chunks: allocator and driver readings on CUDA (gpu_memory.py), saved
-        activations in the simulation."""
-        if self.gpu_memory is not None:
-            transient = self.shards.live if self.shards is not None else 0  # reserved apart: not non-model data
-            return self.gpu_memory.nonmodel(self.residency.stats.device_chunk_bytes + transient)
-        return self.activations.live
+        """Device bytes that are not this model's chunk memory: the most the caching allocator held besides the
+        arena's slots since the last reading (activations, temporaries, and the holes between them: room chunks
+        cannot use), plus what the process holds outside the allocator (gpu_memory.py). In a simulation without
+        its memory model (CHUNKMEM_SIM_MEMORY=0), the saved activations."""
+        reading = self.device.memory_reading()
+        if reading is None:
+            return self.activations.live
+        held, largest = reading
+        arena = self.device.arena
+        if arena.allocations == self._slots_seen:  # no slot among the blocks: the largest is non-model data's
+            self.largest_block = max(self.largest_block, largest)
+        self._slots_seen = arena.allocations
+        own = arena.footprint + (self.shards.live if self.shards is not None else 0)  # ZeRO's: apart
+        outside = self.gpu_memory.outside_allocator() if self.gpu_memory is not None else 0
+        return max(0, held - own) + outside
 
     # -- forward -------------------------------------------------------------------------------
     def enter(self, module: nn.Module) -> None:
@@ -332,6 +349,10 @@ class Runtime:
         self.moment_index += 1
 
     def step_done(self) -> None:
+        if self.step_count == 0 and self.gpu_memory is not None and self.config.device_memory is not None:
+            # Libraries load lazily (cuBLAS handles, NCCL buffers): what the process holds outside the allocator
+            # grew in the first step, and the cap counts it (gpu_memory's Note on the budget).
+            self.device.limit_memory(self, self.limit, self.gpu_memory.outside_allocator(fresh=True))
         if self.shards is not None:
             self.shards.step_done()
         placer = self.placer
@@ -356,12 +377,15 @@ class Runtime:
         record.param.grad = None
         if grad is None:
             return
+        if not self._backward_queued and torch._C._current_graph_task_id() != -1:  # not a pipeline's own call
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
+            self.grads.hide([record])
+            return
         if self.shards is not None:
             record.move_grad("write")
             self.shards.reducer.add(record, grad)
-            if not self._flush_queued:  # reduce-scatters in flight finish at the end of this backward
-                self._flush_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             return
         self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE,
                          start=record.slot.offset)
@@ -400,15 +424,32 @@ class Runtime:
             grad = owned.chunks["grad"]
             self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
 
-    def _flush(self) -> None:
-        """End of backward: every gradient group reduced and added to its owner's chunk."""
-        self._flush_queued = False
-        self.shards.finish_backward()  # type: ignore[union-attr]
+    def _backward_done(self) -> None:
+        """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
+        readable by what runs next (`fence_uploads`)."""
+        self._backward_queued = False
+        if self.shards is not None:  # reduce-scatters in flight finish now
+            self.shards.finish_backward()
+        self.fence_uploads()
+        if self.shards is None:
+            self.grads.show()
+
+    def fence_uploads(self) -> None:
+        """Compute waits for every upload still landing (on CUDA the compute stream waits, the host does not).
+
+        Called where control goes back to user code (the end of a forward, of a backward, of `step()`): a
+        parameter views its chunk's device payload as soon as the upload is issued, and code outside the hooks
+        (an EMA, a log line, a penalty term) reads it with no hook to wait first (SPEC: every read of chunk bytes
+        waits for the copies that write them)."""
+        for chunk in self.residency.resident.values():
+            if chunk.pending is not None:
+                chunk.fence()
 
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept = False
+        self.grads.hide(only)
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
             chunk = group.chunks["grad"]

@@ -51,7 +51,7 @@ def test_an_upload_and_a_write_back_carry_zeros_for_unwritten_ranges():
     assert torch.equal(chunk.device, torch.zeros(16))
 
 
-def test_a_chunk_written_whole_and_dropped_gives_its_device_memory_back():
+def test_a_chunk_written_whole_and_dropped_gives_its_slot_to_the_next_chunk():
     dev = SimulatedDevice(landing="wait")
     chunk = Chunk("grad.0", 16, torch.float32, dev)
     chunk.materialize_device(dev)
@@ -60,7 +60,10 @@ def test_a_chunk_written_whole_and_dropped_gives_its_device_memory_back():
     chunk.download(dev)
     chunk.drop_device()
     chunk.host  # the download has landed: nothing holds the device buffer any more
-    assert dev.alloc(16, torch.float32).data_ptr() == address, "freed memory is reused, as CUDA's allocator does"
+    other = Chunk("grad.1", 16, torch.float32, dev)
+    other.materialize_device(dev)
+    assert other.device_unfenced.data_ptr() == address, "its slot goes to the next chunk (arena.py)"
+    assert dev.arena.footprint == 16 * 4
 
 
 def test_a_lending_chunk_allocates_no_payload_until_read_and_reads_its_lent_tensors_and_zeros():
@@ -103,3 +106,35 @@ def test_only_a_lending_chunk_takes_a_contiguous_tensor_by_reference():
     lending.materialize_device(dev)
     with pytest.raises(ChunkStateError, match="contiguous"):
         lending.lend(0, torch.ones(4, 2).t())
+
+
+def test_a_reset_chunk_forgets_gradient_additions_still_queued_on_its_host_payload():
+    # A streamed gradient chunk receives a gradient, then another through a staging buffer (accumulation),
+    # and zero_grad resets it before anyone read it: neither copy may touch the payload after the reset.
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("grad.0", 8, torch.float32, dev)
+    chunk.materialize_host()
+    chunk.write_host()
+    source = dev.alloc(4, torch.float32).fill_(100.0)
+    chunk.receive(dev, source, lambda flat: flat[:4])
+    chunk.receive(dev, source, lambda flat: flat[4:], torch.empty(4))
+    chunk.reset()
+    chunk.materialize_device(dev)
+    chunk.overwrite(lambda flat: flat).copy_(torch.arange(8.0))
+    chunk.download(dev)
+    assert torch.equal(chunk.host, torch.arange(8.0))
+
+
+def test_the_host_waits_for_an_upload_still_reading_the_host_payload_before_changing_it():
+    # Compute waited for the upload (a stream wait on a GPU): the host has not, and the copy may still be reading
+    # the pinned buffer when the host writes the next values into it.
+    dev = SimulatedDevice(landing="wait")
+    chunk = Chunk("param.0", 8, torch.float32, dev)
+    chunk.materialize_host()
+    chunk.host.copy_(torch.arange(8.0))
+    chunk.write_host()
+    chunk.upload(dev)
+    assert torch.equal(chunk.device, torch.arange(8.0))  # compute waits for the upload
+    chunk.drop_device()
+    chunk.write_host()  # the host claims the payload to change it (an optimizer step on the host)
+    chunk.host.fill_(5.0)

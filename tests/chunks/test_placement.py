@@ -102,11 +102,24 @@ def test_out_of_memory_falls_back_and_the_step_completes_identically(caplog):
     model, batches = mlp(), mlp_batches(4)
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
-    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 2)
+    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) * 2)  # several chunks resident
     losses = train(cm, opt, batches[:2], mlp_loss)
-    cm.runtime.device.fail_allocations = 1
+    device, arena = cm.runtime.device, cm.runtime.device.arena
+    arena.release()  # free slots go back, and none is reused: every chunk to come needs device memory
+    reusable, arena._reusable = arena._reusable, lambda nbytes: None
+    alloc, failed = device.alloc, []
+
+    def full_once_a_chunk_is_resident(numel: int, dtype: torch.dtype) -> torch.Tensor:  # one that could give way
+        if cm.runtime.residency.resident and not failed:
+            failed.append(numel)
+            device.fail_allocations = 1
+        return alloc(numel, dtype)
+
+    device.alloc = full_once_a_chunk_is_resident
     with caplog.at_level(logging.WARNING, logger="chunkmem"):
-        losses += train(cm, opt, batches[2:], mlp_loss)
+        losses += train(cm, opt, batches[2:3], mlp_loss)
+        arena._reusable = reusable
+        losses += train(cm, opt, batches[3:], mlp_loss)
     assert cm.memory_stats()["oom_fallbacks"] == 1
     assert any("out of memory" in r.getMessage() for r in caplog.records)
     assert losses == expected

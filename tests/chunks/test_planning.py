@@ -3,6 +3,8 @@ records whose best answers are worked out here."""
 
 from __future__ import annotations
 
+import pytest
+
 from chunkmem.chunks.plan import Access, build_plan, planned_rule, simulate, validate
 from chunkmem.chunks.planning import Event, GroupChunks, Step, chunk_budgets, decide_homes, fits, steady_sequence
 
@@ -25,10 +27,11 @@ def training_step(groups: list[GroupChunks], nonmodel: int = 0, peak: int = 0) -
     return forward + backward + [Event("optim", (), g.index, nonmodel) for g in groups]
 
 
-def test_budget_is_what_non_model_data_leaves_now_and_next_less_the_margin():
+def test_budget_is_what_the_steps_non_model_peak_leaves_less_the_margin_at_every_access():
     accesses = [Access(("a",)), Access(("b",)), Access(("c",))]
     budgets = chunk_budgets(accesses, [0, 500, 100], {"a": 10, "b": 10, "c": 10}, limit=1000)
-    assert budgets == [1000 - 500 - 50, 1000 - 500 - 50, 1000 - 100 - 50]
+    assert budgets == [1000 - 500 - 50] * 3, "one budget a step: chunk memory does not flow to activations"
+    assert chunk_budgets(accesses, [0, 500, 100], {"a": 10, "b": 10, "c": 10}, limit=1000, peak=700) == [250] * 3
     assert chunk_budgets([Access(("a",))], [2000], {"a": 10}, 1000) == [10], "never below the access's own need"
 
 
@@ -62,15 +65,16 @@ def _cost(events, groups, sizes, limit, homes) -> int:
     return step_cost(Step.of(events, groups, homes, sizes, limit), groups, sizes)
 
 
-def test_gradient_chunks_count_only_once_written_so_homes_fit_beside_the_activation_peak():
-    # At the end of forward activations peak at 40 bytes; the gradients come after. Both groups' kept
-    # chunks (40) fit beside the peak only because their gradient chunks (20) are not there yet.
+@pytest.mark.parametrize("peak,homed", [(35, 2), (40, 1)])
+def test_homes_fit_when_their_chunks_and_gradients_fit_the_one_budget_the_activation_peak_leaves(peak, homed):
+    # Activations peak at the end of forward; the budget is what that peak leaves at every access (planning's Note
+    # on one budget a step). Both groups' kept chunks (40) and, in backward, their gradient chunks (20) must fit it.
     groups = [group(0), group(1)]
-    events, sizes = training_step(groups, nonmodel=0, peak=40), sizes_of(groups)
-    limit = 100  # at the peak 100 - 40 - 5 = 55 for chunks: the 40 kept fit, 40 + 20 of gradients would not
-    step = Step.of(events, {g.index: g for g in groups}, {0, 1}, sizes, limit)
-    assert fits(step, {g.index: g for g in groups}, sizes)
-    assert decide_homes(events, groups, sizes, limit).homes == {0, 1}
+    events, sizes = training_step(groups, nonmodel=0, peak=peak), sizes_of(groups)
+    limit = 100  # 100 - 35 - 5 = 60 for chunks: 40 + 20 fit; 100 - 40 - 5 = 55: they do not, one group does
+    by_index = {g.index: g for g in groups}
+    assert fits(Step.of(events, by_index, {0, 1}, sizes, limit), by_index, sizes) == (homed == 2)
+    assert len(decide_homes(events, groups, sizes, limit).homes) == homed
 
 
 def test_chunks_held_around_an_access_count_in_its_budget_and_stay_resident():

@@ -1,7 +1,9 @@
 """The CUDA path on a real device: parity with plain PyTorch, the budget against what the process really
-reserves, and the copy fences on the default and on a non-default stream. Skipped without CUDA.
+reserves, the copy fences, and chunkmem's default CUDA set-up (copy engine, native host update, the uploads after
+it) against the same run with every launch blocking. The tests that can, run on "cpu" too (the simulation), so a
+broken set-up shows in CI; the "cuda" ones are marked gpu and skipped without CUDA.
 
-`chunkmem selftest` runs the same checks and more (bandwidth, the sanitizer, overlap) in one command.
+`chunkmem selftest` runs some of the same checks and more (bandwidth, the sanitizer, overlap) in one command.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import chunkmem
 from chunkmem.selftest import budget_for
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
+                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+DEVICES = ["cpu", CUDA]
 adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
 
 
@@ -31,17 +35,18 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-def _plain_cuda(batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
-    plain = tiny_gpt2().cuda()
-    losses = train(plain, adamw(plain.parameters()), [b.cuda() for b in batches], gpt2_loss)
+def _plain(device: str, batches: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    plain = tiny_gpt2().to(device)
+    losses = train(plain, adamw(plain.parameters()), [b.to(device) for b in batches], gpt2_loss)
     return losses, {k: v.cpu() for k, v in plain.state_dict().items()}
 
 
-def test_everything_on_the_device_is_bit_identical_to_plain_pytorch_on_cuda(deterministic):
+@pytest.mark.parametrize("device", DEVICES)
+def test_everything_on_the_device_is_bit_identical_to_plain_pytorch(deterministic, device):
     batches = gpt2_batches(4)
-    ref_losses, ref_state = _plain_cuda(batches)
+    ref_losses, ref_state = _plain(device, batches)
     model = tiny_gpt2()
-    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cuda", native_optimizer=False))
+    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device=device, native_optimizer=False))
     assert train(cm, opt, batches, gpt2_loss) == ref_losses
     state = cm.state_dict()
     for key, value in ref_state.items():
@@ -49,38 +54,51 @@ def test_everything_on_the_device_is_bit_identical_to_plain_pytorch_on_cuda(dete
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
-def test_streaming_tracks_plain_cuda_and_the_simulation(deterministic, fraction):
-    # Streamed groups step on the host (CPU kernels): close to the GPU's update, not bit for bit.
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_tracks_plain_pytorch_on_the_same_device(deterministic, device, fraction):
+    # In the simulation every update is torch.optim's on CPU tensors, as plain PyTorch's: bit for bit. On CUDA the
+    # streamed groups step on the host (torch.optim's CPU kernels: its single-tensor path, not CUDA's foreach one),
+    # so their updates differ from plain CUDA's in the last bits; 4 steps of lr 1e-3 keep that within 1e-5.
     batches = gpt2_batches(4)
-    ref_losses, ref_state = _plain_cuda(batches)
-    results = {}
-    for device in ("cuda", "cpu"):
-        model = tiny_gpt2()
-        cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(
-            device=device, device_memory=budget_for(device, int(param_bytes(model) * fraction)),
-            native_optimizer=False))
-        results[device] = (train(cm, opt, batches, gpt2_loss), cm.state_dict(), cm.memory_stats())
-    for device, (losses, state, stats) in results.items():
-        assert losses == pytest.approx(ref_losses, rel=1e-5), device
-        for key, value in ref_state.items():
-            torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{device} {key}: {m}")
-        assert stats["h2d_bytes"] > 0 and stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+    ref_losses, ref_state = _plain(device, batches)
+    model = tiny_gpt2()
+    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(
+        device=device, device_memory=budget_for(device, int(param_bytes(model) * fraction)), native_optimizer=False))
+    losses, state, stats = train(cm, opt, batches, gpt2_loss), cm.state_dict(), cm.memory_stats()
+    assert stats["h2d_bytes"] > 0 and stats["device_chunk_bytes_peak"] <= stats["device_limit_bytes"]
+    if device == "cpu":
+        assert losses == ref_losses and all(torch.equal(state[k], v) for k, v in ref_state.items())
+        return
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
-def test_what_the_process_reserves_stays_within_the_budget(fraction):
-    # The budget caps the caching allocator (gpu_memory's Note): reserved memory, cached and fragmented
-    # blocks included, plus what the process holds outside the allocator, stays within device_memory.
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
+@pytest.mark.parametrize("device", DEVICES)
+def test_what_the_process_reserves_stays_within_the_budget(device, fraction, sim_memory):
+    # The budget holds for what the allocator reserves, cached blocks and holes included, plus what the process
+    # holds outside it (gpu_memory's Note), with no out-of-memory fallback; in the simulation, the allocator model
+    # at CUDA's sizes.
+    probe_model = tiny_gpt2(layers=8)  # the probe has its own model: an optimizer holds only its model's parameters
+    probe, _ = chunkmem.prepare(probe_model, adamw(probe_model.parameters()), chunkmem.Config(device="cpu"))
+    data = probe.memory_stats()["model_data_bytes"]
+    del probe, probe_model
+    memory = sim_memory(1) if device == "cpu" else None  # (collects the probe, whose chunks would count)
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved() if device == "cuda" else 0
+    budget = budget_for(device, int(data * fraction) + (8 << 20))  # 8 MiB for activations and the allocator's segments
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     model = tiny_gpt2(layers=8)
-    probe, _ = chunkmem.prepare(tiny_gpt2(layers=8), adamw(model.parameters()), chunkmem.Config(device="cpu"))
-    budget = budget_for("cuda", int(probe.memory_stats()["model_data_bytes"] * fraction) + (8 << 20))  # + activ.
-    del probe
-    torch.cuda.reset_peak_memory_stats()
-    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cuda", device_memory=budget))
+    cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device=device, device_memory=budget))
     train(cm, opt, gpt2_batches(4), gpt2_loss)
+    assert cm.memory_stats()["oom_fallbacks"] == 0
+    if memory is not None:
+        assert memory.allocator.peak_reserved <= budget
+        return
     outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory else 0
     assert torch.cuda.max_memory_reserved() - before + outside <= budget
     assert all(c.host_unfenced.is_pinned() for c in cm.runtime.store.chunks())
@@ -90,11 +108,7 @@ def test_what_the_process_reserves_stays_within_the_budget(fraction):
     assert beyond.numel() > budget
 
 
-@pytest.mark.parametrize("side_stream", [False, True], ids=["default stream", "side stream"])
-@pytest.mark.parametrize("engine", [True, False], ids=["engine", "torch"])
-def test_a_download_waits_for_kernels_queued_before_it(side_stream, engine):
-    # A slow kernel writes the buffer, then the download starts: it must see what the kernel wrote, on
-    # the legacy default stream (cuda_stream 0) as on any other.
+def _cuda_device(engine: bool):
     from chunkmem.memory.device import CudaDevice
 
     device = CudaDevice("cuda")
@@ -102,6 +116,17 @@ def test_a_download_waits_for_kernels_queued_before_it(side_stream, engine):
         device.engine = None
     elif device.engine is None:
         pytest.skip("the copy engine is not built here")
+    return device
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default stream", "side stream"])
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "torch"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_download_waits_for_kernels_queued_before_it(side_stream, engine):
+    # A slow kernel writes the buffer, then the download starts: it must see what the kernel wrote, on
+    # the legacy default stream (cuda_stream 0) as on any other.
+    device = _cuda_device(engine)
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
         buffer = torch.zeros(1 << 24, device="cuda")
@@ -113,6 +138,33 @@ def test_a_download_waits_for_kernels_queued_before_it(side_stream, engine):
     assert torch.equal(host, torch.full_like(host, 7.0))
 
 
+@pytest.mark.parametrize("engine", [True, False], ids=["engine", "torch"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_upload_lands_after_kernels_queued_before_it_and_after_the_copy_it_follows(engine):
+    # 1. A slow kernel then a fill write the device buffer; an upload into it issued after them must land last.
+    # 2. A chunk's slot reused (arena.py): the upload into it follows the download still reading it, on the
+    #    other copy stream, and compute does not wait for either.
+    device = _cuda_device(engine)
+    buffer = torch.zeros(1 << 24, device="cuda")
+    torch.cuda._sleep(200_000_000)
+    buffer.fill_(7.0)
+    ones = device.host_alloc(buffer.numel(), buffer.dtype).fill_(1.0)
+    device.wait(device.upload(ones, buffer))
+    assert torch.equal(buffer.cpu(), torch.ones(buffer.numel()))
+    torch.cuda._sleep(200_000_000)
+    buffer.fill_(3.0)  # what the download must read
+    old = device.host_alloc(buffer.numel(), buffer.dtype)
+    downloaded = device.download(buffer, old)
+    twos = device.host_alloc(buffer.numel(), buffer.dtype).fill_(2.0)
+    device.wait(device.upload(twos, buffer, after=downloaded))
+    device.wait_host(downloaded)
+    assert torch.equal(old, torch.full_like(old, 3.0)), "the upload overwrote the slot before its download read it"
+    assert torch.equal(buffer.cpu(), torch.full((buffer.numel(),), 2.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_means_this_ranks_device_and_makes_it_current():
     from chunkmem.memory.device import CudaDevice
 
@@ -121,6 +173,8 @@ def test_cuda_means_this_ranks_device_and_makes_it_current():
     assert device.torch_device.index == last == torch.cuda.current_device()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copy_engine_batched_round_trip_and_pinned_pool():
     from chunkmem.memory import native
     from chunkmem.memory.hostpool import EngineAllocator, HostPool, RegisteredAllocator
@@ -151,6 +205,8 @@ def test_copy_engine_batched_round_trip_and_pinned_pool():
         engine.copy([devices[0]], [devices[0]], compute.cuda_stream)
     with pytest.raises(RuntimeError, match="bytes"):
         engine.copy([devices[0]], [backs[1]], compute.cuda_stream)
+    _, error = engine.raw.copy([devices[0]], [devices[0]], compute.cuda_stream)  # the extension's own check
+    assert "direction" in error
 
     registered = HostPool(RegisteredAllocator())  # the route without the extension: cudaHostRegister
     small = [registered.tensor(100, torch.float32) for _ in range(3)]  # would share pages if not page-aligned
@@ -160,6 +216,55 @@ def test_copy_engine_batched_round_trip_and_pinned_pool():
     torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind for the next kernel launch to report
 
 
+DEFAULT_SETUP = """
+import hashlib, sys, torch, chunkmem
+from chunkmem.selftest import budget_for
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
+device = sys.argv[1]
+torch.use_deterministic_algorithms(True, warn_only=True)
+model = tiny_gpt2(layers=6)
+if device == "cuda":
+    for module in model.modules():  # the GPU busy before each layer: the host runs ahead of it
+        module.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
+cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), chunkmem.Config(
+    device=device, device_memory=budget_for(device, int(param_bytes(model) * 0.4)), native_optimizer=True))
+losses = train(cm, opt, gpt2_batches(5), gpt2_loss)
+digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in cm.state_dict().values())).hexdigest()
+engine = getattr(cm.runtime.device, "engine", None) is not None
+print(repr(losses), digest, engine, opt.native_steps > 0, cm.memory_stats()["h2d_bytes"] > 0)
+"""
+
+
+def _default_setup(tmp_path, device: str, **env: str) -> str:
+    script = tmp_path / "default_setup.py"
+    script.write_text(DEFAULT_SETUP)
+    env = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script), device], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_default_cuda_setup_gives_the_bits_of_the_same_run_with_every_launch_blocking(tmp_path):
+    # chunkmem's defaults on CUDA (the copy engine, the native host update, the parameter uploads after it) at a
+    # streaming budget, with the host running ahead of the GPU, against CUDA_LAUNCH_BLOCKING=1, where every
+    # kernel and copy finishes before the host goes on: a missing fence changes the bits.
+    overlapped = _default_setup(tmp_path, "cuda", CUDA_LAUNCH_BLOCKING="0")
+    assert overlapped == _default_setup(tmp_path, "cuda", CUDA_LAUNCH_BLOCKING="1")
+    assert overlapped.endswith("True True True"), "the copy engine and the native kernel ran, and chunks streamed"
+
+
+def test_the_default_setup_script_runs_in_the_simulation(tmp_path):
+    # The GPU test's script, its set-up checked here in the simulation (no copy engine: "False"), with copies
+    # landing at random moments against the strictest landing.
+    at_random = _default_setup(tmp_path, "cpu", CHUNKMEM_SIM_LANDING="random:3")
+    assert at_random == _default_setup(tmp_path, "cpu", CHUNKMEM_SIM_LANDING="wait")
+    assert at_random.endswith("False True True"), at_random
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_under_the_cuda_sanitizer_reports_no_race(tmp_path):
     # PyTorch's CUDA sanitizer checks every stream access torch sees; the copy engine's own copies are
     # invisible to it, so this run takes the torch route for copies (CHUNKMEM_NO_NATIVE=1).
@@ -182,6 +287,7 @@ def test_training_under_the_cuda_sanitizer_reports_no_race(tmp_path):
     assert done.returncode == 0 and "CSAN" not in done.stderr, done.stderr[-4000:]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_a_process_on_its_own_gpu_creates_no_context_on_gpu_0(tmp_path):
     # A guard that restores "device 0" by cudaSetDevice creates a context there (about half a GiB) for every

@@ -32,3 +32,14 @@ def test_cpu_is_the_simulation():
     assert use_device("cpu") == torch.device("cpu")
     device = make_device("cpu", "1GiB")
     assert isinstance(device, SimulatedDevice) and device.host_pool.limit == 2**30
+
+
+def test_a_cuda_device_is_made_current_so_nothing_lands_on_gpu_0(monkeypatch):
+    # The GPU test of this (test_cuda.py) cannot fail on a one-GPU machine: here four GPUs are visible and the
+    # rank's is the third; NCCL and the allocator's defaults use the current device.
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert use_device("cuda") == torch.device("cuda", 2)
+    assert made_current == [torch.device("cuda", 2)]

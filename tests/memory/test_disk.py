@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -74,6 +75,18 @@ def test_a_truncated_file_fails_naming_it(tmp_path):
     tier.write(offset, buffer(4 * ALIGN, fill=3), "exp_avg.2").wait()
     os.truncate(tier.file, ALIGN)
     with pytest.raises(DiskTierError, match=rf"{tier.file}.*truncated"):
+        tier.read(offset, buffer(4 * ALIGN), "exp_avg.2").wait()
+    tier.close()
+
+
+def test_a_file_truncated_and_grown_back_reads_as_zeros_and_that_fails_naming_it(tmp_path):
+    # The size is right again, the bytes are gone: only the blocks' checksums can tell (the Note on checksums).
+    tier = DiskTier(tmp_path)
+    offset = tier.slot(4 * ALIGN)
+    tier.write(offset, buffer(4 * ALIGN, fill=3), "exp_avg.2").wait()
+    os.truncate(tier.file, 0)
+    os.truncate(tier.file, tier.size)
+    with pytest.raises(DiskTierError, match=rf"reading exp_avg.2 from {tier.file} gave other bytes than were written"):
         tier.read(offset, buffer(4 * ALIGN), "exp_avg.2").wait()
     tier.close()
 
@@ -197,3 +210,14 @@ def test_files_go_when_the_interpreter_exits(tmp_path):
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, capture_output=True,
                    env=dict(os.environ, CHUNKMEM_SIM_CHECK="0"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_disk_directory_is_a_disk_tier_error_naming_it(tmp_path, monkeypatch):
+    # (Tests run as root here, whom permissions do not stop: the refusal is the file system's, simulated.)
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(DiskTierError, match=rf"Config.disk='{tmp_path}': cannot write {tmp_path}/.chunkmem-.*"
+                                            "Permission denied"):
+        DiskTier(tmp_path)

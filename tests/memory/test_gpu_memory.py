@@ -45,8 +45,9 @@ class FakeNvml:
 
 @pytest.fixture
 def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    readings = {"allocated": 700 * MiB, "reserved": 900 * MiB}
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: readings["allocated"])
+    readings = {"allocated": 700 * MiB, "holes": 50 * MiB, "reserved": 900 * MiB}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "allocated_bytes.all.current": readings["allocated"], "inactive_split_bytes.all.current": readings["holes"]})
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: readings["reserved"])
     # torch reports UUIDs without NVML's "GPU-" prefix, numbered as CUDA_VISIBLE_DEVICES renumbers devices.
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -54,14 +55,15 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return readings
 
 
-def test_nonmodel_is_allocated_minus_chunks_plus_memory_outside_the_allocator(allocator: dict[str, int]) -> None:
+def test_the_allocator_holds_its_live_blocks_and_the_holes_between_them_and_nvml_sees_the_rest(allocator) -> None:
+    # Allocated plus the holes in split segments (room chunks cannot count on), not wholly free cached segments.
+    assert gpu_memory.held_bytes(torch.device("cuda", 0)) == (700 + 50) * MiB
     nvml = FakeNvml(used=1400 * MiB)  # 500 MiB beyond what PyTorch reserved: context and workspaces
-    memory = DeviceMemory(torch.device("cuda", 0), nvml)
-    assert memory.nonmodel(chunk_bytes=200 * MiB) == (700 - 200) * MiB + 500 * MiB
+    assert DeviceMemory(torch.device("cuda", 0), nvml).outside_allocator() == 500 * MiB
 
 
-def test_without_nvml_only_the_allocator_counts(allocator: dict[str, int]) -> None:
-    assert DeviceMemory(torch.device("cuda", 0), None).nonmodel(chunk_bytes=200 * MiB) == 500 * MiB
+def test_without_nvml_nothing_counts_outside_the_allocator(allocator: dict[str, int]) -> None:
+    assert DeviceMemory(torch.device("cuda", 0), None).outside_allocator() == 0
 
 
 def test_the_driver_reading_is_refreshed_at_most_every_refresh_interval(allocator: dict[str, int],
@@ -72,8 +74,7 @@ def test_the_driver_reading_is_refreshed_at_most_every_refresh_interval(allocato
     memory = DeviceMemory(torch.device("cuda", 0), nvml)
     assert memory.outside_allocator() == 100 * MiB
     nvml.used = 1300 * MiB
-    allocator["allocated"] = 800 * MiB  # the allocator is read every time
-    assert memory.nonmodel(0) == 800 * MiB + 100 * MiB and nvml.queries == 1
+    assert memory.outside_allocator() == 100 * MiB and nvml.queries == 1
     clock[0] += gpu_memory.REFRESH_S
     assert memory.outside_allocator() == 400 * MiB and nvml.queries == 2
 
@@ -82,7 +83,7 @@ def test_an_nvml_failure_falls_back_to_the_allocator_with_a_log_line(allocator: 
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None, fail=True))
     with caplog.at_level("INFO", logger="chunkmem"):
-        assert memory.nonmodel(chunk_bytes=0) == 700 * MiB
+        assert memory.outside_allocator() == 0
     assert memory.nvml is None and "NVML cannot read" in caplog.text
 
 

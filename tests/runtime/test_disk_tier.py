@@ -141,6 +141,35 @@ def test_a_file_deleted_under_a_running_job_fails_clearly_and_the_last_checkpoin
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
 
 
+@pytest.mark.parametrize("when", ["between steps", "right after step"])
+def test_a_file_truncated_under_a_running_job_never_hands_zeros_to_the_optimizer(tmp_path, when):
+    # The tier's file truncated to nothing and grown back (a write-back in flight may grow it again with holes):
+    # reading it back gives zeros, which the optimizer would take as states. It must fail instead.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(12)])
+    batches = [(torch.randn(8, 256), torch.randn(8, 256)) for _ in range(4)]
+    data = sum(p.numel() for p in model.parameters()) * 4 * 4
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", chunk_size=70_000, host_memory=int(0.7 * data), disk=str(tmp_path)))
+    loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    train(cm, opt, batches[:2], loss)
+    file = cm.runtime.host_cache.disk.file
+    with pytest.raises(DiskTierError, match=rf"{file}"):
+        if when == "right after step":
+            loss(cm, batches[2]).backward()
+            opt.step()
+            size = os.stat(file).st_size
+            os.truncate(file, 0)
+            os.truncate(file, size)
+            opt.zero_grad()
+            train(cm, opt, batches[3:], loss)
+        else:
+            size = os.stat(file).st_size
+            os.truncate(file, 0)
+            os.truncate(file, size)
+            train(cm, opt, batches[2:], loss)
+
+
 TRAIN = """
 import sys
 from tests.runtime.test_disk_tier import ADAMW, mlp, mlp_batches, mlp_loss, prepare, train

@@ -102,4 +102,5 @@ def test_out_of_memory_in_a_forward_without_the_mode_runs_it_again_under_it_from
     # Without the mode after the first step; the failing forward started so (lean) or ended under the mode
     # (resident, whose flag is read after the forward); the next step is recorded.
     assert flags == [False, True, lean, False, True, True]
-    assert (cm.memory_stats()["evictions"] > 0) == lean, "chunks move under the streaming budget only"
+    evictions = cm.memory_stats()["evictions"]
+    assert evictions > 1 if lean else evictions == 1, "resident, only the chunk the fallback evicted moves"

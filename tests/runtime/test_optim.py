@@ -225,3 +225,26 @@ def test_a_transformers_model_that_fits_updates_in_one_call_and_matches_pytorch(
     assert train(cm, opt, tokens, lm_loss) == train(ref, ref_opt, tokens, lm_loss)
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
     assert len(cm.runtime.groups()) > 1 and calls == [len(list(ref.parameters()))] * len(tokens)
+
+
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_fused_adamw_steps_as_pytorchs_fused_adamw_does(budget: float | None) -> None:
+    model, batches = mlp(), mlp_batches(4)
+    fused = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01, fused=True)
+    ref = copy.deepcopy(model)
+    expected = train(ref, fused(ref.parameters()), batches, mlp_loss)
+    cm, opt = chunkmem.prepare(model, fused(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory=None if budget is None else int(param_bytes(model) * budget)))
+    assert train(cm, opt, batches, mlp_loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_fused_adam_gets_step_counters_on_the_device_of_the_parameters_it_updates() -> None:
+    # torch's fused CUDA kernel reads the counters by address on the GPU: host counters there are garbage.
+    from chunkmem.runtime.optim import fused_steps
+
+    steps = [torch.tensor(3.0), torch.tensor(5.0)]
+    on_device = [torch.empty(4, device="meta"), torch.empty(2, device="meta")]
+    assert {s.device.type for s in fused_steps({"fused": True}, on_device, steps)} == {"meta"}
+    assert fused_steps({"fused": True}, [torch.empty(4)], steps) is steps
+    assert fused_steps({"fused": None}, on_device, steps) is steps

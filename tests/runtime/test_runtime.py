@@ -23,6 +23,7 @@ from chunkmem.finetune.lora import apply_lora
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 from chunkmem.runtime.activations import ActivationMeter
 from chunkmem.runtime.optim import rule_for
+from chunkmem.runtime.runtime import Runtime
 from tests import zoo
 from tests.helpers import (accepts, gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes,
                            prepared, tiny_gpt2, train)
@@ -147,14 +148,16 @@ def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.T
     optimizer.zero_grad()
 
 
-def test_reads_right_after_a_step_wait_for_the_uploads_already_on_their_way(tmp_path):
+def test_reads_right_after_a_step_wait_for_the_uploads_already_on_their_way(tmp_path, monkeypatch):
     # After a step the host-updated parameter chunks are sent up for the next one at once; state_dict,
     # fp32_value and save_checkpoint read them right away. In the simulation an upload lands only when
-    # waited for (NaN until then) and the checker raises on a read before.
+    # waited for (NaN until then) and the checker raises on a read before. step() ends with compute waiting for
+    # them (Runtime.fence_uploads); without that, each of these readers must still wait on its own.
+    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
     ref_opt = adamw(ref.parameters())
-    cm, opt = prepared(model, adamw, device_memory=param_bytes(model) // 2)
+    cm, opt = prepared(model, adamw, device_memory=param_bytes(model) * 2)  # room to send chunks up for the next step
     for i, batch in enumerate(gpt2_batches(3)):
         step(ref, ref_opt, gpt2_loss(ref, batch))
         step(cm, opt, gpt2_loss(cm, batch))
@@ -224,8 +227,9 @@ _bring = Residency.bring
 ], ids=["Chunk.fence", "Chunk.device", "Chunk.host", "Residency.bring"])
 def test_a_wait_taken_out_of_the_runtime_fails(monkeypatch, target, name, replacement):
     model, batches = tiny_gpt2(), gpt2_batches(3)
-    cm, opt = prepared(model, adamw, device_memory=param_bytes(model) // 3)
+    cm, opt = prepared(model, adamw, device_memory=param_bytes(model) * 2)
     monkeypatch.setattr(target, name, replacement)
+    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)  # the waits at the step's edges hide the rest
     with pytest.raises(HazardError, match="chunkmem simulation"):
         for batch in batches:
             step(cm, opt, gpt2_loss(cm, batch))
@@ -234,12 +238,33 @@ def test_a_wait_taken_out_of_the_runtime_fails(monkeypatch, target, name, replac
 
 def test_the_device_budget_reaches_the_device_layer():
     # On CUDA the runtime caps the caching allocator here (gpu_memory's Note on the budget); the simulated
-    # device, having no allocator, records what it was told.
+    # device records what it was told (and caps its allocator model, when it has one: tests/test_budgets.py).
     model = mlp()
     cm, _ = prepared(model, adamw, device_memory=param_bytes(model))
     assert cm.runtime.device.memory_limit == param_bytes(model)
     unlimited, _ = prepared(model, adamw)
     assert unlimited.runtime.device.memory_limit is None
+
+
+def test_what_the_process_holds_outside_the_allocator_is_read_again_after_the_first_step():
+    # cuBLAS handles and NCCL buffers appear in the first step, after prepare read NVML: the cap counts them.
+    class Outside:  # gpu_memory.DeviceMemory as a CUDA run would have it
+        def __init__(self) -> None:
+            self.bytes = 0
+
+        def outside_allocator(self, fresh: bool = False) -> int:
+            return self.bytes if fresh else 0
+
+    model, batches = mlp(), mlp_batches(2)
+    budget = param_bytes(model) * 4
+    cm, opt = prepared(model, adamw, device_memory=budget)
+    cm.runtime.gpu_memory = outside = Outside()
+    outside.bytes = 1000
+    train(cm, opt, batches[:1], mlp_loss)
+    assert cm.runtime.device.memory_limit == budget - 1000
+    outside.bytes = 3000
+    train(cm, opt, batches[1:], mlp_loss)
+    assert cm.runtime.device.memory_limit == budget - 1000, "read again once, after the first step"
 
 
 def test_a_zeroed_gradient_chunk_with_copies_landing_reads_as_zeros():

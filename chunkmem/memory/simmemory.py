@@ -1,0 +1,183 @@
+"""The simulated device's memory: every tensor a GPU would hold on the device, placed by the caching allocator's
+rules (allocator.py), so that the simulation runs out of memory where CUDA would.
+
+The simulation computes on the CPU, so nothing tells a device tensor from a host one by its device. What is
+device memory here is what chunkmem puts there (`SimulatedDevice.alloc`: chunk slots, transient buffers) and
+everything computed from it: an op that reads a device tensor leaves its new tensors on the device, as it
+would on a GPU (activations, temporaries, gradients, the optimizer's temporaries for groups updated on the
+device). A copy to "cpu" (`.to("cpu", copy=True)`) is a download, and ops with no device input (factories,
+the host optimizer) are the host's. Each device tensor's storage holds its block until it dies, as CUDA's
+caching allocator hands memory back when the last tensor using it goes.
+
+One model per process, as CUDA has one caching allocator per device and process, capped as CudaDevice caps
+it: at the budgets of the live prepared models less what the process holds outside the allocator. The op
+hook is a dispatch mode kept at the bottom of the mode stack, below any mode a test or user enters for a
+while, so that their `with` blocks unwind around it. CHUNKMEM_SIM_MEMORY=0 leaves it out (memory is then
+counted by saved activations only, as before the model: for timing host overhead alone).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from chunkmem.memory.allocator import Block, CachingAllocator, Sizes
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+class SimulatedMemory:
+    """The blocks the device tensors of this process hold; `allocator` places them."""
+
+    def __init__(self, sizes: Sizes = Sizes()) -> None:
+        self.allocator = CachingAllocator(sizes=sizes, settle=self._settle)
+        self.blocks: dict[int, Block] = {}  # storage address -> its block
+        self._budgets: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        self.devices: weakref.WeakSet[Any] = weakref.WeakSet()  # simulated devices whose copies hold its blocks
+
+    def _settle(self) -> None:
+        for device in list(self.devices):
+            device.settle()
+
+    def charge(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s storage is device memory from now until it dies (torch.OutOfMemoryError if it cannot be)."""
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address in self.blocks or storage.nbytes() == 0:
+            return tensor
+        block = self.allocator.malloc(storage.nbytes())
+        self.blocks[address] = block
+        weakref.finalize(storage, self._release, address, block)
+        return tensor
+
+    def _release(self, address: int, block: Block) -> None:
+        if self.blocks.get(address) is block:
+            del self.blocks[address]
+        self.allocator.free(block)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        try:
+            return tensor.untyped_storage().data_ptr() in self.blocks
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, wrappers)
+            return False
+
+    def limit(self, owner: object, allowed: int) -> None:
+        """Cap what the allocator may reserve at the sum of the live owners' `allowed` bytes (CudaDevice's cap)."""
+        self._budgets[owner] = allowed
+        self._apply()
+        weakref.finalize(owner, self._apply)
+
+    def _apply(self) -> None:
+        allowed = list(self._budgets.values())
+        self.allocator.allowed = sum(allowed) if allowed else None
+
+    @property
+    def reserved(self) -> int:
+        return self.allocator.reserved
+
+
+_memory: SimulatedMemory | None = None
+_hook: TorchDispatchMode | None = None  # the op hook, at the bottom of the mode stack while it is in place
+
+
+def simulated_memory() -> SimulatedMemory | None:
+    """This process's simulated device memory, with its op hook in place. CHUNKMEM_SIM_MEMORY: unset or "cuda",
+    CUDA's sizes; "scale:D", sizes divided by D (Sizes.scaled); "0", not modelled (None)."""
+    global _memory
+    setting = os.environ.get("CHUNKMEM_SIM_MEMORY", "cuda")
+    if setting == "0":
+        return None
+    if _memory is None:
+        kind, _, divisor = setting.partition(":")
+        try:
+            sizes = Sizes() if setting == "cuda" else Sizes.scaled(float(divisor)) if kind == "scale" else None
+        except ValueError:
+            sizes = None
+        if sizes is None:
+            raise ValueError(f"CHUNKMEM_SIM_MEMORY={setting!r}: expected 'cuda', 'scale:D' (D a number) or '0'")
+        use_simulated_memory(sizes)
+    return _memory
+
+
+def use_simulated_memory(sizes: Sizes = Sizes()) -> SimulatedMemory:
+    """Start this process's simulated device memory afresh, with the allocator's `sizes` (for tests: devices made
+    from now on use it; tensors charged to the one before stay charged there)."""
+    global _memory, _hook
+    _memory = SimulatedMemory(sizes)
+    if _hook is None:
+        _hook = _Placing()
+        _restack(lambda modes: [_hook, *modes])
+    return _memory
+
+
+def stop_simulated_memory() -> None:
+    """No simulated device memory from now on, and no op hook (for tests: devices made before keep theirs)."""
+    global _memory, _hook
+    hook, _memory, _hook = _hook, None, None
+    if hook is not None:  # brought to the top, it exits as a `with` would
+        _restack(lambda modes: [*(m for m in modes if m is not hook), hook])
+        hook.__exit__(None, None, None)
+
+
+class _Placing(TorchDispatchMode):
+    """Charges the new tensors of every op that reads a device tensor (the module's docstring)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        memory = _memory
+        if memory is None or not memory.blocks:
+            return out
+        blocks = memory.blocks
+        inputs = _storages(args, kwargs)
+        if not any(address in blocks for address in inputs):
+            return out
+        if func is _TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
+            return out  # a download: host memory on a GPU
+        for tensor in _tensors(out):
+            address = _address(tensor)
+            if address is not None and address not in blocks and address not in inputs:
+                memory.charge(tensor)
+        return out
+
+
+def _restack(change: Callable[[list[TorchDispatchMode]], list[TorchDispatchMode]]) -> None:
+    """Rebuild the mode stack as `change(modes)` (bottom first), entering a mode new to it: modes entered by `with`
+    above the hook exit above it, as they entered."""
+    modes = [_pop_mode() for _ in range(len(_get_current_dispatch_mode_stack()))][::-1]
+    for mode in change(modes):
+        if mode in modes:
+            _push_mode(mode)
+        else:
+            mode.__enter__()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _address(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _storages(args: tuple, kwargs: dict) -> set[int]:
+    """Storage addresses of the tensors among an op's arguments (and in its list arguments)."""
+    found = set()
+    for arg in (*args, *kwargs.values()):
+        for tensor in _tensors(arg):
+            address = _address(tensor)
+            if address is not None:
+                found.add(address)
+    return found

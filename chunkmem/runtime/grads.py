@@ -1,0 +1,84 @@
+"""`p.grad` as PyTorch shows it: after backward, every trainable parameter's gradient is a view into its gradient
+chunk, so torch.nn.utils.clip_grad_norm_, gradient logging and `p.grad` hooks of a training loop work on a prepared
+model as on the plain one.
+
+[Note: gradients shown]
+Backward writes each gradient into its chunk (runtime.grad_ready) and leaves `p.grad` None, since autograd
+would otherwise add the next backward's gradient into it a second time. When a backward ends, `show` points
+each `p.grad` at its gradient, where it lives: the tensor lent to a chunk on the device, a view of the chunk's
+device payload, or a view of its host payload once the downloads into it have landed (read fenced, like every
+payload). A gradient and its parameter must be on one device: a group that streams has its gradient on the
+host, so its parameter chunk leaves the device (it is clean: nothing is copied), and its parameters are host
+tensors until the next forward brings them back, as after a step. Changes made in place through `p.grad`
+(clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
+step (`take`), as torch.optim would read it. The next forward (or zero_grad) hides them again: the
+next backward accumulates into the chunks, not into `p.grad`.
+Not under ZeRO: a rank holds only its share of each gradient, and `p.grad` stays None there
+(model.clip_grad_norm_ combines the shares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+
+import torch
+
+from chunkmem.chunks.residency import Residency
+from chunkmem.chunks.state import ChunkState, TensorState
+from chunkmem.chunks.store import ParamRecord, ParamStore
+
+
+class ShownGrads:
+    """The gradients a model shows in `p.grad` between a backward and the next forward (the Note)."""
+
+    def __init__(self, store: ParamStore, residency: Residency) -> None:
+        self.store = store
+        self.residency = residency
+        self.shown: dict[ParamRecord, torch.Tensor] = {}  # record -> the tensor its p.grad was set to
+
+    def show(self) -> None:
+        """Point every `p.grad` of a parameter with a gradient at it (the end of a backward)."""
+        for group in self.store.trainable_groups():
+            held = [r for r in group.members if r.grad_state is TensorState.HOLD]
+            chunk = group.chunks["grad"]
+            if not held or chunk.state is ChunkState.FREE:
+                continue
+            grads: list[torch.Tensor | None]
+            if chunk.state.on_device:
+                lent = [chunk.lent_part(r.slot.offset) for r in held]
+                flat = None if all(g is not None for g in lent) else chunk.device
+                grads = lent if flat is None else [r.view(flat) for r in held]
+            else:  # streamed: on the host, with its parameters
+                host = chunk.host
+                if group.param.state is ChunkState.DEVICE and not group.param.pins:
+                    self.residency.evict(group.param)
+                grads = [r.view(host) for r in held]
+            for record, grad in zip(held, grads):
+                if grad is not None and grad.device == record.param.device:
+                    record.param.grad = grad
+                    self.shown[record] = grad
+
+    def hide(self, records: Container[ParamRecord] | None = None) -> None:
+        """`p.grad` None again, for all shown gradients (`records` None) or those in `records`."""
+        for record in [r for r in self.shown if records is None or r in records]:
+            record.param.grad = None
+            del self.shown[record]
+
+    def take(self) -> None:
+        """Before a step: a `p.grad` the user replaced since it was shown is copied into its chunk's range, and one
+        set to None drops its parameter from the step, as torch.optim would see them."""
+        for record, shown in list(self.shown.items()):
+            grad = record.param.grad
+            if grad is shown:
+                continue
+            if grad is None:
+                record.move_grad("free")
+                del self.shown[record]
+            else:  # into the chunk, and p.grad shows the chunk's range again
+                shown.copy_(grad)
+                record.param.grad = shown
+
+    def accumulated(self, record: ParamRecord, grad: torch.Tensor) -> bool:
+        """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second
+        backward before any forward): then the chunk holds the sum already."""
+        return self.shown.get(record) is grad

@@ -1,0 +1,99 @@
+"""`p.grad` on a prepared model is the parameter's gradient, as on the plain model (runtime/grads.py): PyTorch's own
+tools (torch.nn.utils' clipping and norms), reads and in-place changes, replacements, at every budget."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, gpt2_batches, gpt2_loss
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+BUDGETS = [None, 1.0, 0.5, 0.3]
+
+
+def budget(model: nn.Module, fraction: float | None) -> int | None:
+    return None if fraction is None else int(param_bytes(model) * fraction)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fraction", BUDGETS)
+def test_pytorchs_clipping_and_norms_read_the_gradients_of_a_prepared_model(fraction):
+    model, batches = tiny_gpt2(), gpt2_batches(4)
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(plain.parameters())
+    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    for batch in batches:
+        results = []
+        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+            gpt2_loss(net, batch).backward()
+            seen = grads(net.module if net is cm else net)
+            params = list(net.parameters())
+            total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            clipped = torch.nn.utils.clip_grad_norm_(params, 0.5)
+            torch.nn.utils.clip_grad_value_(params, 1e-3)
+            optimizer.step()
+            optimizer.zero_grad()
+            results.append((seen, total, clipped))
+        (plain_seen, plain_total, plain_clipped), (seen, total, clipped) = results
+        assert torch.equal(total, plain_total) and torch.equal(clipped, plain_clipped) and total > 0
+        for name, grad in plain_seen.items():
+            assert grad is not None and torch.equal(seen[name], grad), name
+    assert all(p.grad is None for p in cm.parameters()), "zero_grad clears them"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+def test_a_gradient_scaled_in_place_replaced_or_dropped_is_what_the_step_uses(fraction):
+    model, batches = mlp(), mlp_batches(3)
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(plain.parameters())
+    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    for batch in batches:
+        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+            mlp_loss(net, batch).backward()
+            params = dict((net.module if net is cm else net).named_parameters())
+            params["0.weight"].grad.mul_(0.5)  # in place: the chunk's range
+            params["2.weight"].grad = params["2.weight"].grad * 3.0  # replaced: taken at the step
+            params["4.bias"].grad = None  # dropped: this parameter does not step, as in torch.optim
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+def test_accumulated_gradients_show_the_sum_and_count_once(fraction):
+    model, batches = mlp(), mlp_batches(4)
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(plain.parameters())
+    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    for first, second in zip(batches[::2], batches[1::2]):
+        seen = []
+        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+            mlp_loss(net, first).backward()
+            mlp_loss(net, second).backward()
+            seen.append(grads(net.module if net is cm else net))
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(torch.equal(seen[1][k], v) for k, v in seen[0].items())
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+def test_a_second_backward_of_one_forward_adds_into_the_shown_gradient_once():
+    model = mlp()
+    plain = copy.deepcopy(model)
+    cm, _ = prepared(model, ADAMW, device_memory=budget(model, 0.3))
+    batch = mlp_batches(1)[0]
+    for net in (plain, cm):
+        out = net(batch[0]).float()
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+    expected = grads(plain)
+    assert all(torch.equal(grads(cm.module)[k], v) for k, v in expected.items())
