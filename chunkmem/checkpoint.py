@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
@@ -310,7 +310,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
         for kind in optimizer.rule.families if record.group.owned else ():
             chunk = record.group.chunks[kind]
             value = restore.states.get((record, kind))
-            if value is not None or chunk.state is not TensorState.FREE:
+            if value is not None or chunk.state is not ChunkState.FREE:
                 view = record.view(runtime.data.writable(chunk, chunk.state.on_device))
                 view.copy_(value) if value is not None else view.zero_()
     if restore.scaler is not None and runtime.scaler is not None:

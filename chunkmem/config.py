@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names: torch loads when first needed
 # One default for Config, `chunkmem finetune` and `chunkmem plan`: a plan must describe the run it plans.
 DEFAULT_DTYPE = "fp32"
 DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
@@ -41,6 +43,8 @@ def default_device() -> str:
         if not re.fullmatch(DEVICE_PATTERN, chosen):
             raise ValueError(f"CHUNKMEM_DEVICE={chosen!r}: expected 'cuda', 'cuda:N' or 'cpu', or unset it")
         return chosen
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -86,6 +90,8 @@ class Config:
     disk_memory: int | str | None = None
 
     def __post_init__(self) -> None:
+        import torch
+
         if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
             raise ValueError(f"Config.device={self.device!r}: expected 'cuda', 'cuda:N' or 'cpu'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -125,7 +131,9 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def uses_native_optimizer(self) -> bool:

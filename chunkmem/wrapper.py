@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -98,6 +99,49 @@ class ChunkedModel(nn.Module):
         dtype = self.runtime.config.torch_dtype if value.is_floating_point() else value.dtype
         return value.to(self.runtime.device.torch_device, dtype)
 
+    # A prepared model's parameters are views into chunks in the compute dtype, moved by the runtime: casting or moving
+    # them (nn.Module._apply) would be undone by the next step. Asking for what they are already is a no-op (training
+    # loops call model.to(device) out of habit); asking for anything else is refused, with what to do instead.
+    def to(self, *args: Any, **kwargs: Any) -> ChunkedModel:  # type: ignore[override]
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        self._keep(device, dtype)
+        return self
+
+    def cuda(self, device: int | torch.device | None = None) -> ChunkedModel:
+        self._keep(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda"), None)
+        return self
+
+    def cpu(self) -> ChunkedModel:
+        self._keep(torch.device("cpu"), None)
+        return self
+
+    def half(self) -> ChunkedModel:
+        self._keep(None, torch.float16)
+        return self
+
+    def bfloat16(self) -> ChunkedModel:
+        self._keep(None, torch.bfloat16)
+        return self
+
+    def float(self) -> ChunkedModel:
+        self._keep(None, torch.float32)
+        return self
+
+    def double(self) -> ChunkedModel:
+        self._keep(None, torch.float64)
+        return self
+
+    def _keep(self, device: torch.device | None, dtype: torch.dtype | None) -> None:
+        compute, where = self.runtime.config.torch_dtype, self.runtime.device.torch_device
+        if dtype is not None and dtype != compute:
+            raise ValueError(f"this model was prepared by chunkmem to compute in {compute}; casting it to {dtype} "
+                             "would be undone by the next step (its parameters are views into chunks). Choose the precision "
+                             "with chunkmem.Config(dtype='fp32'|'bf16'|'fp16') when you prepare the model")
+        if device is not None and (device.type != where.type or device.index not in (None, where.index)):
+            raise ValueError(f"this model was prepared by chunkmem on {where}; moving it to {device} would be undone "
+                             "by the next step (chunkmem moves its chunks itself). Choose the device with "
+                             "chunkmem.Config(device=...) when you prepare the model")
+
     def memory_stats(self) -> dict[str, int]:
         return self.runtime.memory_stats()
 
@@ -105,8 +149,8 @@ class ChunkedModel(nn.Module):
         self.runtime.zero_grad(set_to_none)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: builtins.float, norm_type: builtins.float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
         grads = runtime.data.grad_views()

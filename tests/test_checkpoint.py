@@ -287,3 +287,15 @@ def test_tensor_file_has_the_mode_of_the_other_files(tmp_path):
     finally:
         os.umask(old)
     assert (path / ckpt.TENSORS).stat().st_mode & 0o777 == 0o664 == (path / ckpt.META).stat().st_mode & 0o777
+
+
+def test_loading_a_checkpoint_without_optimizer_state_leaves_the_state_chunks_free(tmp_path):
+    # No parameter has stepped: nothing to restore into the state chunks, which stay unmade (they read as zeros).
+    model, adamw = mlp(), functools.partial(torch.optim.AdamW, lr=1e-2)
+    budget = param_bytes(model)  # below the model data: nothing is brought to the device at prepare
+    cm, opt = make(model, adamw, "fp32", device_memory=budget)
+    chunkmem.save_checkpoint(tmp_path / "ckpt", cm, opt)
+    fresh, fresh_opt = make(model, adamw, "fp32", device_memory=budget)
+    chunkmem.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    states = [c for g in fresh.runtime.store.trainable_groups() for k, c in g.chunks.items() if k.startswith("exp_avg")]
+    assert states and all(c.state.name == "FREE" for c in states)

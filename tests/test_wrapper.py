@@ -95,3 +95,23 @@ def test_load_state_dict_checks_every_shape_before_writing_any() -> None:
     with pytest.raises(ValueError, match=rf"value for {running} has shape \(1,\), expected \(16,\)"):
         cm.load_state_dict(bad)
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
+
+
+def test_casting_or_moving_a_prepared_model_is_refused_and_asking_for_what_it_is_changes_nothing():
+    # Its parameters are views into chunks: a cast or a move would be undone by the next step, silently.
+    import copy as _copy
+
+    from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
+
+    model = mlp()
+    ref = _copy.deepcopy(model)
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               chunkmem.Config(device="cpu", device_memory=param_bytes(model)))
+    for cast in (cm.half, cm.bfloat16, lambda: cm.to(torch.float16), lambda: cm.to("cpu", torch.float64)):
+        with pytest.raises(ValueError, match=r"Config\(dtype="):
+            cast()
+    with pytest.raises(ValueError, match=r"Config\(device="):
+        cm.to("meta")
+    assert cm.to("cpu") is cm and cm.float() is cm and cm.cpu() is cm and cm.to(torch.float32) is cm
+    batches = mlp_batches(2)
+    assert train(cm, opt, batches, mlp_loss) == train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), batches, mlp_loss)

@@ -100,14 +100,23 @@ class Chunk:
             self.tier.needed(self)
         return self.settled()
 
-    def settled(self) -> torch.Tensor:
-        """The host payload in host memory, once every copy and disk I/O on it is done (the tier's own access)."""
+    def landed(self) -> torch.Tensor:
+        """The host payload once every copy into it has landed, its unwritten ranges as they are: for views of
+        ranges written (`p.grad`, runtime/grads.py), not for reading it whole."""
+        self.settled_copies()
+        return self.host_unfenced
+
+    def settled_copies(self) -> None:
         landings, self.landings = self.landings, []
         if landings:  # downloads, on one stream: the newest has landed only once every earlier one has
             self._dev.wait_host(landings[-1][0])
         for _, then in landings:
             if then is not None:
                 then()
+
+    def settled(self) -> torch.Tensor:
+        """The host payload in host memory, once every copy and disk I/O on it is done (the tier's own access)."""
+        self.settled_copies()
         io, self.io = self.io, []
         for done in io:
             done.wait()

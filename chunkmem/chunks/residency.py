@@ -108,7 +108,14 @@ class Residency:
                 # warm-up's record).
                 log.warning("device out of memory bringing %s (%s): evicting chunks not in use until it fits; "
                             "if this repeats, lower Config.device_memory", chunk.name, error)
-                self.retry_out_of_memory(error, lambda: self._bring(chunk, reason))
+                try:
+                    self.retry_out_of_memory(error, lambda: self._bring(chunk, reason))
+                except torch.OutOfMemoryError as failed:
+                    raise MemoryBudgetError(
+                        f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device and no chunk is left to make "
+                        f"room for it: the device budget ({self.limit} bytes for chunks) cannot hold it beside what the "
+                        "process holds there (activations, the caching allocator's segments of 2 or 20 MiB): raise "
+                        f"Config.device_memory. The allocator said: {failed}") from failed
             self._added(chunk)
         if reason != "prefetch":
             chunk.fence()

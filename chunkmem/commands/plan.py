@@ -16,6 +16,7 @@ from typing import Any
 from chunkmem.commands import json_output
 from chunkmem.config import DEFAULT_DTYPE
 
+VERDICTS = ("fits", "tight", "does not fit")
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
 
 
@@ -27,12 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--hidden", type=int)
     size.add_argument("--vocab", type=int, default=50257)
     run_ = parser.add_argument_group("the run")
-    run_.add_argument("--device-memory", default="24GiB", help="device budget (default: %(default)s)")
-    run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks (default: %(default)s)")
+    run_.add_argument("--device-memory", default="24GiB", help="device budget")
+    run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks")
     run_.add_argument("--batch-size", type=int, default=8)
     run_.add_argument("--seq-len", type=int, default=1024)
     run_.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["fp32", "bf16", "fp16"],
-                      help="compute dtype (default: %(default)s, as chunkmem finetune and chunkmem.Config use)")
+                      help="compute dtype (as chunkmem finetune and chunkmem.Config use)")
     run_.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
     run_.add_argument("--offload-activations", action="store_true")
     run_.add_argument("--world-size", type=int, default=1, help="ranks sharing model data (ZeRO)")
@@ -90,9 +91,10 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, stdout)
 
 
-def _run(args: argparse.Namespace, stdout: Any) -> int:
+def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
     from chunkmem.finetune.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
+    from chunkmem.trace.search import options, step_seconds
 
     for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab", "gpus"):
         value = getattr(args, name)
@@ -113,11 +115,15 @@ def _run(args: argparse.Namespace, stdout: Any) -> int:
         return _layouts(config, args.gpus, request, args.json, stdout)
     spec = spec_from_config(config, getattr(config, "model_type", "model"))
     estimate = plan(spec, request)
+    found = options(spec, request)
+    better = [o for o in found if VERDICTS.index(o.estimate.verdict) < VERDICTS.index(estimate.verdict)]
     result: dict[str, Any] = {**estimate.to_json(), "model": args.model or "synthetic GPT-2",
+                              "seconds": step_seconds(spec, estimate, request.batch_size * request.seq_len),
+                              "combinations": [o.to_json() for o in better[:shown]],
                               "fixes": [{"fix": label, "verdict": e.verdict, "device_need": e.device_need,
                                          "host_need": e.host_need, "host_need_per_host": e.host_need_per_host,
                                          "disk_bytes": e.disk_bytes,
-                                         "ranks_per_host": e.request.hosted_ranks} for label, e in fixes(spec, request)]}
+                                         "request": e.request.to_json()} for label, e in fixes(spec, request)]}
     if args.simulate:
         from chunkmem.trace.simulate import simulate
 
@@ -160,6 +166,12 @@ def _host(per_rank: int, per_host: int, ranks: int) -> str:
     return f"{_gib(per_rank).strip()} per rank, {_gib(per_host).strip()} per host ({ranks} ranks)"
 
 
+def _needs(option: dict[str, Any]) -> str:
+    host = _host(option["host_need"], option["host_need_per_host"], option["request"]["hosted_ranks"]).strip()
+    disk = f", disk {_gib(option['disk_bytes']).strip()}" if option["disk_bytes"] else ""
+    return f" (device {_gib(option['device_need']).strip()}, host {host}{disk})"
+
+
 def _text(r: dict[str, Any]) -> str:
     q = r["request"]
     lines = [f"model {r['model']}: {r['trainable_chunks']} + {r['frozen_chunks']} frozen chunks of {r['chunk_size']} "
@@ -177,11 +189,17 @@ def _text(r: dict[str, Any]) -> str:
     if r["disk_bytes"]:
         lines.insert(-1, f"  disk tier            {_gib(r['disk_bytes'])} per rank on disk, about that read and "
                          "written back each step")
-    for i, fix in enumerate(r["fixes"], 1):
-        host = _host(fix["host_need"], fix["host_need_per_host"], fix["ranks_per_host"]).strip()
-        disk = f", disk {_gib(fix['disk_bytes']).strip()}" if fix["disk_bytes"] else ""
-        lines.append(f"  {i}. {fix['fix']}: {fix['verdict']} (device {_gib(fix['device_need']).strip()} per rank, "
-                     f"host {host}{disk})")
+    lines.append(f"predicted step as asked: {r['seconds']:.3g} s (a bound from typical GPU speeds: chunkmem/trace/search.py)")
+    if r["verdict"] != "fits" and r["combinations"]:
+        best, *others = r["combinations"]
+        lines.append(f"cheapest change that fits: {' + '.join(best['changes'])}: {best['verdict']}, "
+                     f"{best['seconds']:.3g} s a step predicted{_needs(best)}")
+        lines += [f"  or {' + '.join(o['changes'])}: {o['seconds']:.3g} s{_needs(o)}" for o in others[:2]]
+    else:
+        if r["verdict"] != "fits":
+            lines.append("no combination of dtype, checkpointing, activation offload, disk tier, micro-batch and "
+                         "LoRA does better; one change at a time:")
+        lines += [f"  {i}. {fix['fix']}: {fix['verdict']}{_needs(fix)}" for i, fix in enumerate(r["fixes"], 1)]
     if "simulated" in r:
         s = r["simulated"]
         lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "

@@ -27,7 +27,7 @@ HELP = "record a memory trace of a python or torchrun command: chunkmem trace --
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default="chunkmem-trace", help="trace directory (default: %(default)s)")
+    parser.add_argument("--output", default="chunkmem-trace", help="trace directory")
     parser.add_argument("--level", default="counters", choices=["counters", "exact"],
                         help="counters: cheap (default); exact: synchronise at every moment to read peaks")
     parser.add_argument("--keep-last", type=int, default=20, help="steady-state steps kept in full (default: 20)")

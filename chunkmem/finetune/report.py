@@ -88,6 +88,9 @@ def summary(result: Result) -> str:
     """A few lines for the end of a run."""
     stats = result.model.memory_stats()
     steps = len(result.losses)
+    if not steps:
+        return (f"the run in {result.output} had finished: all {result.total_steps} steps are trained, nothing to do "
+                "(its model is there; choose another --output for a new run)")
     lines = [f"trained steps {result.step - steps + 1}-{result.step} of {result.total_steps} "
              f"in {result.seconds:.1f}s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s)"]
     if result.losses:

@@ -67,7 +67,11 @@ class RunDir:
             raise InputError(f"--output {self.path} holds checkpoints of an earlier run: pass --resume to "
                              f"continue it, or choose another --output")
         if resume and run_file.exists():
-            before = json.loads(run_file.read_text())
+            try:
+                before = json.loads(run_file.read_text())
+            except ValueError as error:  # cut short by a full disk, edited by hand
+                raise InputError(f"--resume: {run_file} is damaged ({error}): it records the settings the run must keep; "
+                                 "restore it, or start again with another --output") from None
             changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             if changed:
                 raise InputError(f"--resume with settings that differ from the run in {self.path}: "

@@ -13,14 +13,17 @@ progress (chunkmem/finetune/interrupt.py), and by default a checkpoint is also w
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 import chunkmem
@@ -30,6 +33,7 @@ from chunkmem.finetune.hf import InputError
 from chunkmem.finetune.interrupt import StopOnSignal
 from chunkmem.finetune.report import Traffic, memory_text, warn_over_budget
 from chunkmem.finetune.rundir import RunDir
+from chunkmem.memory.simmemory import simulated_memory
 from chunkmem.finetune.threads import cpu_threads, torch_threads
 from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.wrapper import ChunkedModel
@@ -43,6 +47,10 @@ SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_CHUNK_SHARE = 0.25
 
 
+PRETRAINED_LR = 5e-5  # the default rate to fine-tune a pretrained model (Hugging Face Trainer's)
+SCRATCH_LR = 1e-3  # and to train one from its random initialisation (the bundled tiny GPT-2, a config.json)
+
+
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
     """The settings of one run (the command's flags). None for model/data: the bundled default."""
@@ -54,7 +62,7 @@ class FinetuneConfig:
     epochs: float | None = None  # when given, overrides steps
     batch_size: int = 8
     seq_len: int = 128
-    lr: float = 1e-3
+    lr: float | None = None  # None: PRETRAINED_LR for a pretrained --model, SCRATCH_LR for a model started afresh
     schedule: str = "cosine"
     warmup_steps: int = 10
     weight_decay: float = 0.01
@@ -83,6 +91,9 @@ class FinetuneConfig:
     stop_after: int | None = None  # leave after this many steps of this invocation (time-sliced jobs)
 
     def __post_init__(self) -> None:
+        if self.lr is None:  # a pretrained model is fine-tuned gently; a random one trained from scratch
+            pretrained = self.model is not None and not self.model.endswith(".json")
+            object.__setattr__(self, "lr", PRETRAINED_LR if pretrained else SCRATCH_LR)
         positive = ("steps", "batch_size", "seq_len", "grad_accum", "keep", "eval_batches")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -97,7 +108,7 @@ class FinetuneConfig:
         if self.resume and self.resume_or_start:
             raise InputError("--resume and --resume-or-start together: pass one (--resume fails when there "
                              "is no checkpoint, --resume-or-start then starts)")
-        if self.lr <= 0 or (self.epochs is not None and self.epochs <= 0):
+        if self.peak_lr <= 0 or (self.epochs is not None and self.epochs <= 0):
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
         if self.schedule not in SCHEDULES:
             raise InputError(f"--schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
@@ -108,10 +119,16 @@ class FinetuneConfig:
         except ValueError:
             raise InputError(f"--max-shard-size {self.max_shard_size!r}: expected a size like 500MB or 2GiB") from None
 
+    @property
+    def peak_lr(self) -> float:
+        assert self.lr is not None, "resolved when the config is made"
+        return self.lr
+
     def invariants(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues."""
         keys = ("model", "data", "batch_size", "seq_len", "grad_accum", "lr", "schedule", "warmup_steps",
-                "weight_decay", "dtype", "lora_rank", "lora_alpha", "seed", "held_out", "text_field")
+                "weight_decay", "dtype", "lora_rank", "lora_alpha", "seed", "held_out", "text_field",
+                "steps", "epochs")  # the total steps shape the learning-rate schedule
         return {k: getattr(self, k) for k in keys}
 
 
@@ -161,25 +178,26 @@ def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, Ch
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([
         {"params": [p for _, p in trainable if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr)
+        {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.peak_lr)
     try:
         device = cfg.device if cfg.device is not None else default_device()
         memory: int | str | None = cfg.device_memory
         if memory is None and cfg.model is None:
-            memory = streaming_budget(cfg, source.config, device)
+            memory = streaming_budget(cfg, source.config, device, module)
         config = chunkmem.Config(device=device, device_memory=memory, host_memory=cfg.host_memory,
                                  dtype=cfg.dtype, chunk_size=cfg.chunk_size)
-    except ValueError as error:
-        raise InputError(str(error).replace("Config.", "--").replace("_", "-")) from None
-    model, chunk_optimizer = chunkmem.prepare(module, optimizer, config)
+        model, chunk_optimizer = chunkmem.prepare(module, optimizer, config)
+    except ValueError as error:  # a setting chunkmem refuses (chunkmem.prepare names the Config field)
+        raise InputError(re.sub(r"Config\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(error))) from None
     if source.weight_files:
         hf.load_weights(model, source.weight_files, renames, required=empty)
     return model, chunk_optimizer, renames
 
 
-def streaming_budget(cfg: FinetuneConfig, config: Any, device: str) -> int:
-    """The bundled default's device budget: what its activations need (chunkmem plan's estimate) and
-    DEFAULT_CHUNK_SHARE of its model data for chunks, so chunks stream every step."""
+def streaming_budget(cfg: FinetuneConfig, config: Any, device: str, module: nn.Module) -> int:
+    """The bundled default's device budget: what its activations need and DEFAULT_CHUNK_SHARE of its model data
+    for chunks, so chunks stream every step. The activations are measured: what one plain step of the model
+    reserves in the caching allocator's segments (chunkmem plan's estimate where memory is not modelled)."""
     from chunkmem.chunks.placement import SAFETY_FRACTION
     from chunkmem.trace.planner import CUDA_CONTEXT, Request, plan, spec_from_config
 
@@ -187,8 +205,35 @@ def streaming_budget(cfg: FinetuneConfig, config: Any, device: str) -> int:
     request = Request(2**50, 2**50, cfg.batch_size, cfg.seq_len, cfg.dtype, cfg.grad_ckpt,
                       attention="fused" if cuda else "math", cuda=cuda)
     estimate = plan(spec_from_config(config, "default"), request)
-    need = estimate.activation_bytes + (CUDA_CONTEXT if cuda else 0) + estimate.model_data_bytes * DEFAULT_CHUNK_SHARE
+    reserved = plain_step_reserves(module, cfg, device, config.vocab_size)
+    activations = reserved if reserved is not None else estimate.activation_bytes  # segments round up already
+    need = activations + (CUDA_CONTEXT if cuda else 0) + estimate.model_data_bytes * DEFAULT_CHUNK_SHARE
     return int(need / (1 - SAFETY_FRACTION))
+
+
+def plain_step_reserves(module: nn.Module, cfg: FinetuneConfig, device: str, vocab: int) -> int | None:
+    """What one plain step of a copy of `module`, in the compute dtype, reserves on `device` beyond its parameters
+    (activations, temporaries, gradients, in the caching allocator's segments); None where the simulation does
+    not model memory (CHUNKMEM_SIM_MEMORY=0)."""
+    probe = copy.deepcopy(module).to(chunkmem.Config(device="cpu", dtype=cfg.dtype).torch_dtype)
+    ids = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    if device == "cpu":
+        memory = simulated_memory()
+        if memory is None:
+            return None
+        for param in probe.parameters():
+            memory.charge(param.data)
+        before = memory.allocator.peak_reserved = memory.allocator.reserved
+        probe(input_ids=ids, labels=ids).loss.backward()
+        return memory.allocator.peak_reserved - before
+    probe.to(device)
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe(input_ids=ids.to(device), labels=ids.to(device)).loss.backward()
+    reserved = torch.cuda.max_memory_reserved(device) - before
+    del probe
+    torch.cuda.empty_cache()
+    return reserved
 
 
 def _source(cfg: FinetuneConfig) -> tuple[hf.ModelSource, Path]:
@@ -245,7 +290,7 @@ def train_step(model: ChunkedModel, optimizer: ChunkOptimizer, batches: Batches,
     torch.manual_seed(cfg.seed * 1_000_003 + step)  # dropout masks depend on the step only
     factor = lr_factor(step, total, cfg.warmup_steps, cfg.schedule)
     for group in optimizer.param_groups:
-        group["lr"] = cfg.lr * factor
+        group["lr"] = cfg.peak_lr * factor
     loss_sum = 0.0
     for micro in range(cfg.grad_accum):
         ids = batches[step * cfg.grad_accum + micro]

@@ -40,6 +40,7 @@ import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -195,13 +196,11 @@ class SimulatedDevice:
         self._learn(self.compute_knows, everything)
 
     def holds(self, tensor: torch.Tensor) -> int:
-        """How many tensors on `tensor`'s storage the simulation keeps for copies in flight and their hazards
-        (a GPU keeps none: arena.py)."""
+        """How many tensors on `tensor`'s storage the simulation keeps for copies in flight (a GPU keeps none:
+        arena.py)."""
         address = tensor.untyped_storage().data_ptr()
-        held = {id(c.held) for c in self._in_flight if c.held is not None and c.held.untyped_storage().data_ptr() == address}
-        if _active is not None:
-            held |= {id(h.tensor) for h in _active.hazards.get(address, [])}
-        return len(held)
+        return len({id(c.held) for c in self._in_flight
+                    if c.held is not None and c.held.untyped_storage().data_ptr() == address})
 
     def _fence(self, after: object | None = None) -> Knowledge:
         """What a copy issued now is ordered after: compute's work so far, what the host knows (work issued
@@ -316,8 +315,7 @@ class Hazard:
 
     device: Knower
     copy: Any  # a Copy, or anything with `what`, `id` and `stream` (a disk IoToken)
-    tensor: torch.Tensor  # kept alive, as record_stream keeps a GPU buffer a copy uses
-    storage: int
+    storage: int  # its address; the hazard goes with the storage (`_watch`): bytes nobody holds race with nothing
     start: int
     end: int
     side: str  # "device" | "host"
@@ -344,11 +342,16 @@ class HazardChecker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.hazards: dict[int, list[Hazard]] = {}  # storage address -> hazards on it
+        self.watched: set[int] = set()  # storage addresses whose death drops their hazards (`_watch`)
         self.paused = 0
         self._writes: dict[Any, tuple[tuple[str, bool], ...]] = {}  # op -> (argument, written) per argument
 
     def add(self, hazard: Hazard) -> None:
         self.hazards.setdefault(hazard.storage, []).append(hazard)
+
+    def storage_died(self, address: int) -> None:
+        self.hazards.pop(address, None)
+        self.watched.discard(address)
 
     def forget_known(self, device: SimulatedDevice) -> None:
         """Drop the hazards whose copies `device` now knows have landed."""
@@ -423,7 +426,8 @@ def guard(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, side: str, 
         return
     span = _span(tensor)
     if span is not None:
-        _active.add(Hazard(device, copy, tensor, *span, side, write_only))
+        _active.add(Hazard(device, copy, *span, side, write_only))
+        _watch(tensor, span[0])
 
 
 def guard_io(token: Knower, tensor: torch.Tensor, write_only: bool) -> None:
@@ -433,7 +437,18 @@ def guard_io(token: Knower, tensor: torch.Tensor, write_only: bool) -> None:
         return
     span = _span(tensor)
     if span is not None:
-        _active.add(Hazard(token, token, tensor, *span, "host", write_only))
+        _active.add(Hazard(token, token, *span, "host", write_only))
+        _watch(tensor, span[0])
+
+
+def _watch(tensor: torch.Tensor, address: int) -> None:
+    """Drop the hazards on `tensor`'s storage when it dies. The checker keeps no tensor alive: CUDA frees a block a
+    copy used once the copy is done (record_stream), whoever has learned it, and the simulation's copies hold
+    their buffers until they land, as long."""
+    checker = _active
+    if checker is not None and address not in checker.watched:
+        checker.watched.add(address)
+        weakref.finalize(tensor.untyped_storage(), checker.storage_died, address)
 
 
 def learned(token: object) -> None:

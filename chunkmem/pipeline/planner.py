@@ -30,11 +30,9 @@ from typing import Any
 from chunkmem.pipeline.schedule import bubble, in_flight
 from chunkmem.pipeline.scheduled import check_layout
 from chunkmem.trace.planner import ModelSpec, Request, plan, shape_of
+from chunkmem.trace.search import FLOPS, HALF_ROWS, PCIE
 
-FLOPS = 200e12  # dense bf16 a GPU sustains on large GEMMs
-PCIE = 20e9  # host <-> device bytes per second
 LINK = 100e9  # device <-> device bytes per second (NVLink class)
-HALF_ROWS = 2048  # tokens per micro-batch at which GEMMs run at half their peak
 SCHEDULES = ("1f1b", "2bw", "interleaved", "zero-bubble")
 VIRTUAL = 2  # stages per rank for the interleaved schedules
 VIRTUAL_SCHEDULES = ("interleaved", "zero-bubble", "zbv")

@@ -283,7 +283,9 @@ class Pipeline:
         """Each rank writes `path/stage-<position>` (chunkmem's checkpoint format); rank 0 adds pipeline.json.
         Under 2BW the pipeline drains first (`flush`), and the older weights version is saved too."""
         model, optimizer = self._built()
-        self.flush()
+        flushed = self.flush()
+        if not math.isnan(flushed):  # the last mini-batch's loss: the next step returns it (flow.py's Note)
+            self._carried = flushed
         path = Path(path)
         save_checkpoint(path / f"stage-{self.stage}", model, optimizer)  # under ZeRO, a collective of the stage
         if dist.get_rank() == 0:

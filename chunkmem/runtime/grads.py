@@ -48,8 +48,8 @@ class ShownGrads:
                 lent = [chunk.lent_part(r.slot.offset) for r in held]
                 flat = None if all(g is not None for g in lent) else chunk.device
                 grads = lent if flat is None else [r.view(flat) for r in held]
-            else:  # streamed: on the host, with its parameters
-                host = chunk.host
+            else:  # streamed: on the host, with its parameters (gradient chunks have no disk tier)
+                host = chunk.landed()
                 if group.param.state is ChunkState.DEVICE and not group.param.pins:
                     self.residency.evict(group.param)
                 grads = [r.view(host) for r in held]

@@ -40,7 +40,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.state import TensorState
+from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
 from chunkmem.runtime.runtime import Runtime
@@ -219,7 +219,7 @@ class ChunkOptimizer(Optimizer):
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
             found_inf = not all(torch.isfinite(runtime.data.read(g.chunks["grad"])).all().item()
-                                for g in runtime.groups() if g.chunks["grad"].state is not TensorState.FREE)
+                                for g in runtime.groups() if g.chunks["grad"].state is not ChunkState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
             runtime.scaler.update(found_inf)

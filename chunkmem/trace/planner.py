@@ -21,6 +21,7 @@ budget, else "fits". The binding constraint is the one closest to (or furthest p
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ class Estimate:
     verdict: str
     binding: str
     disk_bytes: int = 0  # per rank, on disk (disk tier); also read and written back every step
+    offloaded_activation_bytes: int = 0  # saved activations waiting on the host (offload_activations)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -107,12 +109,15 @@ class Estimate:
 
 def chunk_layout(module: nn.Module, request: Request) -> tuple[int, int, int, int]:
     """(chunk_size, trainable chunks, frozen chunks, working-set chunks), as chunkmem.prepare chooses them."""
-    itemsize = ITEMSIZE[request.dtype]
+    return _layout(module, ITEMSIZE[request.dtype], request.world_size, request.device_memory)
+
+
+@functools.lru_cache(maxsize=32)  # a search of combined fixes (trace/search.py) asks for a few layouts many times
+def _layout(module: nn.Module, itemsize: int, world: int, device_memory: int) -> tuple[int, int, int, int]:
     named = [(n, p.numel()) for n, p in module.named_parameters()]
-    world = request.world_size
     size = search_chunk_size(named, multiple_of=world,
-                             fits=lambda s: least_device_bytes(module, s, itemsize, world) <= request.device_memory)
-    trainable, frozen = layouts(module, size, request.world_size)
+                             fits=lambda s: least_device_bytes(module, s, itemsize, world) <= device_memory)
+    trainable, frozen = layouts(module, size, world)
     return size, trainable.num_chunks, frozen.num_chunks, working_set_chunks(module, size)
 
 
@@ -159,7 +164,7 @@ def plan(spec: ModelSpec, request: Request) -> Estimate:
     return Estimate(request, size, trainable, frozen, total, kinds, working, device_acts, acts.forward_peak,
                     margin, device_need,
                     total + device_acts + margin, host_need, per_host, host_need - overhead + host_acts if request.cuda else 0,
-                    verdict, binding, disk_bytes)
+                    verdict, binding, disk_bytes, host_acts)
 
 
 def fixes(spec: ModelSpec, request: Request) -> list[tuple[str, Estimate]]:

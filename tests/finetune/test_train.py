@@ -180,6 +180,7 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's maximum of 256"),
     (["--device-memory", "4KiB"], "raise device_memory"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
+    (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
 ])
 def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], expected: str) -> None:
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), *args)
@@ -449,3 +450,44 @@ def test_by_default_a_checkpoint_is_written_every_30_minutes_of_training(
     finetune.run(cfg)
     saved = RunDir(tmp_path).saved_steps()
     assert saved[-1] == 8 and len(saved) >= 3 and all(b - a <= 3 for a, b in zip([0, *saved], saved))
+
+
+def test_help_version_and_argument_errors_answer_without_loading_torch(tmp_path: Path) -> None:
+    # `chunkmem --help` took 7-27 s on a busy machine because the package imported torch first.
+    probe = ("import sys\nfrom chunkmem import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as done:\n"
+             "    print('torch' in sys.modules, done.code)")
+    for argv in (["--help"], ["--version"], ["finetune", "--help"], ["finetune", "--steps", "many"]):
+        done = subprocess.run([sys.executable, "-c", probe, *argv], env=os.environ | {"PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip().splitlines()[-1] == f"False {2 if 'many' in argv else 0}", (argv, done.stdout)
+    version = subprocess.run([sys.executable, "-m", "chunkmem.cli", "--version"], capture_output=True, text=True,
+                             env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert version.stdout.strip() == f"chunkmem {cli.__version__}"
+    help_text = subprocess.run([sys.executable, "-m", "chunkmem.cli", "finetune", "--help"], capture_output=True,
+                               text=True, env=os.environ | {"PYTHONPATH": str(ROOT)}).stdout
+    assert "(default: cosine)" in help_text and "(default: 400)" in help_text and "5e-5" in help_text
+
+
+def test_a_learning_rate_a_fine_tuning_user_expects() -> None:
+    assert finetune.FinetuneConfig().lr == finetune.SCRATCH_LR == 1e-3  # the bundled model starts from random weights
+    assert finetune.FinetuneConfig(model="some/config.json").lr == finetune.SCRATCH_LR
+    assert finetune.FinetuneConfig(model="a/pretrained/directory").lr == finetune.PRETRAINED_LR == 5e-5
+    assert finetune.FinetuneConfig(model="a/pretrained/directory", lr=1e-4).lr == 1e-4
+
+
+def test_a_resume_keeps_the_schedule_says_when_there_is_nothing_left_and_names_a_damaged_run_file(
+        tmp_path: Path, tiny_config: str, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    args = ["finetune", "--output", str(out), "--model", tiny_config, *SMALL, "--save-minutes", "0"]
+    assert cli.main([*args, "--steps", "3", "--stop-after", "2"]) == 0
+    capsys.readouterr()
+    code, err = cli.main([*args, "--steps", "5", "--resume"]), capsys.readouterr().err
+    assert code == 2 and "steps was 3, now 5" in err, "another --steps would change the learning-rate schedule"
+    assert cli.main([*args, "--steps", "3", "--resume"]) == 0
+    capsys.readouterr()
+    assert cli.main([*args, "--steps", "3", "--resume"]) == 0
+    assert "had finished: all 3 steps are trained" in capsys.readouterr().out
+    run_file = out / "run.json"
+    run_file.write_text(run_file.read_text()[:10])
+    code, err = cli.main([*args, "--steps", "3", "--resume"]), capsys.readouterr().err
+    assert code == 2 and f"{run_file} is damaged" in err

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, gpt2_batches, gpt2_loss
+from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 BUDGETS = [None, 1.0, 0.5, 0.3]
@@ -20,6 +20,12 @@ def budget(model: nn.Module, fraction: float | None) -> int | None:
     return None if fraction is None else int(param_bytes(model) * fraction)
 
 
+def twins(model: nn.Module, fraction: float | None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """Plain PyTorch and chunkmem, each with its optimizer: the same loop runs both."""
+    plain = copy.deepcopy(model)
+    return [(plain, ADAMW(plain.parameters())), prepared(model, ADAMW, device_memory=budget(model, fraction))]
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
 
@@ -27,12 +33,11 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 @pytest.mark.parametrize("fraction", BUDGETS)
 def test_pytorchs_clipping_and_norms_read_the_gradients_of_a_prepared_model(fraction):
     model, batches = tiny_gpt2(), gpt2_batches(4)
-    plain = copy.deepcopy(model)
-    plain_opt = ADAMW(plain.parameters())
-    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    pair = twins(model, fraction)
+    (plain, _), (cm, _) = pair
     for batch in batches:
         results = []
-        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        for net, optimizer in pair:
             gpt2_loss(net, batch).backward()
             seen = grads(net.module if net is cm else net)
             params = list(net.parameters())
@@ -53,11 +58,10 @@ def test_pytorchs_clipping_and_norms_read_the_gradients_of_a_prepared_model(frac
 @pytest.mark.parametrize("fraction", [None, 0.3])
 def test_a_gradient_scaled_in_place_replaced_or_dropped_is_what_the_step_uses(fraction):
     model, batches = mlp(), mlp_batches(3)
-    plain = copy.deepcopy(model)
-    plain_opt = ADAMW(plain.parameters())
-    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    pair = twins(model, fraction)
+    (plain, _), (cm, _) = pair
     for batch in batches:
-        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        for net, optimizer in pair:
             mlp_loss(net, batch).backward()
             params = dict((net.module if net is cm else net).named_parameters())
             params["0.weight"].grad.mul_(0.5)  # in place: the chunk's range
@@ -71,12 +75,11 @@ def test_a_gradient_scaled_in_place_replaced_or_dropped_is_what_the_step_uses(fr
 @pytest.mark.parametrize("fraction", [None, 0.3])
 def test_accumulated_gradients_show_the_sum_and_count_once(fraction):
     model, batches = mlp(), mlp_batches(4)
-    plain = copy.deepcopy(model)
-    plain_opt = ADAMW(plain.parameters())
-    cm, opt = prepared(model, ADAMW, device_memory=budget(model, fraction))
+    pair = twins(model, fraction)
+    (plain, _), (cm, _) = pair
     for first, second in zip(batches[::2], batches[1::2]):
         seen = []
-        for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        for net, optimizer in pair:
             mlp_loss(net, first).backward()
             mlp_loss(net, second).backward()
             seen.append(grads(net.module if net is cm else net))

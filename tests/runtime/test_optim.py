@@ -248,3 +248,17 @@ def test_fused_adam_gets_step_counters_on_the_device_of_the_parameters_it_update
     assert {s.device.type for s in fused_steps({"fused": True}, on_device, steps)} == {"meta"}
     assert fused_steps({"fused": True}, [torch.empty(4)], steps) is steps
     assert fused_steps({"fused": None}, on_device, steps) is steps
+
+
+def test_an_fp16_step_leaves_the_gradient_chunks_no_gradient_reached_free() -> None:
+    # The overflow check reads every gradient chunk that holds gradients; one that none reached reads as zeros
+    # without being made (it was compared with a tensor state, and every chunk was materialized to be read).
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", dtype="fp16", chunk_size=16 * 16 + 16, device_memory=param_bytes(model)))
+    cm.module[0].requires_grad_(False)  # no gradient reaches the first chunk group this step
+    cm(torch.randn(4, 16)).float().sum().backward()
+    first = cm.runtime.store.records[cm.module[0].weight].group.chunks["grad"]
+    cm.module[0].requires_grad_(True)
+    opt.step()
+    assert first.state.name == "FREE"

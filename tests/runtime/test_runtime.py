@@ -22,6 +22,7 @@ from chunkmem.chunks.store import planned_model_data_bytes
 from chunkmem.finetune.lora import apply_lora
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 from chunkmem.runtime.activations import ActivationMeter
+from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.optim import rule_for
 from chunkmem.runtime.runtime import Runtime
 from tests import zoo
@@ -186,15 +187,17 @@ def test_streamed_gradients_are_copied_asynchronously_and_land_before_the_optimi
     ref = copy.deepcopy(model)
     ref_opt = adamw(ref.parameters())
     cm, opt = prepared(model, adamw, device_memory=int(param_bytes(model) * 0.3))
-    downloads = []
+    downloads, landing = [], []
     original = SimulatedDevice.download
     monkeypatch.setattr(SimulatedDevice, "download",
                         lambda self, device, host, label="": downloads.append(label) or original(self, device, host, label))
+    show = ShownGrads.show  # when backward ends, the host waits for them to show `p.grad` (grads.py's Note)
+    monkeypatch.setattr(ShownGrads, "show", lambda self: landing.append(
+        all(g.chunks["grad"].landings for g in cm.runtime.groups())) or show(self))
     for i, batch in enumerate(batches):
         mlp_loss(ref, batch).backward()
         mlp_loss(cm, batch).backward()
-        grads = [g.chunks["grad"] for g in cm.runtime.groups()]
-        assert not cm.runtime.placer.homes and all(c.landings for c in grads), "every gradient still landing"
+        assert not cm.runtime.placer.homes and landing.pop(), "every gradient still landing as backward ends"
         if (i + 1) % accumulate == 0:
             ref_opt.step(), ref_opt.zero_grad()
             opt.step(), opt.zero_grad()
@@ -229,7 +232,10 @@ def test_a_wait_taken_out_of_the_runtime_fails(monkeypatch, target, name, replac
     model, batches = tiny_gpt2(), gpt2_batches(3)
     cm, opt = prepared(model, adamw, device_memory=param_bytes(model) * 2)
     monkeypatch.setattr(target, name, replacement)
-    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)  # the waits at the step's edges hide the rest
+    # The waits at a step's edges hide the rest: uploads fenced as forward, backward and step() end; gradients
+    # waited for as backward ends, to be shown in p.grad.
+    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)
+    monkeypatch.setattr(ShownGrads, "show", lambda self: None)
     with pytest.raises(HazardError, match="chunkmem simulation"):
         for batch in batches:
             step(cm, opt, gpt2_loss(cm, batch))

@@ -211,7 +211,7 @@ def test_plan_suggests_the_disk_tier_when_host_memory_binds_and_shows_its_bytes(
     args = ["plan", "--layers", "6", "--hidden", "64", "--vocab", "320", "--batch-size", "1", "--seq-len", "16",
             "--dtype", "bf16", "--device", "cpu", "--device-memory", "1GiB", "--host-memory", str(tight.host_memory)]
     assert main(args) == 1
-    assert "on disk (Config(disk=DIR), --disk): fits" in capsys.readouterr().out
+    assert "cheapest change that fits: master weights and optimizer states on disk (--disk" in capsys.readouterr().out
     assert main([*args, "--disk"]) == 0
     assert "disk tier" in capsys.readouterr().out
 
@@ -232,3 +232,39 @@ def test_plan_json_stays_parseable_when_a_library_prints(capsys, monkeypatch, gp
     captured = capsys.readouterr()
     assert code in (0, 1) and isinstance(json.loads(captured.out), dict)
     assert "Setting accelerator" in captured.err
+
+
+def test_plan_searches_combinations_of_fixes_and_names_the_fastest_that_fits(tmp_path, capsys) -> None:
+    """Issue 35, item 10: LLaMA-7B on a 24 GiB GPU and 64 GiB of host memory fits with no single fix; the
+    planner must find the combination that does and rank what fits by its predicted step time."""
+    from transformers import LlamaConfig
+
+    from chunkmem.trace.search import options, step_seconds
+
+    config = LlamaConfig()  # LLaMA-7B's shape: hidden 4096, 32 layers, intermediate 11008
+    spec = spec_from_config(config, "llama")
+    request = Request(24 * 2**30, 64 * 2**30, batch_size=8, seq_len=1024)
+    assert plan(spec, request).verdict == "does not fit"
+    assert all(e.verdict == "does not fit" for _, e in fixes(spec, request)), "one fix at a time fits nothing"
+    found = options(spec, request)
+    fitting = [o for o in found if o.estimate.verdict == "fits"]
+    best = found[0]
+    assert best.lora_rank == 0 and best.estimate.request.checkpointing and best.estimate.request.disk
+    assert plan(spec, best.estimate.request).verdict == "fits"  # the changes as a user would make them
+    tokens = request.batch_size * request.seq_len
+    assert best.seconds == min(step_seconds(spec, o.estimate, tokens) for o in fitting if not o.lora_rank)
+    lora = [i for i, o in enumerate(found) if o.lora_rank and o.estimate.verdict != "does not fit"]
+    assert lora and min(lora) > max(i for i, o in enumerate(found) if not o.lora_rank and o in fitting)
+    # The time model: recomputing the forward, a smaller device and the disk tier each cost time.
+    roomy = dataclasses.replace(best.estimate.request, device_memory=80 * 2**30)
+    assert step_seconds(spec, plan(spec, roomy), tokens) < best.seconds
+    no_ckpt = dataclasses.replace(roomy, checkpointing=False, host_memory=2**40, disk=False)
+    assert step_seconds(spec, plan(spec, no_ckpt), tokens) < step_seconds(spec, plan(spec, roomy), tokens)
+    config.save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--device-memory", "24GiB", "--host-memory", "64GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "cheapest change that fits: activation checkpointing" in out and "--disk" in out
+    assert main(["plan", str(tmp_path), "--device-memory", "24GiB", "--host-memory", "64GiB", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["combinations"][0]["changes"] == list(best.changes)
+    assert result["combinations"][0]["seconds"] == pytest.approx(best.seconds)

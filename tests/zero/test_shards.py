@@ -255,6 +255,8 @@ def test_zero_buffers_are_charged_to_the_device_budget():
 
 # -- backends without the single-tensor collectives ----------------------------------------------------
 def list_collectives_worker(rank: int, world: int, *args) -> dict:
+    import chunkmem.zero.shards
+
     chunkmem.zero.shards.single_tensor_collectives = lambda group, device: False  # as on a backend that lacks them
     return worker(rank, world, *args)
 
