@@ -2,8 +2,8 @@
 
     python -m benchmarks.placement --json benchmarks/results/placement_cpu.json
 
-GPT-2 and LLaMA (transformers configs, 4 layers x 256, vocab 1024) train in the CPU simulation, fp32
-and bf16, at the default chunk size and at the smallest one allowed (the largest parameter's
+GPT-2 and LLaMA (transformers configs, 4 layers x 256, vocab 1024) and a 16 x 1024 MLP (`--models mlp`)
+train in the CPU simulation, fp32 and bf16, at the default chunk size and at the smallest one allowed (the largest parameter's
 elements), with device budgets of the activation peak plus 75/50/30/20% of the model data. Each run's
 warm-up record (benchmarks/record.py) is the instance; every column counts the same bytes per steady
 step: fetches, write-backs and streamed gradients.
@@ -50,7 +50,24 @@ def llama(layers: int, width: int, vocab: int, positions: int) -> torch.nn.Modul
     return LlamaForCausalLM(config)
 
 
-MODELS: dict[str, Callable[[int, int, int, int], torch.nn.Module]] = {"gpt2": gpt2, "llama": llama}
+def mlp(layers: int, width: int, vocab: int, positions: int) -> torch.nn.Module:
+    """benchmarks/overhead.py's MLP: 16 Linear+GELU blocks, four times the transformers' width (1024 by
+    default), one chunk group per layer. The layers, vocab and positions of the transformers do not apply."""
+    from benchmarks.overhead import mlp as blocks
+
+    return blocks(16, 4 * width)
+
+
+MODELS: dict[str, Callable[[int, int, int, int], torch.nn.Module]] = {"gpt2": gpt2, "llama": llama, "mlp": mlp}
+
+
+def loss_of(name: str, args: argparse.Namespace) -> Callable[[torch.nn.Module], torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    if name == "mlp":
+        inputs = torch.randn(args.batch * 16, 4 * args.width, generator=gen)
+        return lambda m: m(inputs.to(next(m.parameters()).dtype)).float().square().mean()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+    return lambda m: m(ids, labels=ids).loss
 
 
 def measure(recorded: Recorded, time_limit: float) -> dict:
@@ -107,19 +124,17 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     rows = []
     for name in args.models:
-        model = MODELS[name](args.layers, args.width, args.vocab, args.seq)
+        model, loss = MODELS[name](args.layers, args.width, args.vocab, args.seq), loss_of(name, args)
         smallest = max(p.numel() for p in model.parameters())
         for dtype in args.dtypes:
             for chunk in args.chunks:
                 config = dict(device="cpu", dtype=dtype, chunk_size=smallest if chunk == "small" else None)
-                probe = record(model, lambda m: m(ids, labels=ids).loss, chunkmem.Config(**config), steady_steps=1)
+                probe = record(model, loss, chunkmem.Config(**config), steady_steps=1)
                 for fraction in args.fractions:
                     budget = probe.activation_peak + int(probe.model_data * fraction)
-                    recorded = record(model, lambda m: m(ids, labels=ids).loss,
-                                      chunkmem.Config(**config, device_memory=budget))
+                    recorded = record(model, loss, chunkmem.Config(**config, device_memory=budget))
                     row = {"model": name, "dtype": dtype, "chunk": chunk if chunk == "default" else smallest,
                            "fraction": fraction, "device_memory": budget, "model_data": probe.model_data,
                            "activation_peak": probe.activation_peak} | measure(recorded, args.time_limit)

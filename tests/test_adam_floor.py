@@ -30,6 +30,7 @@ def _isa(isa: str) -> str:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
                                                   (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.slow
 def test_floor_reads_and_writes_every_element_unchanged(isa: str, n: int, grad_dtype: torch.dtype,
                                                          out_dtype: torch.dtype | None) -> None:
     gen = torch.Generator().manual_seed(n)

@@ -194,6 +194,8 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     feasible: Callable[[frozenset[int]], bool] = \
         lambda homes: homes.isdisjoint(streamed) and fits(step(homes), by_index, sizes)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]
+    for parity in (0, 1):  # every other group: where a group's neighbours stream, its own upload overlaps theirs
+        seeds.append(_greedy([g for g in groups if g.index % 2 == parity], sizes, feasible))
     suffix: frozenset[int] = frozenset()
     for group in sorted(groups, key=lambda g: -g.index):  # the groups backward needs first
         suffix = suffix | {group.index}
@@ -206,21 +208,27 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
 
 def _descend(homes: frozenset[int], groups: Sequence[GroupChunks], score: Callable[[frozenset[int]], tuple[int, int]],
              feasible: Callable[[frozenset[int]], bool]) -> frozenset[int]:
-    """From `homes`, the first change that lowers the bytes moved (add a group, drop one, swap two), again
-    and again, until none does or the search has spent its evaluations."""
+    """From `homes`, the first change that lowers the bytes moved (add a group, drop one, swap two; then
+    pairs: add or drop two, swap one for two or two for one), again and again, until none does or the search
+    has spent its evaluations."""
     spent = 0
-    while spent < EVALUATIONS_PER_SEED:
+    while True:
         others = [g.index for g in groups if g.index not in homes]
+        pairs = itertools.combinations
         moves = itertools.chain((homes | {j} for j in others), (homes - {i} for i in homes),
-                                ((homes - {i}) | {j} for i in homes for j in others))
+                                ((homes - {i}) | {j} for i in homes for j in others),
+                                (homes | set(p) for p in pairs(others, 2)), (homes - set(p) for p in pairs(homes, 2)),
+                                ((homes - {i}) | set(p) for i in homes for p in pairs(others, 2)),
+                                ((homes - set(p)) | {j} for p in pairs(homes, 2) for j in others))
         for move in moves:
             spent += 1
+            if spent > EVALUATIONS_PER_SEED:
+                return homes
             if feasible(move) and score(move) < score(homes):
                 homes = move
                 break
         else:
             return homes
-    return homes
 
 
 def _greedy(groups: Sequence[GroupChunks], sizes: dict[str, int],

@@ -106,3 +106,36 @@ def test_what_the_next_step_needs_first_stays_at_the_step_end():
     sizes = {n: 10 for n in "abcd"}
     plan = build_plan(accesses, sizes, [20] * 5, carried=set(sizes))
     assert "@4 evict c" in map(str, plan.actions) and "@4 evict a" not in map(str, plan.actions)
+
+
+def test_the_homes_search_leaves_a_local_optimum_single_moves_cannot_leave() -> None:
+    """Issue 35, item 12: the descent stopped where every add, drop and swap of one group was worse. Here
+    {1, 3} is such a place; one group out for two in reaches {0, 2, 3}, and a swap from there the optimum."""
+    from chunkmem.chunks.planning import _descend
+
+    costs = {frozenset({1, 3}): 10, frozenset({0, 2, 3}): 9, frozenset({0, 2, 4}): 5}
+    evaluated = []
+
+    def score(homes: frozenset[int]) -> tuple[int, int]:
+        evaluated.append(homes)
+        return costs.get(homes, 20), -len(homes)
+
+    groups = [group(i) for i in range(6)]
+    assert _descend(frozenset({1, 3}), groups, score, lambda homes: len(homes) <= 3) == {0, 2, 4}
+
+
+def test_the_homes_search_spends_at_most_its_evaluations_per_seed(monkeypatch) -> None:
+    """With many groups the last pass, the one that finds no better move, must stop at the cap too."""
+    from chunkmem.chunks import planning
+
+    monkeypatch.setattr(planning, "EVALUATIONS_PER_SEED", 300)
+    evaluated = []
+
+    def score(homes: frozenset[int]) -> tuple[int, int]:
+        evaluated.append(homes)
+        return 1, 0  # nothing is better: every move is tried until the cap
+
+    groups = [group(i) for i in range(40)]  # 20 in, 20 out: 440 single moves, thousands of pair moves
+    start = frozenset(range(20))
+    assert planning._descend(start, groups, score, lambda homes: True) == start
+    assert len(evaluated) <= 2 * 300  # each move scores itself and the current homes

@@ -235,6 +235,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict[
     return args, weights(root / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_where_it_stops_and_the_printed_command_resumes(
         tmp_path: Path, straight: tuple[list[str], dict[str, torch.Tensor]], signum: int) -> None:

@@ -74,6 +74,7 @@ def test_streaming_tracks_plain_pytorch_on_the_same_device(deterministic, device
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [1.0, 0.5, 0.25])
 @pytest.mark.parametrize("device", DEVICES)
 def test_what_the_process_reserves_stays_within_the_budget(device, fraction, sim_memory):
@@ -255,6 +256,7 @@ def test_the_default_cuda_setup_gives_the_bits_of_the_same_run_with_every_launch
     assert overlapped.endswith("True True True"), "the copy engine and the native kernel ran, and chunks streamed"
 
 
+@pytest.mark.slow
 def test_the_default_setup_script_runs_in_the_simulation(tmp_path):
     # The GPU test's script, its set-up checked here in the simulation (no copy engine: "False"), with copies
     # landing at random moments against the strictest landing.

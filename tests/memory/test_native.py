@@ -290,6 +290,7 @@ def test_disabled_by_env_warns_once(monkeypatch: pytest.MonkeyPatch, caplog: pyt
     ("fp32", lambda p: torch.optim.Adam(p, lr=1e-3), 4),
     ("fp16", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 4),
 ])
+@pytest.mark.slow
 def test_runtime_with_the_kernel_tracks_the_runtime_without_it(dtype, make_opt, steps):
     # Host-resident chunks (a budget below the model data) step through the kernel when asked.
     import copy

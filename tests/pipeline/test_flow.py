@@ -137,6 +137,7 @@ def reference(m: int, n: int = MINIBATCHES, data: list | None = None) -> tuple[l
     return losses, newest.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_2bw_matches_a_plain_2bw_loop(stages: int, tmp_path: Path) -> None:
     results = run_workers(worker, stages, str(tmp_path), timeout=150)

@@ -45,6 +45,7 @@ def llama_7b() -> object:
 
 @pytest.mark.parametrize("name,config", [("gpt2-xl", lambda: gpt2_config(48, 1600, 50257, 1024)),
                                          ("llama-7b", llama_7b)])
+@pytest.mark.slow
 def test_rankings_for_large_models(name: str, config, capsys) -> None:  # noqa: ANN001
     winners = {}
     for memory in (24, 80):

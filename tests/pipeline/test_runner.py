@@ -178,6 +178,7 @@ def assert_close(got: dict, expected: dict, what: str) -> None:
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_pipeline_matches_one_process_on_the_whole_batch(stages: int, tmp_path: Path) -> None:
     results = run_workers(grid_worker, stages, str(tmp_path), timeout=150)
@@ -245,6 +246,7 @@ def data_parallel_reference(plain: nn.Module, data: Iterable, reduction: str) ->
     return plain, losses
 
 
+@pytest.mark.slow
 def test_two_pipelines_of_two_stages_match_one_process() -> None:
     """Data parallel x pipeline on 4 ranks: each stage's model data is sharded over its 2 replicas (ZeRO)."""
     results = run_workers(dp_worker, 4, timeout=120)
@@ -264,6 +266,7 @@ def test_two_pipelines_of_two_stages_match_one_process() -> None:
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pipeline_torchrun.py"
 
 
+@pytest.mark.slow
 def test_the_torchrun_example_trains_like_plain_pytorch() -> None:
     """`torchrun --nproc-per-node 2 examples/pipeline_torchrun.py`: its losses are one process's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONPATH=str(EXAMPLE.parent.parent))

@@ -58,6 +58,7 @@ def reference(case: dict) -> dict:
     return runner.reference(case, model, batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_virtual_stage_schedules_match_one_process(ranks: int) -> None:
     results = run_workers(worker, ranks, timeout=200)
@@ -88,6 +89,7 @@ def dp_worker(rank: int, world: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_two_interleaved_pipelines_of_two_ranks_match_one_process() -> None:
     """Data parallel x interleaved 1F1B on 4 ranks: each rank's two stages sharded over 2 replicas (ZeRO)."""
     results = run_workers(dp_worker, 4, timeout=150)

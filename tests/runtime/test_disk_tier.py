@@ -208,6 +208,7 @@ def zero_worker(rank: int, world: int, directory: str | None) -> dict:
             "tiered": cm.runtime.host_cache is not None}
 
 
+@pytest.mark.slow
 def test_zero_two_ranks_with_the_disk_tier_equal_zero_without_it_bit_for_bit(tmp_path):
     plain = run_workers(zero_worker, 2, None)
     disk = run_workers(zero_worker, 2, str(tmp_path))

@@ -30,6 +30,7 @@ def watched(model: nn.Module, loss_fn, flags: list[bool]):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
 def test_a_fitting_architecture_steps_resident_on_plain_pytorchs_bits(arch: zoo.Arch) -> None:
     model, batches = arch.build(), arch.batches(4)

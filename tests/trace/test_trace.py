@@ -166,6 +166,7 @@ def test_trace_command_records_a_plain_script_without_changes(tmp_path: Path) ->
     assert missing.returncode == 2 and "no command given" in missing.stderr
 
 
+@pytest.mark.slow
 def test_trace_command_under_torchrun_writes_one_file_per_rank_and_the_report_shows_both(tmp_path: Path) -> None:
     from tests.multiproc import free_port
 

@@ -99,6 +99,7 @@ def assert_within_budget(stats: dict) -> None:
     assert stats["device_chunk_bytes_peak"] <= limit - reserved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,world,frozen,accumulate,clip,budget", CASES)
 def test_sharded_training_equals_one_process_on_the_whole_batch(kind, world, frozen, accumulate, clip, budget):
     steps = 4
@@ -133,6 +134,7 @@ def resume_worker(rank: int, world: int, path: str, steps: int) -> dict:
     return {"updates": updates(initial, cm.state_dict())}
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_by_2_ranks_resumes_on_3(tmp_path):
     ref = single("mlp", False, 1, None, 4)
     run_workers(save_worker, 2, str(tmp_path / "ckpt"), 2)
@@ -261,6 +263,7 @@ def list_collectives_worker(rank: int, world: int, *args) -> dict:
     return worker(rank, world, *args)
 
 
+@pytest.mark.slow
 def test_the_all_gather_and_all_reduce_fallback_trains_like_one_process():
     ref = single("gpt2", False, 1, 1.0, 3)
     for got in run_workers(list_collectives_worker, 2, "gpt2", False, 1, 1.0, 3, None):
@@ -310,6 +313,7 @@ def data_dependent_worker(rank: int, world: int, name: str, steps: int) -> dict:
             "phase": cm.runtime.placer.phase.value}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["switch", "bart-layerdrop"])
 def test_models_whose_modules_depend_on_the_data_train_like_one_process(name):
     # Each rank's router picks other experts: without gathering the experts whole (zero/units.py) the ranks

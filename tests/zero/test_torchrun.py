@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.multiproc import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "zero_torchrun.py"
@@ -32,6 +34,7 @@ def losses(out: str) -> list[str]:
     return re.findall(r"step \d+ loss ([\d.]+)", out)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_train_like_one_node_with_two_processes():
     port = free_port()
     nodes = [torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
@@ -71,6 +74,7 @@ for step in range(3):
 """
 
 
+@pytest.mark.slow
 def test_a_rank_raising_mid_step_ends_the_job_within_the_collective_timeout(tmp_path):
     script = tmp_path / "fails_mid_step.py"
     script.write_text(FAILS_MID_STEP)
