@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.hostpool import HostPool, PlainAllocator
 from chunkmem.memory.landing import CopyThread, idle_priority_available
-from chunkmem.memory.simmemory import simulated_memory
+from chunkmem.memory.simmemory import SimulatedMemory, simulated_memory
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
@@ -75,6 +75,18 @@ class Copy:
     held: torch.Tensor | None = None  # the device buffer `land` holds until it lands (Device.holds)
 
 
+class _HostPool(HostPool):
+    """The simulated device's pinned pool: what it hands out is host memory to the allocator model's op hook."""
+
+    def __init__(self, memory: SimulatedMemory | None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory = memory
+
+    def tensor(self, numel: int, dtype: torch.dtype, tag: str = "") -> torch.Tensor:
+        out = super().tensor(numel, dtype, tag)
+        return self.memory.mark_host(out) if self.memory is not None and out.numel() else out
+
+
 class SimulatedDevice:
     """A device simulated in CPU memory: separate buffers, real copies, CUDA's ordering rules.
 
@@ -94,7 +106,7 @@ class SimulatedDevice:
             self.memory.devices.add(self)
         self.arena = SlotArena(self)
         self.memory_limit: int | None = None  # what limit_memory was told
-        self.host_pool = HostPool(PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
+        self.host_pool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self._ids = itertools.count(1)

@@ -29,6 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from chunkmem.memory.allocator import Block, CachingAllocator, Sizes
 
 _TO_COPY = torch.ops.aten._to_copy.default
+# Ops a GPU runs across host and device: copies.
+_CROSSING = frozenset({_TO_COPY, torch.ops.aten.copy_.default, torch.ops.aten.copy.default,
+                       torch.ops.aten._copy_from.default, torch.ops.aten._copy_from_and_resize.default})
 
 
 class SimulatedMemory:
@@ -37,6 +40,7 @@ class SimulatedMemory:
     def __init__(self, sizes: Sizes = Sizes()) -> None:
         self.allocator = CachingAllocator(sizes=sizes, settle=self._settle)
         self.blocks: dict[int, Block] = {}  # storage address -> its block
+        self.host: set[int] = set()  # storage addresses of pinned host buffers (chunk payloads, staging)
         self._budgets: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
         self.devices: weakref.WeakSet[Any] = weakref.WeakSet()  # simulated devices whose copies hold its blocks
 
@@ -53,6 +57,14 @@ class SimulatedMemory:
         block = self.allocator.malloc(storage.nbytes())
         self.blocks[address] = block
         weakref.finalize(storage, self._release, address, block)
+        return tensor
+
+    def mark_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` is pinned host memory until its storage dies: an op that mixes it with device tensors
+        fails, as on a GPU (_Placing)."""
+        address = tensor.untyped_storage().data_ptr()
+        self.host.add(address)
+        weakref.finalize(tensor.untyped_storage(), self.host.discard, address)
         return tensor
 
     def _release(self, address: int, block: Block) -> None:
@@ -125,18 +137,21 @@ def stop_simulated_memory() -> None:
 
 
 class _Placing(TorchDispatchMode):
-    """Charges the new tensors of every op that reads a device tensor (the module's docstring)."""
+    """Charges the new tensors of every op that reads a device tensor (the module's docstring), and refuses an
+    op that mixes device tensors with pinned host ones, as a GPU does."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         memory = _memory
         if memory is None or not memory.blocks:
-            return out
+            return func(*args, **kwargs)
         blocks = memory.blocks
         inputs = _storages(args, kwargs)
         if not any(address in blocks for address in inputs):
-            return out
+            return func(*args, **kwargs)
+        if memory.host and not inputs.isdisjoint(memory.host) and func not in _CROSSING:
+            _refuse_mixed(func, args, kwargs, memory.host, blocks)
+        out = func(*args, **kwargs)
         if func is _TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             return out  # a download: host memory on a GPU
         for tensor in _tensors(out):
@@ -144,6 +159,25 @@ class _Placing(TorchDispatchMode):
             if address is not None and address not in blocks and address not in inputs:
                 memory.charge(tensor)
         return out
+
+
+def _refuse_mixed(func: Any, args: tuple, kwargs: dict, host: set[int], blocks: dict[int, Block]) -> None:
+    """CUDA's error for an op given a device tensor and a host tensor, both of one or more dimensions. Scalars
+    pass: a 0-dim CPU tensor is a scalar to a GPU op, and a 0-dim device tensor moved to the host by `.to("cpu")`
+    is still a device tensor here, where that move does nothing. Foreach ops pass too: torch groups their lists
+    by device first."""
+    if func.__name__.startswith("_foreach_"):
+        return
+    tensors = [t for arg in (*args, *kwargs.values()) for t in _tensors(arg) if t.dim() > 0]
+    if not any(_address(t) in blocks for t in tensors):
+        return
+    for tensor in tensors:
+        if _address(tensor) in host:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
+                f"({func.__name__} was given a host tensor of shape {tuple(tensor.shape)} beside device tensors: "
+                "chunkmem's simulation of a GPU. A parameter whose chunk is off the device is a host tensor; copy "
+                "it to the device first, or read it inside forward)")
 
 
 def _restack(change: Callable[[list[TorchDispatchMode]], list[TorchDispatchMode]]) -> None:

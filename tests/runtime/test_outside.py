@@ -39,3 +39,26 @@ def test_parameters_read_between_forward_and_backward_and_after_step_hold_plain_
             assert torch.equal(between[name], value), f"between forward and backward: {name}"
             assert torch.equal(after[name], plain_after[name]), f"after step(): {name}"
     assert cm.memory_stats()["h2d_bytes"] > 0
+
+
+def test_a_device_op_on_a_parameter_whose_chunk_is_off_the_device_fails_as_on_a_gpu(sim_memory):
+    """Issue 34: such a parameter is a host tensor. On a GPU an op that mixes it with device tensors fails; the
+    simulation must fail too, not compute. Ops on it alone, copies to the device and 0-dim host scalars pass."""
+    memory = sim_memory(1024)  # segments of 2 and 20 KiB for chunks of 5 KiB
+    model, batches = mlp(depth=8), mlp_batches(2)
+    cm, opt = prepared(model, adamw, device_memory=int(param_bytes(model) * 0.3) + 2**16)
+    for batch in batches:
+        mlp_loss(cm, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [p for name, p in cm.module.named_parameters() if name.endswith("weight") and p.shape == (32, 32)]
+    host = [p for p in weights if not memory.on_device(p)]
+    device = [p for p in weights if memory.on_device(p)]
+    assert host and device, "the budget leaves some chunks off the device and some on it"
+    with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
+        device[0] + host[0]
+    with torch.no_grad():
+        assert torch.equal(host[0] * 2, host[0] + host[0])  # the host's own op
+        uploaded = host[0].to("cpu", copy=True)
+        assert torch.equal(device[0] + host[0].sum(), device[0] + host[0].sum().item())  # a 0-dim host scalar
+    assert torch.equal(uploaded, host[0])
