@@ -106,7 +106,8 @@ class SimulatedDevice:
             self.memory.devices.add(self)
         self.arena = SlotArena(self)
         self.memory_limit: int | None = None  # what limit_memory was told
-        self.host_pool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
+        self.host_pool: HostPool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory,
+                                             before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self._ids = itertools.count(1)
