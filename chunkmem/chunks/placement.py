@@ -107,6 +107,9 @@ class Placer:
         self.residency = residency
         self.store = store
         self.limit = limit
+        # What non-model data may take beyond what it holds before chunks give way: the margin, and at least
+        # two of the allocator's segments, which one allocation may reserve anew (a small budget's 5% is less).
+        self.margin = max(int(limit * SAFETY_FRACTION), 2 * residency.device.segment_bytes)
         self.nonmodel = nonmodel
         self.headroom = headroom  # non-model bytes a plan leaves room for beyond its record (runtime.largest_block)
         self.chunks = {c.name: c for c in store.chunks()}
@@ -264,7 +267,7 @@ class Placer:
         what the non-model data on the device now leaves, less the margin, but never below the working
         set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
         to activations as they grow, as the plan's budgets do later."""
-        left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
+        left = self.limit - nonmodel - self.margin
         self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
 
@@ -305,7 +308,7 @@ class Placer:
         than the budget there); once this step has held more non-model data than its record, lowered further at
         every access and moment to what the non-model data leaves (as in warm-up)."""
         if self.giving_way:
-            left = self.limit - nonmodel - int(self.limit * SAFETY_FRACTION)
+            left = self.limit - nonmodel - self.margin
             planned = max(self.working_set, min(planned, left))
         self.residency.limit = limit = max(planned, min(need, self.limit))
         if self.residency.stats.device_chunk_bytes > limit:

@@ -194,7 +194,7 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     feasible: Callable[[frozenset[int]], bool] = \
         lambda homes: homes.isdisjoint(streamed) and fits(step(homes), by_index, sizes)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]
-    for parity in (0, 1):  # every other group: where a group's neighbours stream, its own upload overlaps theirs
+    for parity in (0, 1):  # every other group: the optimum single moves could not reach on a 16-layer MLP (issue 35)
         seeds.append(_greedy([g for g in groups if g.index % 2 == parity], sizes, feasible))
     suffix: frozenset[int] = frozenset()
     for group in sorted(groups, key=lambda g: -g.index):  # the groups backward needs first

@@ -189,7 +189,8 @@ def _text(r: dict[str, Any]) -> str:
     if r["disk_bytes"]:
         lines.insert(-1, f"  disk tier            {_gib(r['disk_bytes'])} per rank on disk, about that read and "
                          "written back each step")
-    lines.append(f"predicted step as asked: {r['seconds']:.3g} s (a bound from typical GPU speeds: chunkmem/trace/search.py)")
+    lines.append(f"predicted step as asked: {r['seconds']:.3g} s "
+                 "(a bound from typical GPU speeds: chunkmem/trace/search.py)")
     if r["verdict"] != "fits" and r["combinations"]:
         best, *others = r["combinations"]
         lines.append(f"cheapest change that fits: {' + '.join(best['changes'])}: {best['verdict']}, "

@@ -30,10 +30,14 @@ from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, R
 from chunkmem.memory.sim import SimulatedDevice
 
 
+LARGE_SEGMENT = 20 << 20  # CUDACachingAllocator's kLargeBuffer: the segment a request of 1-10 MiB reserves
+
+
 class Device(Protocol):
     torch_device: torch.device
     host_pool: HostPool  # where host_alloc's buffers come from; its stats() go into memory_stats()
     arena: SlotArena  # where chunk payloads live on the device (arena.py's Note on chunk memory)
+    segment_bytes: int  # the caching allocator's large segment: what one non-model allocation may reserve anew
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -147,6 +151,7 @@ class CudaDevice:
         self.comm_stream = torch.cuda.Stream(self.torch_device)  # ZeRO's collectives
         self.host_pool = HostPool(allocator, host_memory, before_free=self.synchronize)
         self.arena = SlotArena(self)
+        self.segment_bytes = LARGE_SEGMENT
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
