@@ -104,34 +104,29 @@ class ChunkedModel(nn.Module):
     # loops call model.to(device) out of habit); asking for anything else is refused, with what to do instead.
     def to(self, *args: Any, **kwargs: Any) -> ChunkedModel:  # type: ignore[override]
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        self._keep(device, dtype)
-        return self
+        return self._keep(device, dtype)
 
     def cuda(self, device: int | torch.device | None = None) -> ChunkedModel:
-        self._keep(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda"), None)
-        return self
+        where = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        return self._keep(where, None)
 
     def cpu(self) -> ChunkedModel:
-        self._keep(torch.device("cpu"), None)
-        return self
+        return self._keep(torch.device("cpu"), None)
 
     def half(self) -> ChunkedModel:
-        self._keep(None, torch.float16)
-        return self
+        return self._keep(None, torch.float16)
 
     def bfloat16(self) -> ChunkedModel:
-        self._keep(None, torch.bfloat16)
-        return self
+        return self._keep(None, torch.bfloat16)
 
     def float(self) -> ChunkedModel:
-        self._keep(None, torch.float32)
-        return self
+        return self._keep(None, torch.float32)
 
     def double(self) -> ChunkedModel:
-        self._keep(None, torch.float64)
-        return self
+        return self._keep(None, torch.float64)
 
-    def _keep(self, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    def _keep(self, device: torch.device | None, dtype: torch.dtype | None) -> ChunkedModel:
+        """`self`, if a cast to `device` and `dtype` leaves the model as it is; else a ValueError saying how."""
         compute, where = self.runtime.config.torch_dtype, self.runtime.device.torch_device
         if dtype is not None and dtype != compute:
             raise ValueError(f"this model was prepared by chunkmem to compute in {compute}; casting it to {dtype} "
@@ -141,6 +136,7 @@ class ChunkedModel(nn.Module):
             raise ValueError(f"this model was prepared by chunkmem on {where}; moving it to {device} would be undone "
                              "by the next step (chunkmem moves its chunks itself). Choose the device with "
                              "chunkmem.Config(device=...) when you prepare the model")
+        return self
 
     def memory_stats(self) -> dict[str, int]:
         return self.runtime.memory_stats()
