@@ -37,6 +37,10 @@ torch.optim's functions, which give plain PyTorch's bits. Plain PyTorch's side i
 these rows time a faster host update, not less bookkeeping: they say how much of a streaming row is the host
 update of its streamed groups.
 
+`--as-cuda` runs resident steps as CUDA does, without saved-tensor hooks (runtime's Note on resident steps): the
+simulation without its memory model reads no allocator, so its activations are metered through the hooks, which
+cost the launch-bound rows several milliseconds a step that a GPU's host does not spend.
+
 `--copied` adds, fitting and at 50%, rows whose chunkmem model copies each gradient into its chunk on the
 device instead of lending the chunk autograd's tensor (chunk's Note on lent ranges), timed against the same
 plain step in the same rounds: what lending saves.
@@ -142,16 +146,18 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
 def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
                memory: int | None, lend: bool = True, resident: bool = True,
-               native: bool | None = None, landing: str | None = None) -> tuple[Step, torch.nn.Module]:
+               native: bool | None = None, landing: str | None = None, as_cuda: bool = False
+               ) -> tuple[Step, torch.nn.Module]:
     """A chunkmem training step; with `lend` off, gradients are copied into their chunks on the device instead of
     lent to them (chunk's Note on lent ranges), as before lending was built; with `resident` off, every step takes
     the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built;
     `native` is Config.native_optimizer; `landing` the simulation's CHUNKMEM_SIM_LANDING (None: as the
-    environment says)."""
+    environment says); `as_cuda`: resident steps run without saved-tensor hooks, as where the allocator is read."""
     config = chunkmem.Config(dtype=dtype, device_memory=memory, native_optimizer=native)
     with mock.patch.dict(os.environ, {"CHUNKMEM_SIM_LANDING": landing} if landing else {}):
         wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())), config)
     wrapped.runtime.resident_allowed = resident
+    wrapped.runtime.device.reads_memory |= as_cuda  # its non-model bytes then read 0 in resident steps: shapes stay
     for group in wrapped.runtime.groups():
         group.chunks["grad"].lends = lend
 
@@ -195,7 +201,7 @@ def build(args: argparse.Namespace) -> list[dict]:
             fits = None  # the row where everything fits gives the activation peak and the model data
             for label, share in SHARES.items():
                 memory = None if fits is None else int(fits[0] + share * fits[1])
-                chunk, wrapped = chunk_step(make(), loss, dtype, memory)
+                chunk, wrapped = chunk_step(make(), loss, dtype, memory, as_cuda=args.as_cuda)
                 chunk(), chunk()  # warm-up, then the first step on the plan
                 fits = fits or (wrapped.runtime.activations.peak, wrapped.memory_stats()["model_data_bytes"])
                 plain = plain_step(make(), loss, torch_dtype)
@@ -271,6 +277,8 @@ def main() -> None:
     parser.add_argument("--waited", action="store_true",
                         help="also time, at 50%% and 25%%, the same model whose simulated copies land only when the "
                              "compute thread waits for them (CHUNKMEM_SIM_LANDING=wait), against the same plain step")
+    parser.add_argument("--as-cuda", action="store_true",
+                        help="resident steps without saved-tensor hooks, as on CUDA (runtime's Note on resident steps)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 

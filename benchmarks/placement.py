@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--accumulate", type=int, default=1, help="backward passes per step")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per integer program")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -134,8 +135,9 @@ def main() -> None:
                 probe = record(model, loss, chunkmem.Config(**config), steady_steps=1)
                 for fraction in args.fractions:
                     budget = probe.activation_peak + int(probe.model_data * fraction)
-                    recorded = record(model, loss, chunkmem.Config(**config, device_memory=budget))
-                    row = {"model": name, "dtype": dtype, "chunk": chunk if chunk == "default" else smallest,
+                    recorded = record(model, loss, chunkmem.Config(**config, device_memory=budget),
+                                      accumulate=args.accumulate)
+                    row = {"model": name, "dtype": dtype, "accumulate": args.accumulate, "chunk": chunk if chunk == "default" else smallest,
                            "fraction": fraction, "device_memory": budget, "model_data": probe.model_data,
                            "activation_peak": probe.activation_peak} | measure(recorded, args.time_limit)
                     rows.append(row)

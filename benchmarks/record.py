@@ -51,13 +51,15 @@ def recording() -> Iterator[list[tuple]]:
 
 
 def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tensor], config: chunkmem.Config,
-           steady_steps: int = 3) -> Recorded:
-    """Prepare a copy of `model` (AdamW), train 2 + `steady_steps` steps of `step(model) -> loss`."""
+           steady_steps: int = 3, accumulate: int = 1) -> Recorded:
+    """Prepare a copy of `model` (AdamW), train 2 + `steady_steps` steps of `step(model) -> loss`, each step
+    the sum of `accumulate` backward passes (gradient accumulation)."""
     module = copy.deepcopy(model)
     cm, opt = chunkmem.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-4), config)
 
     def train() -> None:
-        step(cm).backward()
+        for _ in range(accumulate):
+            step(cm).backward()
         opt.step()
         opt.zero_grad()
 
@@ -80,7 +82,7 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
                            "are not steady ones")
     events, groups, sizes, limit = seen[0]
     store = cm.runtime.store
-    per_group = {g.index: sum(r.param.numel() for r in g.members) * store.dtype.itemsize
+    per_group = {g.index: accumulate * sum(r.param.numel() for r in g.members) * store.dtype.itemsize
                  for g in store.trainable_groups()}
     instance = Instance.from_events(events, sizes, groups, limit, streamed=per_group)
     return Recorded(instance, frozenset(placer.homes), tuple(measured), uploaded, prefetched, streamed,

@@ -271,6 +271,15 @@ std::pair<long long, long long> take_allocation_reading(int device) {
   return {std::max(0LL, peak - now), allocated_largest[device].exchange(0)};
 }
 
+// What the caching allocator holds on `device` and would not give back at its cap (gpu_memory.held_bytes): its
+// live blocks and the free blocks inside split segments. A copy of the device's statistics under the allocator's
+// lock, where torch.cuda.memory_stats builds a Python dictionary of every statistic, at every moment of a step.
+long long held_bytes(int device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+  return stats.allocated_bytes[all].current + stats.inactive_split_bytes[all].current;
+}
+
 // (address, "") or (0, what failed): a refusal to pin is not fatal (hostpool.py falls back to pageable memory).
 std::pair<std::uintptr_t, std::string> pinned_alloc(size_t bytes) {
   void* ptr = nullptr;
@@ -303,6 +312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pinned_free", &pinned_free, pybind11::arg("ptr"));
   m.def("track_allocations", &track_allocations);
   m.def("take_allocation_reading", &take_allocation_reading, pybind11::arg("device"));
+  m.def("held_bytes", &held_bytes, pybind11::arg("device"));
 }
 
 #endif  // TORCH_EXTENSION_NAME

@@ -130,6 +130,7 @@ class Placer:
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
         self.events: list[Event] = []  # this step's, kept in every phase: a step off the record re-plans from them
+        self.backwards = 0  # this step's backward passes: each streams the streamed groups' gradients
         self.follower: Follower | None = None
         self.start: set[str] = set()
         self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
@@ -356,6 +357,7 @@ class Placer:
         differ from the plan's (they are the next step's best guess) or the next step starts from other
         resident chunks; re-record after a step that fell back."""
         events, self.events = self.events, []
+        passes, self.backwards = max(1, self.backwards), 0
         outgrown, self.giving_way = self.giving_way, False
         partial, self.served_resident, self.resident = self.served_resident, False, False
         if self.phase is Phase.DIVERGED or (partial and outgrown):
@@ -366,7 +368,7 @@ class Placer:
             return
         held = max((e.nonmodel for e in events), default=0) + self.headroom()
         if self.phase is Phase.RECORD:
-            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held)
+            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held, passes)
             self.homes = set(step.homes)
             self._send_home_others()
             self.phase = Phase.FOLLOW

@@ -157,9 +157,10 @@ def fits(step: Step, groups: Groups, sizes: dict[str, int]) -> bool:
     return True
 
 
-def step_cost(step: Step, groups: Groups, sizes: dict[str, int]) -> int:
+def step_cost(step: Step, groups: Groups, sizes: dict[str, int], passes: int = 1) -> int:
     """Bytes one steady step moves under `step`'s homes: fetches and write-backs under the plan's eviction
-    rule from the cyclic start (two rounds from "the homes are resident" reach it), and streamed gradients."""
+    rule from the cyclic start (two rounds from "the homes are resident" reach it), and streamed gradients,
+    sent once in each of the step's `passes` backward passes (gradient accumulation)."""
     grads = {g.grad for g in groups.values()}
     start = {c for i in step.homes for c in groups[i].kept}
     dirty = {c for i in step.homes for c in groups[i].updated}
@@ -167,15 +168,15 @@ def step_cost(step: Step, groups: Groups, sizes: dict[str, int]) -> int:
     for _ in range(2):
         moved = simulate(step.accesses, sizes, step.budgets, rule, resident=start, dirty=dirty, free=grads)
         start, dirty = moved["end"] & step.carried, moved["end_dirty"] & step.carried
-    streamed = sum(g.streamed for i, g in groups.items() if i not in step.homes)
+    streamed = passes * sum(g.streamed for i, g in groups.items() if i not in step.homes)
     return moved["h2d"] + moved["d2h"] + streamed
 
 
 def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-                 limit: int, streamed: Collection[int] = (), peak: int = 0) -> Step:
+                 limit: int, streamed: Collection[int] = (), peak: int = 0, passes: int = 1) -> Step:
     """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes) and leave
     the `streamed` groups (disk-backed ones: chunks/hostcache.py) to stream; budgets leave room for `peak`
-    non-model bytes if that is more than the record's peak."""
+    non-model bytes if that is more than the record's peak. The step runs `passes` backward passes."""
     by_index = {g.index: g for g in groups}
     steps: dict[frozenset[int], Step] = {}
     costs: dict[frozenset[int], int] = {}
@@ -188,7 +189,7 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
 
     def score(homes: frozenset[int]) -> tuple[int, int]:  # ties keep more groups home: they step on the device
         if homes not in costs:
-            costs[homes] = step_cost(step(homes), by_index, sizes)
+            costs[homes] = step_cost(step(homes), by_index, sizes, passes)
         return costs[homes], -len(homes)
 
     feasible: Callable[[frozenset[int]], bool] = \

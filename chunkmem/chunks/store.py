@@ -154,13 +154,13 @@ class ParamStore:
                     if "master" in group.chunks:
                         record.view(group.master.host).copy_(record.param.detach())
 
-    def point_views(self, chunk: Chunk) -> None:
-        """Point parameters at their chunk's device payload when resident, else at the host one."""
+    def point_views(self, chunk: Chunk, at_host: bool = False) -> None:
+        """Point parameters at their chunk's device payload when resident (unless `at_host`), else at the host one."""
         group = self._group_of_param_chunk.get(chunk.name)
         if group is None:
             return
         # Pointing views moves no bytes: compute waits for an upload where it uses the chunk (Chunk's Note).
-        flat = chunk.device_unfenced if chunk.device_unfenced is not None else chunk.host_unfenced
+        flat = chunk.device_unfenced if chunk.device_unfenced is not None and not at_host else chunk.host_unfenced
         for record in group.members:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter

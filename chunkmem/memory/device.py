@@ -38,6 +38,7 @@ class Device(Protocol):
     host_pool: HostPool  # where host_alloc's buffers come from; its stats() go into memory_stats()
     arena: SlotArena  # where chunk payloads live on the device (arena.py's Note on chunk memory)
     segment_bytes: int  # the caching allocator's large segment: what one non-model allocation may reserve anew
+    reads_memory: bool  # memory_reading() measures the allocator (else non-model bytes are the saved activations)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -152,6 +153,7 @@ class CudaDevice:
         self.host_pool = HostPool(allocator, host_memory, before_free=self.synchronize)
         self.arena = SlotArena(self)
         self.segment_bytes = LARGE_SEGMENT
+        self.reads_memory = True
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
@@ -235,10 +237,11 @@ class CudaDevice:
         return 0  # a copy keeps no tensor alive: record_stream keeps the allocator from reusing its blocks
 
     def memory_reading(self) -> tuple[int, int]:
-        held = held_bytes(self.torch_device)
-        if self.engine_module is None:  # no tracker: what is held now, and no size of the blocks between readings
-            return held, 0
-        excess, largest = self.engine_module.take_allocation_reading(self.torch_device.index)
+        engine, index = self.engine_module, self.torch_device.index
+        if engine is None:  # no tracker: what is held now, and no size of the blocks between readings
+            return held_bytes(self.torch_device), 0
+        held = engine.held_bytes(index)  # held_bytes's figure, without torch.cuda.memory_stats's dictionary
+        excess, largest = engine.take_allocation_reading(index)
         return held + excess, largest
 
     def empty_cache(self) -> None:

@@ -106,6 +106,7 @@ class SimulatedDevice:
             self.memory.devices.add(self)
         self.arena = SlotArena(self)
         self.segment_bytes = self.memory.allocator.sizes.large_segment if self.memory is not None else 0
+        self.reads_memory = self.memory is not None
         self.memory_limit: int | None = None  # what limit_memory was told
         self.host_pool: HostPool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory,
                                              before_free=self.synchronize)

@@ -8,8 +8,13 @@ would otherwise add the next backward's gradient into it a second time. When a b
 each `p.grad` at its gradient, where it lives: the tensor lent to a chunk on the device, a view of the chunk's
 device payload, or a view of its host payload once the downloads into it have landed (read fenced, like every
 payload). A gradient and its parameter must be on one device: a group that streams has its gradient on the
-host, so its parameter chunk leaves the device (it is clean: nothing is copied), and its parameters are host
-tensors until the next forward brings them back, as after a step. Changes made in place through `p.grad`
+host, so its parameters view their chunk's host payload until the next forward, as after a step. The device
+copy stays (it is clean: the host payload holds the same values), and the next forward points the parameters
+back at it (`restore`): under gradient accumulation, dropping it made every backward but the last cost an
+upload of every streamed parameter chunk, which the plan does not foresee (benchmarks/placement.py
+--accumulate 2: 1.30x the optimum's bytes). A parameter changed in place meanwhile (its `_version` moved:
+`with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped, and the forward uploads the
+host payload. Changes made in place through `p.grad`
 (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
 step (`take`), as torch.optim would read it. The next forward (or zero_grad) hides them again: the
 next backward accumulates into the chunks, not into `p.grad`.
@@ -25,7 +30,7 @@ import torch
 
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState, TensorState
-from chunkmem.chunks.store import ParamRecord, ParamStore
+from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 
 
 class ShownGrads:
@@ -35,6 +40,9 @@ class ShownGrads:
         self.store = store
         self.residency = residency
         self.shown: dict[ParamRecord, torch.Tensor] = {}  # record -> the tensor its p.grad was set to
+        # Parameter chunks on the device whose parameters view their host payload, with those parameters'
+        # versions then (the Note).
+        self.host_viewed: dict[ChunkGroup, list[int]] = {}
 
     def show(self) -> None:
         """Point every `p.grad` of a parameter with a gradient at it (the end of a backward)."""
@@ -50,16 +58,33 @@ class ShownGrads:
                 grads = lent if flat is None else [r.view(flat) for r in held]
             else:  # streamed: on the host, with its parameters (gradient chunks have no disk tier)
                 host = chunk.landed()
-                if group.param.state is ChunkState.DEVICE and not group.param.pins:
-                    self.residency.evict(group.param)
+                param = group.param
+                if param.state is ChunkState.DEVICE and not param.pins and param.tier is None:
+                    self.store.point_views(param, at_host=True)
+                    self.host_viewed.setdefault(group, [r.param._version for r in group.members])
+                elif param.state is ChunkState.DEVICE and not param.pins:
+                    self.residency.evict(param)  # a disk tier's host buffer comes and goes: the tier's copy is read
                 grads = [r.view(host) for r in held]
             for record, grad in zip(held, grads):
                 if grad is not None and grad.device == record.param.device:
                     record.param.grad = grad
                     self.shown[record] = grad
 
+    def restore(self) -> None:
+        """Parameters that view their host payload beside a clean device copy view the device copy again, or, if
+        changed in place since, the device copy is dropped (the Note)."""
+        for group, versions in self.host_viewed.items():
+            if not group.param.state.on_device:
+                continue  # it left the device meanwhile (the step's host update claimed it): views follow it
+            if versions == [r.param._version for r in group.members]:
+                self.store.point_views(group.param)
+            else:
+                self.residency.evict(group.param)
+        self.host_viewed.clear()
+
     def hide(self, records: Container[ParamRecord] | None = None) -> None:
         """`p.grad` None again, for all shown gradients (`records` None) or those in `records`."""
+        self.restore()
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             del self.shown[record]

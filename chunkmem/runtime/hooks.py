@@ -164,7 +164,9 @@ class Hooks:
         try:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
-            with torch.autograd.graph.saved_tensors_hooks(runtime.pack, runtime.unpack), \
+            unmetered = resident and runtime.device.reads_memory  # runtime's Note on resident steps
+            with contextlib.nullcontext() if unmetered else torch.autograd.graph.saved_tensors_hooks(
+                    runtime.pack, runtime.unpack), \
                     contextlib.nullcontext() if modeless else FetchMode(runtime), set_checkpoint_early_stop(False):
                 yield modeless
             if resident and training:

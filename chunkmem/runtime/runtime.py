@@ -15,12 +15,19 @@ decide; what it costs (Python at every module, op and moment) is all the overhea
 plan homes every group and every chunk is on the device (placement's Note on resident steps), a
 training forward whose inputs have the shapes of one that already ran under that plan without
 outgrowing it runs resident: no torch-function mode, module hooks that return at once, moments that
-only keep the device peak. What stays: the saved-tensor hooks (activations are still metered, and the
-non-model bytes are checked against the plan when the forward ends), gradients lent to their chunks,
-the optimizer's updates. What the mode did is not needed: every parameter is on the device, and the
-models whose BatchNorm needed its cast in the warm-up never run resident. An out-of-memory error in a
-resident forward makes the wrapper run the forward again under the mode, with the random state it
-started from (ChunkedModel.forward).
+read nothing. What stays: gradients lent to their chunks, the optimizer's updates, and the device peak,
+read when the forward ends (checked against the plan) and when the backward ends: a reading of the
+allocator gives the most it held since the last one (on CUDA, the copy engine's tracker), so two readings
+see the step's peak. The saved-tensor hooks stay only where the device reads no allocator (the simulation
+without its memory model: CHUNKMEM_SIM_MEMORY=0), whose non-model bytes are the activations they meter,
+and whose moments read them. Elsewhere autograd keeps the parameters it saves as they are: nothing moves
+before backward reads them, and a chunk that did leave would keep its slot, and its values, while a saved
+view refers to it (the arena's Note on chunk memory). The hooks cost a Python call per saved tensor and per
+use of it: a third of the host time a resident step added in benchmarks/overhead.py's launch-bound LLaMA.
+What the mode did is not needed: every parameter is on the device, and the models whose BatchNorm needed
+its cast in the warm-up never run resident. An out-of-memory error in a resident forward makes the
+wrapper run the forward again under the mode, with the random state it started from
+(ChunkedModel.forward).
 
 [Note: lean forwards]
 When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
@@ -214,6 +221,8 @@ class Runtime:
 
     def acquire(self, records: Iterable[ParamRecord], keys: Iterable[Key] | None = None) -> None:
         records = list(records)
+        if self.grads.host_viewed:  # parameters of streamed groups view the host since a backward (grads' Note)
+            self.grads.restore()
         for record in records:
             record.move("acquire")
             if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
@@ -330,11 +339,14 @@ class Runtime:
     # -- moments ----------------------------------------------------------------------------------
     def emit(self, name: str, stage: str, where: str) -> None:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
-        the non-model data measured now (placement.Placer.moment). In a resident step only the peak is kept."""
-        nonmodel = self.nonmodel_bytes()
+        the non-model data measured now (placement.Placer.moment). In a resident step only the peak is kept, and
+        where the allocator is read, only at the forward's and the backward's end: a reading gives the most held
+        since the last one (the Note on resident steps)."""
         if self.placer.resident:
-            self._note_peak(nonmodel)
+            if not self.device.reads_memory:
+                self._note_peak(self.nonmodel_bytes())
             return
+        nonmodel = self.nonmodel_bytes()
         chunk_bytes = self.residency.stats.device_chunk_bytes
         self.placer.moment(nonmodel)
         if self.residency.stats.device_chunk_bytes != chunk_bytes:  # chunks left: on CUDA the reading moves with them
@@ -428,6 +440,9 @@ class Runtime:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
         readable by what runs next (`fence_uploads`)."""
         self._backward_queued = False
+        self.placer.backwards += 1
+        if self.placer.resident:
+            self._note_peak(self.nonmodel_bytes())
         if self.shards is not None:  # reduce-scatters in flight finish now
             self.shards.finish_backward()
         self.fence_uploads()

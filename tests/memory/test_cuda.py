@@ -176,6 +176,27 @@ def test_cuda_means_this_ranks_device_and_makes_it_current():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_engines_reading_of_held_bytes_is_torchs():
+    """The copy engine reads what the allocator holds from its statistics, as gpu_memory.held_bytes does through
+    torch.cuda.memory_stats, at every moment of a step: the two agree through allocations, splits and frees."""
+    from chunkmem.memory import gpu_memory, native
+
+    module = native.load_copy_engine()
+    if module is None:
+        pytest.skip(f"the CUDA copy engine is not built here: {native.missing().get(native.COPY_ENGINE)}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    kept = []
+    for size in (1, 4096, 3 << 20, 25 << 20):
+        kept.append(torch.empty(size, dtype=torch.uint8, device=device))
+        small = torch.empty(size // 2 + 1, dtype=torch.uint8, device=device)  # splits a segment, then leaves a hole
+        del small
+        assert module.held_bytes(device.index) == gpu_memory.held_bytes(device)
+    del kept
+    assert module.held_bytes(device.index) == gpu_memory.held_bytes(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_copy_engine_batched_round_trip_and_pinned_pool():
     from chunkmem.memory import native
     from chunkmem.memory.hostpool import EngineAllocator, HostPool, RegisteredAllocator

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from chunkmem.chunks.planning import step_cost
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -100,3 +101,34 @@ def test_a_second_backward_of_one_forward_adds_into_the_shown_gradient_once():
         out.abs().mean().backward()
     expected = grads(plain)
     assert all(torch.equal(grads(cm.module)[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+def test_accumulation_moves_what_the_plan_says_and_sees_parameters_changed_between_passes(fraction):
+    """Between two backward passes a streamed group's parameters view the host beside their gradient, but their
+    chunk's device copy stays (grads' Note): a steady accumulating step moves the bytes its plan predicts (it
+    uploaded every streamed chunk again before), and a parameter changed in place between the passes is what
+    the next pass uses, as in PyTorch."""
+    model, batches = mlp(), mlp_batches(10)
+    plain = copy.deepcopy(model)  # a group a layer, the budget a fraction of param, gradient and AdamW's states
+    pair = [(plain, ADAMW(plain.parameters())),
+            prepared(model, ADAMW, device_memory=int(4 * param_bytes(model) * fraction), chunk_size=32 * 33)]
+    cm = pair[1][0]
+    for step, (first, second) in enumerate(zip(batches[::2], batches[1::2])):
+        before = cm.memory_stats()
+        for net, optimizer in pair:
+            mlp_loss(net, first).backward()
+            params = dict((net.module if net is cm else net).named_parameters())
+            assert all(p.grad is not None and p.grad.device == p.device for p in params.values())
+            if step == 4:
+                with torch.no_grad():
+                    params["0.weight"].mul_(0.5)
+            mlp_loss(net, second).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step == 3:  # steady: planned two steps before
+            after, placer = cm.memory_stats(), cm.runtime.placer
+            moved = sum(after[k] - before[k] for k in ("h2d_bytes", "d2h_bytes"))
+            assert placer.homes != {g.index for g in placer.groups}, "some group streams"
+            assert moved == step_cost(placer.follower.step, placer.by_index, placer.sizes, passes=2)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())

@@ -130,3 +130,24 @@ def test_a_resident_step_waits_for_uploads_still_landing() -> None:
     losses += train(cm, opt, batches[2:], loss)
     assert flags == [False, True, True, True]
     assert losses == expected
+
+
+def test_a_resident_step_where_the_allocator_is_read_saves_tensors_without_the_hooks(sim_memory) -> None:
+    """Where the device reads its allocator (CUDA; the simulation's memory model), a resident forward installs no
+    saved-tensor hooks (runtime's Note on resident steps): autograd keeps the parameters it saves, and the step
+    is still plain PyTorch's, bit for bit."""
+    sim_memory(64)
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+                                   for s in range(4)]
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW)
+    assert cm.runtime.device.reads_memory
+    packed: list[bool] = []
+    pack = cm.runtime.pack
+    cm.runtime.pack = lambda tensor: packed.append(cm.runtime.placer.resident) or pack(tensor)
+    flags: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, gpt2_loss, flags)) == expected
+    assert flags == [False, True, True, True]
+    assert packed and not any(packed), "the warm-up's forward packs its saved tensors, resident ones none"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
