@@ -14,6 +14,11 @@ step: fetches, write-backs and streamed gradients.
   optimum:  benchmarks/optimum.py's integer program, homes chosen too; "<=" marks the best found
             within --time-limit when not proven optimal.
   bound:    the program's linear relaxation, below any schedule.
+`--accumulate K`: every step is K backward passes (gradient accumulation); a streamed group sends its gradients
+in each. These are the rows where write-backs happen (a homed group's gradient chunk leaving between passes):
+
+    python -m benchmarks.placement --accumulate 2 --json benchmarks/results/placement_cpu_accumulate2.json
+
 Also: the optimum with chunkmem's homes (what eviction alone could save), how many groups each homed,
 and the share of chunkmem's uploads sent ahead of the access that needs them (prefetched, so the copy
 overlaps compute; the rest compute waits for). The JSON splits the optimum's bytes into fetched,

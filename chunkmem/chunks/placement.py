@@ -70,10 +70,13 @@ class Follower:
         self.nexts = next_uses(step.accesses, step.carried)
         self.evicts: dict[int, list[str]] = {}  # access index -> what the plan evicts (prefetches) before it
         self.prefetches: dict[int, list[str]] = {}
+        self.last_evicted: dict[str, int] = {}  # chunk -> the last access the plan evicts it before
         for action in plan.actions:
             if action.verb != "fetch":
                 verb = self.evicts if action.verb == "evict" else self.prefetches
                 verb.setdefault(action.at, []).append(action.chunk)
+            if action.verb == "evict":
+                self.last_evicted[action.chunk] = action.at
         self.peak_nonmodel = max(step.nonmodel, default=0)
         self.positions: dict[tuple[str, ...], list[int]] = {}
         for i, access in enumerate(step.accesses):
@@ -156,7 +159,7 @@ class Placer:
         follower = self._following
         names = {c.name: c for c in candidates}
         dirty = {name for name, c in names.items() if c.state is ChunkState.DEVICE_DIRTY}
-        return names[victim(follower.cursor, names, follower.next_uses_now(), dirty)]
+        return names[victim(follower.cursor, names, follower.next_uses_now(), dirty, follower.step.write_back)]
 
     # -- accesses ---------------------------------------------------------------------------------
     def homed(self, group: int) -> bool:
@@ -231,10 +234,14 @@ class Placer:
         """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
         plan will want it on the device from the start (it fits under the first access's budget beside
         what is resident), upload it now: on CUDA the copy then overlaps the next group's update rather
-        than the next forward. The plan is rebuilt from what is resident when the step ends, as always."""
+        than the next forward. Not if the plan evicts it later in this step (to make room for a homed group's
+        update): it would come up twice. The plan is rebuilt from what is resident when the step ends, as always."""
         if self.phase is not Phase.FOLLOW or self.off_path or chunk.state.on_device:
             return
-        budgets = self._following.plan.budgets
+        follower = self._following
+        if follower.last_evicted.get(chunk.name, -1) >= follower.cursor:
+            return
+        budgets = follower.plan.budgets
         room = min(self.residency.limit, budgets[0]) if budgets else 0
         if self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
             self.residency.bring(chunk, "prefetch")
@@ -380,7 +387,7 @@ class Placer:
             if not outgrown and self._same(events, planned):
                 step = planned if held <= planned.room_for else planned.leaving_room_for(held, self.sizes, self.limit)
             else:
-                step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit, held)
+                step = Step.of(events, self.by_index, self.homes, self.sizes, self.limit, held, planned.write_back)
                 if not self.replans:
                     log.info("this step's chunk accesses or non-model data differ from its plan's (modules chosen by "
                              "the data, another input size?): each step follows a plan made from the one before")

@@ -3,7 +3,8 @@
 Pure functions over names and sizes, tested without a device. `build_plan` evicts by `victim`, Belady's
 rule (the resident chunk whose next use is furthest away) made write-back-aware: evicting a chunk
 changed on the device costs its write-back and its fetch, a clean one only the fetch, so a dirty chunk
-leaves only when its next use is twice as far. Next uses look across the step's end for the chunks that
+leaves only when its next use is `write_back` times as far (twice, by those costs; the planner also tries
+other factors and keeps the one that moves least: planning.WRITE_BACK_FACTORS). Next uses look across the step's end for the chunks that
 stay valid into the next step (`carried`), since a steady step starts with what the last one left. The
 budget changes from one access to the next (what the non-model data leaves free), and the next access's
 chunks are prefetched into room that is already free. `simulate` replays an eviction rule on the same
@@ -64,18 +65,20 @@ def next_uses(accesses: Sequence[Access], carried: Collection[str] = ()) -> list
     return table
 
 
-def victim(index: int, candidates: Collection[str], nexts: dict[str, int], dirty: Collection[str]) -> str:
-    """The chunk to evict before access `index`: furthest next use, a dirty chunk's distance halved (its
-    eviction costs a write-back besides the fetch); ties by name, so every rank and every replay agrees."""
+def victim(index: int, candidates: Collection[str], nexts: dict[str, int], dirty: Collection[str],
+           write_back: float = 2.0) -> str:
+    """The chunk to evict before access `index`: furthest next use, a dirty chunk's distance divided by
+    `write_back` (its eviction costs a write-back besides the fetch); ties by name, so every rank and every
+    replay agrees."""
     def key(name: str) -> tuple[float, str]:
         distance = nexts.get(name, INFINITY) - index
-        return (-(distance / 2 if name in dirty else distance), name)
+        return (-(distance / write_back if name in dirty else distance), name)
     return min(candidates, key=key)
 
 
 def build_plan(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int],
                resident: Collection[str] = (), dirty: Collection[str] = (), carried: Collection[str] = (),
-               lending: Collection[str] = ()) -> Plan:
+               lending: Collection[str] = (), write_back: float = 2.0) -> Plan:
     """The write-back-aware Belady placement of `accesses` with `budgets[i]` bytes for chunks at access i,
     from `resident` chunks (`dirty` among them changed on the device). Its `slots` count the chunks resident
     at once by size, but for `lending` ones (their bytes are autograd's: chunk.py's Note on lent ranges)."""
@@ -88,7 +91,7 @@ def build_plan(accesses: Sequence[Access], sizes: dict[str, int], budgets: Seque
         needed = set(access.chunks)
         over = sum(sizes[c] for c in held | needed) - budgets[i]
         while over > 0:
-            evicted = victim(i, held - needed, nxt[i], changed)
+            evicted = victim(i, held - needed, nxt[i], changed, write_back)
             held.discard(evicted)
             changed.discard(evicted)
             actions.append(Action(i, "evict", evicted))
@@ -131,10 +134,10 @@ def _check_inputs(accesses: Sequence[Access], sizes: dict[str, int], budgets: Se
 Rule = Callable[[int, set[str], set[str]], str]  # (index, evictable, dirty among them) -> victim
 
 
-def planned_rule(accesses: Sequence[Access], carried: Collection[str] = ()) -> Rule:
+def planned_rule(accesses: Sequence[Access], carried: Collection[str] = (), write_back: float = 2.0) -> Rule:
     """`build_plan`'s eviction rule, for `simulate`."""
     nexts = next_uses(accesses, carried)
-    return lambda i, evictable, dirty: victim(i, evictable, nexts[i], dirty)
+    return lambda i, evictable, dirty: victim(i, evictable, nexts[i], dirty, write_back)
 
 
 def simulate(accesses: Sequence[Access], sizes: dict[str, int], budgets: Sequence[int], rule: Rule,
