@@ -66,7 +66,8 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
     keys = ("h2d_bytes", "d2h_bytes", "grad_stream_bytes")
     with recording() as seen:
         train()  # warm-up: recorded, then planned
-        train()  # the first step on the plan settles what is resident at a step's start
+        train()  # the first steps on the plan settle what is resident at a step's start (and what the
+        train()  # plan leaves room to send up early for the next step: Placer.updated_on_host)
         measured, streamed, uploaded, prefetched = [], 0, 0, 0
         for _ in range(steady_steps):
             before = cm.memory_stats()

@@ -17,15 +17,17 @@ if TYPE_CHECKING:
     from chunkmem.checkpoint import load_checkpoint, save_checkpoint
     from chunkmem.config import Config
     from chunkmem.errors import MemoryBudgetError
+    from chunkmem.manager import Manager
     from chunkmem.pipeline import Pipeline, pipeline
     from chunkmem.trace import annotate, trace
     from chunkmem.wrapper import LOCAL, ChunkedModel, prepare
 
 _WHERE = {"load_checkpoint": "chunkmem.checkpoint", "save_checkpoint": "chunkmem.checkpoint",
-          "Config": "chunkmem.config", "MemoryBudgetError": "chunkmem.errors", "Pipeline": "chunkmem.pipeline",
+          "Config": "chunkmem.config", "MemoryBudgetError": "chunkmem.errors", "Manager": "chunkmem.manager",
+          "Pipeline": "chunkmem.pipeline",
           "pipeline": "chunkmem.pipeline", "annotate": "chunkmem.trace", "trace": "chunkmem.trace",
           "LOCAL": "chunkmem.wrapper", "ChunkedModel": "chunkmem.wrapper", "prepare": "chunkmem.wrapper"}
-__all__ = ["LOCAL", "Config", "ChunkedModel", "MemoryBudgetError", "Pipeline", "__version__", "annotate",
+__all__ = ["LOCAL", "Config", "ChunkedModel", "Manager", "MemoryBudgetError", "Pipeline", "__version__", "annotate",
            "load_checkpoint", "pipeline", "prepare", "save_checkpoint", "trace"]
 
 

@@ -315,7 +315,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
                 view.copy_(value) if value is not None else view.zero_()
     if restore.scaler is not None and runtime.scaler is not None:
         runtime.scaler.__dict__.update(restore.scaler)
-    runtime.zero_grad()
+    model.zero_grad()
 
 
 def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -324,7 +324,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     steps = _steps(optimizer)
     for kind in optimizer.rule.families:
         for record, value in runtime.data.values(kind).items():
-            if steps.get(record.name, 0) > 0:
+            if record in optimizer.steps and steps[record.name] > 0:  # a manager's runtime holds other models' too
                 tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name
                                                                           for p in g["params"]]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import typing
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.optim import ChunkOptimizer, rule_for
@@ -56,6 +58,8 @@ class ChunkedModel(nn.Module):
                     # under bf16; hooks._affine_like_statistics), and are raised to the compute dtype if below it.
                     dtype = torch.promote_types(buffer.dtype, compute) if buffer.is_floating_point() else None
                     sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
+        # Its parameters' records where the runtime holds other models' too (a manager's), else None: all of them.
+        self.own_records: frozenset[ParamRecord] | None = None
         self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
 
     def __getattr__(self, name: str) -> Any:
@@ -92,6 +96,15 @@ class ChunkedModel(nn.Module):
         # even when one output is computed from another inside the module (loss from logits).
         return tree_map(lambda t: _ScaleGrad.apply(t, scaler)
                         if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+
+    @torch.no_grad()
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's `generate` (transformers), between training steps: its forwards (one per token, of
+        growing shapes) are served off the plan, within the budget, as evaluation is (placement's Placer)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        args, kwargs = tree_unflatten([self._to_compute(leaf) for leaf in leaves], spec)
+        with self.hooks.forward(None, in_step=False):
+            return typing.cast(Any, self.module).generate(*args, **kwargs)
 
     def _to_compute(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -142,14 +155,14 @@ class ChunkedModel(nn.Module):
         return self.runtime.memory_stats()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.runtime.zero_grad(set_to_none)
+        self.runtime.zero_grad(set_to_none, only=self.own_records)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: builtins.float, norm_type: builtins.float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
-        grads = runtime.data.grad_views()
+        grads = runtime.data.grad_views(self.own_records)
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
             runtime.grads_scaled = False
@@ -240,6 +253,24 @@ def _global_norm(runtime: Runtime, local: torch.Tensor, norm_type: float) -> tor
     return (summed ** (1.0 / norm_type)).to(local.dtype)
 
 
+def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
+    """Check that `model` and `optimizer` (if any) are ones prepare can take: neither prepared nor used before."""
+    if isinstance(model, ChunkedModel):
+        raise ValueError("this model was already prepared by chunkmem: pass the original module once")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"chunkmem.prepare expects an nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, ChunkOptimizer):
+        raise ValueError("this optimizer was already prepared by chunkmem: pass the original torch.optim one")
+    if optimizer is not None and optimizer.state:
+        raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
+                         "prepare before training, and restore with chunkmem.load_checkpoint")
+    hooked = already_hooked(model)
+    if hooked is not None:
+        raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
+                         "are views into that call's chunks): train through the model that call returned, or "
+                         "prepare a copy made before the first call (copy.deepcopy)")
+
+
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
             group: Any = None) -> tuple[ChunkedModel, ChunkOptimizer]:
     """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.
@@ -248,26 +279,13 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     when one is initialised (or torchrun's environment says there is one), else no sharding.
     `chunkmem.LOCAL`: no sharding (each pipeline stage, for instance, holds its own model data).
     """
-    if isinstance(model, ChunkedModel):
-        raise ValueError("this model was already prepared by chunkmem: pass the original module once")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"chunkmem.prepare expects an nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, ChunkOptimizer):
-        raise ValueError("this optimizer was already prepared by chunkmem: pass the original torch.optim one")
+    check_fresh(model, optimizer)
     rule = rule_for(optimizer)
-    if optimizer.state:
-        raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
-                         "prepare before training, and restore with chunkmem.load_checkpoint")
-    hooked = already_hooked(model)
-    if hooked is not None:
-        raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
-                         "are views into that call's chunks): train through the model that call returned, or "
-                         "prepare a copy made before the first call (copy.deepcopy)")
     config = config or Config()
     group = None if group == LOCAL else default_group(group, config.device)
     if group is not None and dist.get_world_size(group) == 1:
         group = None
-    before = _Snapshot.of(model)
+    before = Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:
         runtime = Runtime(model, config, rule.states, group, fingerprints(model, config, optimizer))
@@ -294,22 +312,30 @@ def watch_prepare(watcher: Watcher) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Snapshot:
+class Snapshot:
     """What prepare changes in a module (parameter data, buffers), kept to put back if prepare fails."""
 
     data: dict[nn.Parameter, torch.Tensor]
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
+    requires_grad: dict[nn.Parameter, bool]
 
     @classmethod
-    def of(cls, module: nn.Module) -> _Snapshot:
+    def of(cls, module: nn.Module) -> Snapshot:
         return cls({p: p.data for p in module.parameters()},
-                   {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()})
+                   {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
+                   {p: p.requires_grad for p in module.parameters()})
 
     def restore(self) -> None:
         for param, data in self.data.items():
-            if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
-                torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as store.point_views
-            else:
-                param.data = data
+            param.requires_grad_(self.requires_grad[param])
+            put_data(param, data)
         for (sub, name), buffer in self.buffers.items():
             sub._buffers[name] = buffer
+
+
+def put_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """`param.data = data`, also between the meta device and a real one (which `.data =` refuses)."""
+    if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
+        torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as store.point_views
+    else:
+        param.data = data

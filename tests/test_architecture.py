@@ -17,7 +17,7 @@ LAYERS = [  # bottom first: a module imports only from its own layer and the lay
     ("chunks", ["chunkmem.chunks"]),
     ("zero", ["chunkmem.zero"]),
     ("runtime", ["chunkmem.runtime"]),
-    ("public face", ["chunkmem.wrapper", "chunkmem.checkpoint"]),
+    ("public face", ["chunkmem.wrapper", "chunkmem.checkpoint", "chunkmem.manager"]),
     ("applications", ["chunkmem.pipeline", "chunkmem.finetune", "chunkmem.trace", "chunkmem.commands",
                       "chunkmem.trainer", "chunkmem.selftest", "chunkmem.cli", "chunkmem"]),
 ]

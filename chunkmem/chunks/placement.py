@@ -33,13 +33,13 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TypeVar
 
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.plan import Plan, next_uses, victim
+from chunkmem.chunks.plan import INFINITY, Action, Plan, next_uses, victim
 from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_chunks
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
@@ -62,7 +62,7 @@ class Follower:
     """Walks a plan access by access (the Note on following): finds each access of the step in the record,
     at the cursor or further on, and counts what the step skipped or did off the record."""
 
-    def __init__(self, step: Step, plan: Plan, sizes: dict[str, int]) -> None:
+    def __init__(self, step: Step, plan: Plan, sizes: dict[str, int], start: Collection[str] = ()) -> None:
         self.step = step
         self.plan = plan
         self.accesses = step.accesses
@@ -78,6 +78,7 @@ class Follower:
             if action.verb == "evict":
                 self.last_evicted[action.chunk] = action.at
         self.peak_nonmodel = max(step.nonmodel, default=0)
+        self.spare_after, self.spare_before, self.first_brought, self.held_at_end = _spare_room(step, plan, sizes, start)
         self.positions: dict[tuple[str, ...], list[int]] = {}
         for i, access in enumerate(step.accesses):
             self.positions.setdefault(access.chunks, []).append(i)
@@ -137,6 +138,7 @@ class Placer:
         self.follower: Follower | None = None
         self.start: set[str] = set()
         self.off_path = False  # a forward without gradients (evaluation): served, not recorded or followed
+        self.sent_early = 0  # bytes of parameter chunks sent up this step for the next (`updated_on_host`)
         self.replans = 0  # steps whose accesses differed from the plan's and became the next plan
         self.giving_way = False  # this step held more non-model data than its plan recorded
         self.resident = False  # serving a resident step now (the Note on resident steps)
@@ -239,12 +241,16 @@ class Placer:
         if self.phase is not Phase.FOLLOW or self.off_path or chunk.state.on_device:
             return
         follower = self._following
-        if follower.last_evicted.get(chunk.name, -1) >= follower.cursor:
+        first = follower.first_brought.get(chunk.name)
+        if first is None or follower.last_evicted.get(chunk.name, -1) >= follower.cursor:
             return
-        budgets = follower.plan.budgets
-        room = min(self.residency.limit, budgets[0]) if budgets else 0
-        if self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
+        # It stays from now until the plan brings it next step: room the plan leaves free at every access in between
+        # (for the rest of this step none if the plan holds it to the end, not knowing the host rewrote it).
+        after = INFINITY if chunk.name in follower.held_at_end else follower.spare_after[follower.cursor]
+        room = min(after, follower.spare_before[first]) - self.sent_early
+        if chunk.nbytes <= room and self.residency.stats.device_chunk_bytes + chunk.nbytes <= self.residency.limit:
             self.residency.bring(chunk, "prefetch")
+            self.sent_early += chunk.nbytes
 
     def moment(self, nonmodel: int) -> None:
         """Between accesses activations grow too (`nonmodel` bytes now): without a plan, or once a step outgrew
@@ -401,8 +407,9 @@ class Placer:
             plan = step.plan(self.sizes, resident, dirty, [n for n, c in self.chunks.items() if c.lends])
             if self.follower is None or plan.slots != self.follower.plan.slots:
                 self.residency.device.arena.reserve(dict(plan.slots))  # planning's Note on one budget a step
-            self.follower = Follower(step, plan, self.sizes)
+            self.follower = Follower(step, plan, self.sizes, resident)
         self._following.cursor = 0
+        self.sent_early = 0
 
     def _same(self, events: list[Event], planned: Step) -> bool:
         """Whether a step's `events` made the plan's accesses with non-model data within the margin of the plan's."""
@@ -419,6 +426,31 @@ class Placer:
                 for kind, chunk in group.chunks.items():
                     if kind != "param":
                         self.residency.evict(chunk)
+
+
+def _spare_room(step: Step, plan: Plan, sizes: dict[str, int], start: Collection[str]
+                ) -> tuple[list[int], list[int], dict[str, int], set[str]]:
+    """What the plan leaves free of each access's budget, from `start`: the least from access i to the step's end
+    (`after[i]`) and before access i (`before[i]`; none before the first); the access before which each chunk is
+    first brought (a prefetch goes up after the access before its own); and what is held when the step ends."""
+    held, spare = set(start), []
+    first: dict[str, int] = {}
+    by_access: dict[int, list[Action]] = {}
+    for action in plan.actions:
+        by_access.setdefault(action.at, []).append(action)
+        if action.verb != "evict":
+            first.setdefault(action.chunk, action.at - (action.verb == "prefetch"))
+    for i, budget in enumerate(step.budgets):
+        for action in by_access.get(i, ()):
+            (held.discard if action.verb == "evict" else held.add)(action.chunk)
+        ahead = sum(sizes[a.chunk] for a in by_access.get(i + 1, ()) if a.verb == "prefetch")  # sent up after i
+        spare.append(budget - _bytes(tuple(held), sizes) - ahead)
+    after, before = spare + [INFINITY], [INFINITY]
+    for i in range(len(spare) - 1, -1, -1):
+        after[i] = min(spare[i], after[i + 1])
+    for value in spare:
+        before.append(min(before[-1], value))
+    return after, before, first, held
 
 
 def _mib(nbytes: int) -> str:

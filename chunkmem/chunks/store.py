@@ -24,8 +24,8 @@ from chunkmem.memory.device import Device
 class ParamRecord:
     """One managed parameter: where it lives and the states of its value and its gradient."""
 
-    name: str
-    aliases: tuple[str, ...]  # every name it has in the module (tied weights have several)
+    name: str  # its name in its model (a ModelSet's member: not the set's "<i>." prefixed one)
+    aliases: tuple[str, ...]  # every name it has in its model (tied weights have several)
     param: nn.Parameter
     shape: torch.Size
     slot: Slot
@@ -106,7 +106,7 @@ class ParamStore:
                 for kind in (families if trainable else ["param"]) if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
-                record = ParamRecord(slot.name, aliases[param], param, param.shape, slot, group)
+                record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group)
                 group.members.append(record)
                 self.records[param] = record
             self.groups.append(group)
@@ -239,7 +239,19 @@ def most_pinned(module: nn.Module, keys: Callable[[nn.Module], set[K]]) -> int:
     return len(pinned_at_once(module, keys)[0])
 
 
+class ModelSet(nn.Module):
+    """Several models laid out in one store (chunkmem.Manager): the set's parameter names are "<i>.<name>", and
+    each record's names are those in its own model."""
+
+    def __init__(self, models: list[nn.Module]) -> None:
+        super().__init__()
+        for index, model in enumerate(models):
+            self.add_module(str(index), model)
+
+
 def _aliases(module: nn.Module) -> dict[nn.Parameter, tuple[str, ...]]:
+    if isinstance(module, ModelSet):
+        return {p: names for model in module.children() for p, names in _aliases(model).items()}
     names: dict[nn.Parameter, tuple[str, ...]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names[param] = names.get(param, ()) + (name,)

@@ -113,13 +113,16 @@ class Hooks:
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
         self.forwarding = False  # inside `forward()`, the model's own forward pass
         self.outside: tuple[nn.Module, FetchMode] | None = None  # a module running outside it, and its mode
+        # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
+        # manager's Note), rather than evaluation off the plan.
+        self.scores_in_step = False
         for sub in module.modules():
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
             self.handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
-        for param, record in runtime.store.records.items():
+        for param in module.parameters():  # its own: a manager's runtime holds other models' too
             if param.requires_grad:
                 self.handles.append(param.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_ready, record)))
+                    functools.partial(self._grad_ready, runtime.store.records[param])))
 
     def _grad_ready(self, record: ParamRecord, _param: nn.Parameter) -> None:
         self.runtime.grad_ready(record)
@@ -146,18 +149,19 @@ class Hooks:
             mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def forward(self, inputs: Any = None) -> Iterator[bool]:
+    def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:
         """The context of one forward pass of the whole model, whose inputs have the signature `inputs`; it
         gives whether the forward runs without the torch-function mode (runtime's Notes on resident steps and
-        lean forwards)."""
+        lean forwards). Not `in_step`: served off the plan (generation between steps)."""
         runtime = self.runtime
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
             runtime.grads.hide()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
-        # A forward without gradients (evaluation) is not part of the training step the plan follows.
-        runtime.placer.off_path = not training
+        # A forward without gradients (evaluation) is not part of the training step the plan follows, but for a
+        # frozen model's under a manager.
+        runtime.placer.off_path = not in_step or not (training or self.scores_in_step)
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True

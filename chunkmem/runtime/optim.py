@@ -191,6 +191,12 @@ class ChunkOptimizer(Optimizer):
             if records[param] not in self.steps:
                 self.steps[records[param]] = torch.tensor(0.0)
 
+    def move_to(self, runtime: Runtime) -> None:
+        """Step `runtime`'s chunks from now on: a manager laid its models out again, before any step."""
+        self.runtime = runtime
+        self.steps = {}
+        self.group_of()  # a zero step count for each parameter
+
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
         records = self.runtime.store.records

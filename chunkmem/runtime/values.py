@@ -5,6 +5,8 @@ rank under ZeRO (state dicts, checkpoints). Each payload is read fenced, whereve
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 import torch
 
 from chunkmem.chunks.chunk import Chunk
@@ -52,11 +54,12 @@ class ModelData:
         flat = chunk.device  # type: ignore[assignment]
         return [r.view(flat) for r in records]
 
-    def grad_views(self) -> list[torch.Tensor]:
-        """Gradients of this rank's parameters that have one, chunk group by chunk group (norms, clipping)."""
+    def grad_views(self, only: Container[ParamRecord] | None = None) -> list[torch.Tensor]:
+        """Gradients of this rank's parameters (or of those in `only`) that have one, chunk group by chunk group
+        (norms, clipping)."""
         out = []
         for group in self.store.trainable_groups():
-            held = [r for r in group.members if r.grad_state is TensorState.HOLD]
+            held = [r for r in group.members if r.grad_state is TensorState.HOLD and (only is None or r in only)]
             if held:
                 out += self.grads(held, group.chunks["grad"].state.on_device, write=True)
         return out

@@ -1,0 +1,134 @@
+"""`chunkmem.Manager`: several models (a trained policy, a frozen reference, a reward model) under one device
+budget, one host budget, one warm-up record and one plan.
+
+[Note: one runtime for several models]
+A manager lays every model it prepares into one store, the models side by side in a `ModelSet`, so one
+residency keeps all their chunks within one budget and one placer records and plans the accesses of all of
+them in the order the step runs them: a reference model's forward is more accesses in the policy's step, and
+a chunk of one model leaves for a chunk of another when the plan says the other is needed sooner. A step ends
+at an optimizer's `step()`, as for one model.
+
+Each `prepare` builds the runtime again over every model so far, their chunks laid out anew from the values
+they hold now, and points the models and optimizers returned before at it. So the budget check of the last
+`prepare` sees all the models and refuses a budget too small for them there, with the bytes needed; and a
+`prepare` that raises leaves every model as it was (the earlier ones on the runtime they had). Building again
+is allowed only before the first forward of a step: afterwards the record, the plan and optimizer states exist.
+
+A model prepared without an optimizer is frozen (its parameters stop requiring gradients, so its chunks hold
+parameters only) and scores in the step: its forwards belong to the plan, as a reference model's do in every
+step. A trained model's forwards without gradients (evaluation, `generate`) are served off the plan.
+Not yet: sharding over ranks (ZeRO), and fp16 with more than one optimizer (one loss scale for all).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from chunkmem.chunks.store import ModelSet
+from chunkmem.config import Config
+from chunkmem.runtime.hooks import Hooks
+from chunkmem.runtime.optim import ChunkOptimizer, Rule, rule_for
+from chunkmem.runtime.runtime import Runtime
+from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data
+
+
+class Manager:
+    """Prepares several models into one runtime (the Note above): `model, opt = cm.prepare(model, opt)` for a
+    trained model, `ref = cm.prepare(ref)` for a frozen one."""
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config or Config()
+        self.models: list[ChunkedModel] = []
+        self.optimizers: list[ChunkOptimizer | None] = []
+        self.rules: list[Rule] = []
+        self.runtime: Runtime | None = None
+
+    @overload
+    def prepare(self, model: nn.Module) -> ChunkedModel: ...
+
+    @overload
+    def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[ChunkedModel, ChunkOptimizer]: ...
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer | None = None
+                ) -> ChunkedModel | tuple[ChunkedModel, ChunkOptimizer]:
+        check_fresh(model, optimizer)
+        rule = rule_for(optimizer) if optimizer is not None else None
+        self._check_can_add(model, rule)
+        before = Snapshot.of(model)
+        earlier = [m.module for m in self.models]
+        values = _off_device(self.runtime) if self.runtime is not None else {}
+        views = Snapshot.of(ModelSet(earlier))
+        hooked: list[ChunkedModel] = []
+        try:
+            for param, value in values.items():  # the new layout reads them
+                put_data(param, value)
+            if optimizer is None:
+                model.requires_grad_(False)
+            rules = [*self.rules, *([rule] if rule is not None else [])]  # one kind of optimizer (_check_can_add)
+            runtime = Runtime(ModelSet([*earlier, model]), self.config, rules[0].states if rules else ())
+            hooked.append(ChunkedModel(model, runtime))
+            prepared = ChunkOptimizer(runtime, optimizer, rule) if optimizer is not None and rule is not None else None
+        except BaseException:  # a prepare that raises changes nothing: earlier models keep their runtime
+            for done in hooked:
+                done.hooks.remove()
+            before.restore()
+            views.restore()
+            raise
+        wrapped = hooked[0]
+        for earlier_model, earlier_optimizer in zip(self.models, self.optimizers):
+            earlier_model.hooks.remove()
+            earlier_model.runtime = runtime
+            earlier_model.hooks = Hooks(earlier_model.module, runtime)
+            if earlier_optimizer is not None:
+                earlier_optimizer.move_to(runtime)
+        self.models.append(wrapped)
+        self.optimizers.append(prepared)
+        self.rules = rules
+        for member, member_optimizer in zip(self.models, self.optimizers):
+            member.own_records = frozenset(runtime.store.records[p] for p in member.module.parameters())
+            member.hooks.scores_in_step = member_optimizer is None
+        self.runtime = runtime
+        gc.collect()  # the runtime before, and its device memory, go now
+        return wrapped if prepared is None else (wrapped, prepared)
+
+    def memory_stats(self) -> dict[str, int]:
+        """What `ChunkedModel.memory_stats` gives, for all the models together (they share one runtime)."""
+        if self.runtime is None:
+            raise RuntimeError("this chunkmem.Manager has prepared no model yet")
+        return self.runtime.memory_stats()
+
+    def _check_can_add(self, model: nn.Module, rule: Rule | None) -> None:
+        runtime = self.runtime
+        if runtime is not None and (runtime.step_count or runtime.placer.events):
+            raise RuntimeError("chunkmem.Manager.prepare after the models started running: prepare every model "
+                               "before the first forward (one plan covers them all, and is laid out at prepare)")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise NotImplementedError("chunkmem.Manager does not shard over ranks yet: under torchrun, prepare "
+                                      "each model with chunkmem.prepare")
+        if rule is not None and self.rules and rule.states != self.rules[0].states:
+            raise ValueError(f"optimizers of one manager keep the same states; this one keeps {rule.states}, the "
+                             f"first {self.rules[0].states}: use the same optimizer class for every trained model")
+        if rule is not None and self.rules and self.config.torch_dtype == torch.float16:
+            raise NotImplementedError("one fp16 loss scale for several trained models is not supported: train one "
+                                      "model per manager under fp16, or use bf16")
+        ours = {p for m in self.models for p in m.module.parameters()}
+        shared = next((n for n, p in model.named_parameters() if p in ours), None)
+        if shared is not None:
+            raise ValueError(f"parameter {shared} belongs to a model this manager prepared already: models of one "
+                             "manager share no parameters (prepare a copy, copy.deepcopy)")
+
+
+def _off_device(runtime: Runtime) -> dict[nn.Parameter, torch.Tensor]:
+    """Every parameter's fp32 value in `runtime`, for a new layout to read; its chunks leave the device, so that
+    their memory is free for the new one (the runtime stays usable, its chunks on the host)."""
+    values = runtime.data.values()
+    for chunk in list(runtime.residency.resident.values()):
+        runtime.residency.evict(chunk)
+    runtime.device.arena.release()
+    return {param: values[record] for param, record in runtime.store.records.items()}

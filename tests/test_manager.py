@@ -1,0 +1,169 @@
+"""Several models under one chunkmem.Manager: one budget, one plan, results as plain PyTorch's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+import chunkmem
+from benchmarks.record import recording
+from benchmarks.several_models import load_dpo
+from chunkmem.chunks.placement import Phase
+
+DPO = load_dpo()
+CHUNK = 16384  # the embedding's elements
+PROMPT = 8
+
+
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    policy = DPO.tiny_llama(0, layers=2, width=64)
+    return policy, copy.deepcopy(policy)
+
+
+def reward_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_labels=1, pad_token_id=0))
+
+
+def pairs(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return DPO.preference_pairs(steps, 2, PROMPT, 16)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def managed(budget: int | None, *frozen: torch.nn.Module) -> tuple[chunkmem.Manager, list]:
+    """A manager holding a fresh policy (with AdamW), its reference, and `frozen` models besides."""
+    policy, reference = models()
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK, device_memory=budget))
+    prepared = [*manager.prepare(policy, adamw(policy)), manager.prepare(reference)]
+    return manager, prepared + [manager.prepare(m) for m in frozen]
+
+
+def step(policy, optimizer, reference, pair, reward=None) -> float:
+    loss = DPO.dpo_loss(policy, reference, *pair, PROMPT)
+    if reward is not None:  # a reward-weighted term, as a policy-gradient step would add
+        with torch.no_grad():
+            score = reward(pair[0]).logits.squeeze(-1)
+        loss = loss - 0.1 * (score * DPO.sequence_logps(policy, pair[0], PROMPT)).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def plain_losses(batches, reward=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    policy, reference = models()
+    optimizer = adamw(policy)
+    return [step(policy, optimizer, reference, pair, reward) for pair in batches], policy.state_dict()
+
+
+def small_budget(*frozen: torch.nn.Module, share: float = 0.4) -> tuple[int, int]:
+    """The budget of the activation peak plus `share` of every model's data, and that data, from a probe."""
+    manager, (policy, optimizer, reference, *others) = managed(None, *copy.deepcopy(list(frozen)))
+    step(policy, optimizer, reference, pairs(1)[0], *others)
+    stats = manager.memory_stats()
+    return manager.runtime.activations.peak + int(share * stats["model_data_bytes"]), stats["model_data_bytes"]
+
+
+def test_dpo_under_one_budget_below_both_models_data_is_bit_identical_to_plain():
+    batches = pairs(5)
+    budget, data = small_budget()
+    manager, (policy, optimizer, reference) = managed(budget)
+    losses = [step(policy, optimizer, reference, pair) for pair in batches]
+    expected, state = plain_losses(batches)
+    assert losses == expected
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+    stats = manager.memory_stats()
+    assert budget < data and stats["device_bytes_peak"] <= budget
+    assert stats["h2d_bytes"] > 0 and manager.runtime.placer.phase is Phase.FOLLOW
+
+
+def test_a_frozen_model_gets_parameter_chunks_only_and_its_forwards_join_the_plan():
+    manager, (policy, _, reference) = managed(None)
+    runtime = manager.runtime
+    assert policy.runtime is reference.runtime is runtime
+    frozen = {runtime.store.records[p].group for p in reference.module.parameters()}
+    trained = {runtime.store.records[p].group for p in policy.module.parameters()}
+    assert not frozen & trained and not any(g.trainable for g in frozen)
+    assert all(set(g.chunks) <= {"param"} for g in frozen)
+    assert all({"param", "grad", "exp_avg", "exp_avg_sq"} <= set(g.chunks) for g in trained)
+    assert not any(p.requires_grad for p in reference.module.parameters())
+    assert reference.hooks.scores_in_step and not policy.hooks.scores_in_step
+    # Its records carry its own names (checkpoints and state dicts use them), not the set's "1." ones.
+    assert {r.name for r in reference.own_records} == {n for n, _ in reference.module.named_parameters()}
+
+
+def test_three_models_under_one_manager_match_plain():
+    batches = pairs(4)
+    budget, data = small_budget(reward_model())
+    manager, (policy, optimizer, reference, reward) = managed(budget, reward_model())
+    losses = [step(policy, optimizer, reference, pair, reward) for pair in batches]
+    expected, state = plain_losses(batches, reward_model())
+    assert losses == expected
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in state.items())
+    assert reward.runtime is policy.runtime and manager.memory_stats()["device_bytes_peak"] <= budget < data
+
+
+def test_a_checkpoint_of_the_trained_model_resumes_exactly(tmp_path):
+    batches = pairs(4)
+    budget, _ = small_budget()
+    manager, (policy, optimizer, reference) = managed(budget)
+    for pair in batches[:2]:
+        step(policy, optimizer, reference, pair)
+    chunkmem.save_checkpoint(tmp_path / "ckpt", policy, optimizer)
+    expected = [step(policy, optimizer, reference, pair) for pair in batches[2:]]
+    manager, (policy, optimizer, reference) = managed(budget)
+    chunkmem.load_checkpoint(tmp_path / "ckpt", policy, optimizer)
+    assert [step(policy, optimizer, reference, pair) for pair in batches[2:]] == expected
+
+
+def test_a_budget_too_small_for_the_largest_working_set_is_refused_at_the_last_prepare_changing_nothing():
+    policy, _ = models()
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK,
+                                               device_memory=3 * CHUNK * 4))
+    policy, optimizer = manager.prepare(policy, adamw(policy))
+    wide = torch.nn.Module()  # one module pinning 4 chunks at once
+    for name in "abcd":
+        wide.register_parameter(name, torch.nn.Parameter(torch.randn(CHUNK)))
+    before = {n: p.detach().clone() for n, p in wide.named_parameters()}
+    with pytest.raises(chunkmem.MemoryBudgetError, match=str(4 * CHUNK * 4)):
+        manager.prepare(wide)
+    assert all(torch.equal(p, before[n]) and p.requires_grad for n, p in wide.named_parameters())
+    assert manager.models == [policy] and policy.runtime is manager.runtime
+    ids = pairs(1)[0][0]
+    plain, _ = models()
+    assert policy(ids).logits.equal(plain(ids).logits)  # the earlier model is as it was
+
+
+def test_generation_between_steps_gives_plain_tokens_and_keeps_the_plan():
+    batches = pairs(4)
+    budget, _ = small_budget()
+    manager, (policy, optimizer, reference) = managed(budget)
+    plain, plain_reference = models()
+    plain_optimizer = adamw(plain)
+    prompt = batches[0][0][:, :PROMPT]
+    with recording() as planned:
+        for pair in batches:
+            assert step(policy, optimizer, reference, pair) == step(plain, plain_optimizer, plain_reference, pair)
+            ours = policy.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(ours, plain.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+            assert manager.runtime.placer.phase is Phase.FOLLOW
+    assert len(planned) == 1, "generation made the plan record again"
+
+
+def test_prepare_refuses_after_the_first_forward_and_models_sharing_parameters():
+    manager, (policy, _, reference) = managed(None)
+    twin = torch.nn.Linear(64, 256, bias=False)
+    twin.weight = reference.module.lm_head.weight  # frozen: no hook of ours on it
+    with pytest.raises(ValueError, match="belongs to a model this manager prepared"):
+        manager.prepare(twin)
+    reference(pairs(1)[0][0])
+    with pytest.raises(RuntimeError, match="before the first forward"):
+        manager.prepare(reward_model())
