@@ -17,7 +17,7 @@ is allowed only before the first forward of a step: afterwards the record, the p
 A model prepared without an optimizer is frozen (its parameters stop requiring gradients, so its chunks hold
 parameters only) and scores in the step: its forwards belong to the plan, as a reference model's do in every
 step. A trained model's forwards without gradients (evaluation, `generate`) are served off the plan.
-Not yet: sharding over ranks (ZeRO), and fp16 with more than one optimizer (one loss scale for all).
+Not yet: sharding over ranks (ZeRO), and more than one trained model (one optimizer per manager).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Manager:
                 put_data(param, value)
             if optimizer is None:
                 model.requires_grad_(False)
-            rules = [*self.rules, *([rule] if rule is not None else [])]  # one kind of optimizer (_check_can_add)
+            rules = [*self.rules, *([rule] if rule is not None else [])]  # at most one (_check_can_add)
             runtime = Runtime(ModelSet([*earlier, model]), self.config, rules[0].states if rules else ())
             hooked.append(ChunkedModel(model, runtime))
             prepared = ChunkOptimizer(runtime, optimizer, rule) if optimizer is not None and rule is not None else None
@@ -111,12 +111,12 @@ class Manager:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise NotImplementedError("chunkmem.Manager does not shard over ranks yet: under torchrun, prepare "
                                       "each model with chunkmem.prepare")
-        if rule is not None and self.rules and rule.states != self.rules[0].states:
-            raise ValueError(f"optimizers of one manager keep the same states; this one keeps {rule.states}, the "
-                             f"first {self.rules[0].states}: use the same optimizer class for every trained model")
-        if rule is not None and self.rules and self.config.torch_dtype == torch.float16:
-            raise NotImplementedError("one fp16 loss scale for several trained models is not supported: train one "
-                                      "model per manager under fp16, or use bf16")
+        if rule is not None and self.rules:
+            # Each optimizer's step() ends a step of the one plan: two would cut every training step in two, and
+            # that is not supported yet (a second trained model's steps read wrong values in the simulation).
+            raise NotImplementedError("a chunkmem.Manager trains one model (one optimizer) for now; prepare the frozen "
+                                      "models (reference, reward) beside it, and a second trained model (a critic) "
+                                      "with a manager of its own or chunkmem.prepare")
         ours = {p for m in self.models for p in m.module.parameters()}
         shared = next((n for n, p in model.named_parameters() if p in ours), None)
         if shared is not None:
@@ -125,10 +125,10 @@ class Manager:
 
 
 def _off_device(runtime: Runtime) -> dict[nn.Parameter, torch.Tensor]:
-    """Every parameter's fp32 value in `runtime`, for a new layout to read; its chunks leave the device, so that
-    their memory is free for the new one (the runtime stays usable, its chunks on the host)."""
-    values = runtime.data.values()
+    """Every parameter's fp32 value in `runtime`, for a new layout to read: a view of its chunk's host payload, once
+    every chunk has left the device, so that their memory is free for the new one (the runtime stays usable)."""
     for chunk in list(runtime.residency.resident.values()):
         runtime.residency.evict(chunk)
     runtime.device.arena.release()
-    return {param: values[record] for param, record in runtime.store.records.items()}
+    return {param: record.view(runtime.residency.to_host(record.group.master))
+            for param, record in runtime.store.records.items()}

@@ -158,8 +158,11 @@ def test_generation_between_steps_gives_plain_tokens_and_keeps_the_plan():
     assert len(planned) == 1, "generation made the plan record again"
 
 
-def test_prepare_refuses_after_the_first_forward_and_models_sharing_parameters():
+def test_prepare_refuses_a_second_trained_model_models_sharing_parameters_and_any_model_after_a_forward():
     manager, (policy, _, reference) = managed(None)
+    critic = reward_model()
+    with pytest.raises(NotImplementedError, match="one model"):
+        manager.prepare(critic, adamw(critic))
     twin = torch.nn.Linear(64, 256, bias=False)
     twin.weight = reference.module.lm_head.weight  # frozen: no hook of ours on it
     with pytest.raises(ValueError, match="belongs to a model this manager prepared"):
