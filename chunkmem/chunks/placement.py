@@ -233,11 +233,13 @@ class Placer:
                 self._prefetch(follower, index + 1)
 
     def updated_on_host(self, chunk: Chunk) -> None:
-        """A streamed group's parameter chunk was just rewritten by the host optimizer. If the next step's
-        plan will want it on the device from the start (it fits under the first access's budget beside
-        what is resident), upload it now: on CUDA the copy then overlaps the next group's update rather
-        than the next forward. Not if the plan evicts it later in this step (to make room for a homed group's
-        update): it would come up twice. The plan is rebuilt from what is resident when the step ends, as always."""
+        """A streamed group's parameter chunk was just rewritten by the host optimizer. If it fits, beside what
+        the plan holds, at every access from now until the plan brings it next step (and beside the chunks sent up
+        early before it), upload it now: on CUDA the copy then overlaps the next group's update rather than the
+        next forward. A chunk first used after other accesses (a frozen model's forward that comes first, under a
+        manager) would otherwise push out chunks the plan keeps, and they would move twice. Not if the plan evicts
+        it later in this step (to make room for a homed group's update): it would come up twice. The plan is
+        rebuilt from what is resident when the step ends, as always."""
         if self.phase is not Phase.FOLLOW or self.off_path or chunk.state.on_device:
             return
         follower = self._following
@@ -440,11 +442,14 @@ def _spare_room(step: Step, plan: Plan, sizes: dict[str, int], start: Collection
         by_access.setdefault(action.at, []).append(action)
         if action.verb != "evict":
             first.setdefault(action.chunk, action.at - (action.verb == "prefetch"))
+    held_bytes = _bytes(tuple(held), sizes)
     for i, budget in enumerate(step.budgets):
         for action in by_access.get(i, ()):
-            (held.discard if action.verb == "evict" else held.add)(action.chunk)
+            if (action.chunk in held) == (action.verb == "evict"):
+                (held.discard if action.verb == "evict" else held.add)(action.chunk)
+                held_bytes += sizes[action.chunk] * (-1 if action.verb == "evict" else 1)
         ahead = sum(sizes[a.chunk] for a in by_access.get(i + 1, ()) if a.verb == "prefetch")  # sent up after i
-        spare.append(budget - _bytes(tuple(held), sizes) - ahead)
+        spare.append(budget - held_bytes - ahead)
     after, before = spare + [INFINITY], [INFINITY]
     for i in range(len(spare) - 1, -1, -1):
         after[i] = min(spare[i], after[i + 1])
