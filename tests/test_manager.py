@@ -87,6 +87,7 @@ def test_dpo_under_one_budget_below_both_models_data_is_bit_identical_to_plain()
     assert stats["h2d_bytes"] > 0 and manager.runtime.placer.phase is Phase.FOLLOW
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share", [0.5, 0.25])
 def test_the_shared_plan_moves_what_the_exact_optimum_moves(share):
     # The optimum is benchmarks/optimum.py's integer program over the recorded step of both models (homes chosen
