@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import os
 import re
@@ -83,7 +84,7 @@ class Run:
 
 
 def _with_budget(config: chunkmem.Config, budget: int) -> chunkmem.Config:
-    return chunkmem.Config(**{**config.__dict__, "device_memory": budget})
+    return dataclasses.replace(config, device_memory=budget)
 
 
 def measure(make: Callable[[], Run], pairs: list, prompt: int, warmup: int = 2) -> dict | None:

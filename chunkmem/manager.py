@@ -46,7 +46,7 @@ class Manager:
         self.config = config or Config()
         self.models: list[ChunkedModel] = []
         self.optimizers: list[ChunkOptimizer | None] = []
-        self.rules: list[Rule] = []
+        self.rule: Rule | None = None  # the trained model's optimizer's (one at most)
         self.runtime: Runtime | None = None
 
     @overload
@@ -70,8 +70,8 @@ class Manager:
                 put_data(param, value)
             if optimizer is None:
                 model.requires_grad_(False)
-            rules = [*self.rules, *([rule] if rule is not None else [])]  # at most one (_check_can_add)
-            runtime = Runtime(ModelSet([*earlier, model]), self.config, rules[0].states if rules else ())
+            trained = rule or self.rule
+            runtime = Runtime(ModelSet([*earlier, model]), self.config, trained.states if trained else ())
             hooked.append(ChunkedModel(model, runtime))
             prepared = ChunkOptimizer(runtime, optimizer, rule) if optimizer is not None and rule is not None else None
         except BaseException:  # a prepare that raises changes nothing: earlier models keep their runtime
@@ -89,7 +89,7 @@ class Manager:
                 earlier_optimizer.move_to(runtime)
         self.models.append(wrapped)
         self.optimizers.append(prepared)
-        self.rules = rules
+        self.rule = trained
         for member, member_optimizer in zip(self.models, self.optimizers):
             member.own_records = frozenset(runtime.store.records[p] for p in member.module.parameters())
             member.hooks.scores_in_step = member_optimizer is None
@@ -111,7 +111,7 @@ class Manager:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise NotImplementedError("chunkmem.Manager does not shard over ranks yet: under torchrun, prepare "
                                       "each model with chunkmem.prepare")
-        if rule is not None and self.rules:
+        if rule is not None and self.rule is not None:
             # Each optimizer's step() ends a step of the one plan: two would cut every training step in two, and
             # that is not supported yet (a second trained model's steps read wrong values in the simulation).
             raise NotImplementedError("a chunkmem.Manager trains one model (one optimizer) for now; prepare the frozen "
