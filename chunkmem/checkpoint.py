@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from chunkmem.chunks.state import ChunkState, TensorState
+from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
@@ -244,7 +244,7 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
     for record, count in steps.items():
         if count <= 0:
             continue
-        for kind in optimizer.rule.families:
+        for kind in optimizer.runtime.store.families.saved:
             key = f"optim/{kind}/{record.name}"
             value = tensors.get(key)
             if value is None:
@@ -307,7 +307,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
         group.update(saved)
     for record, step in optimizer.steps.items():
         step.fill_(restore.steps[record])
-        for kind in optimizer.rule.families if record.group.owned else ():
+        for kind in optimizer.runtime.store.families.saved if record.group.owned else ():
             chunk = record.group.chunks[kind]
             value = restore.states.get((record, kind))
             if value is not None or chunk.state is not ChunkState.FREE:
@@ -322,7 +322,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     runtime = model.runtime
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.state_dict()).items()}
     steps = _steps(optimizer)
-    for kind in optimizer.rule.families:
+    for kind in optimizer.runtime.store.families.saved:
         for record, value in runtime.data.values(kind).items():
             if record in optimizer.steps and steps[record.name] > 0:  # a manager's runtime holds other models' too
                 tensors[f"optim/{kind}/{record.name}"] = value.contiguous()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ModelSet
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks
@@ -71,7 +72,8 @@ class Manager:
             if optimizer is None:
                 model.requires_grad_(False)
             trained = rule or self.rule
-            runtime = Runtime(ModelSet([*earlier, model]), self.config, trained.states if trained else ())
+            families = Families.declare(self.config.torch_dtype, trained.states if trained else ())
+            runtime = Runtime(ModelSet([*earlier, model]), self.config, families)
             hooked.append(ChunkedModel(model, runtime))
             prepared = ChunkOptimizer(runtime, optimizer, rule) if optimizer is not None and rule is not None else None
         except BaseException:  # a prepare that raises changes nothing: earlier models keep their runtime

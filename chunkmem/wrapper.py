@@ -16,6 +16,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
@@ -272,12 +273,13 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
 
 
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
-            group: Any = None) -> tuple[ChunkedModel, ChunkOptimizer]:
+            group: Any = None, *, versions: tuple[str, ...] = ()) -> tuple[ChunkedModel, ChunkOptimizer]:
     """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.
 
     group: the process group to shard model data over (ZeRO data parallel). None: the default group
     when one is initialised (or torchrun's environment says there is one), else no sharding.
     `chunkmem.LOCAL`: no sharding (each pipeline stage, for instance, holds its own model data).
+    versions: names of chunk families holding other versions of the parameters (pipeline/versions.py).
     """
     check_fresh(model, optimizer)
     rule = rule_for(optimizer)
@@ -288,7 +290,8 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     before = Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:
-        runtime = Runtime(model, config, rule.states, group, fingerprints(model, config, optimizer))
+        families = Families.declare(config.torch_dtype, rule.states, versions)
+        runtime = Runtime(model, config, families, group, fingerprints(model, config, optimizer))
         wrapped = ChunkedModel(model, runtime)
         prepared = wrapped, ChunkOptimizer(runtime, optimizer, rule)
     except BaseException:  # SPEC: a prepare that raises leaves the model as it was

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import chunkmem
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import planned_model_data_bytes
 
 CHUNK = 2**16  # elements per chunk: small models, several chunks each
@@ -71,7 +72,8 @@ def tiny_llama(seed: int, layers: int, width: int) -> LlamaForCausalLM:
 def models_data_bytes(policy: nn.Module, reference: nn.Module, dtype: torch.dtype) -> int:
     """The chunk bytes of both: the policy with AdamW's two states, the reference frozen (parameters only)."""
     frozen = copy.deepcopy(reference).requires_grad_(False)
-    return planned_model_data_bytes(policy, CHUNK, dtype, 2) + planned_model_data_bytes(frozen, CHUNK, dtype, 0)
+    return planned_model_data_bytes(policy, CHUNK, Families.declare(dtype, ("exp_avg", "exp_avg_sq"))) + \
+        planned_model_data_bytes(frozen, CHUNK, Families.declare(dtype))
 
 
 def activation_peak(policy: nn.Module, reference: nn.Module, pair: tuple[torch.Tensor, torch.Tensor], prompt: int,

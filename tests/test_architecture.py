@@ -4,6 +4,7 @@ module imports itself back through others, counting the imports made inside func
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,20 @@ def test_importing_chunkmem_leaves_the_heavy_torch_subsystems_to_their_users():
     code = f"import sys, chunkmem; print([m for m in {heavy!r} if m in sys.modules])"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]", f"`import chunkmem` imported {loaded.strip()}"
+
+
+def test_chunk_families_are_declared_and_named_in_one_module():
+    # chunks/family.py's Note: families are declared there once, and a chunk's name is made there, so nothing
+    # else builds a Family or takes a chunk's name apart to learn its family.
+    declaring = PACKAGE / "chunks" / "family.py"
+    for module, path in modules().items():
+        if path == declaring:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute):
+                called = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                assert called != "Family", f"{module}:{node.lineno} builds a Family: declare it in {declaring.name}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not re.search(r"frozen_($|param|\{)", node.value), \
+                    f"{module}:{node.lineno} spells a chunk name's prefix"

@@ -70,8 +70,9 @@ class Chunk:
     only while it is in host memory. device: None or a copy."""
 
     def __init__(self, name: str, numel: int, dtype: torch.dtype, device: Device, tier: HostTier | None = None,
-                 lends: bool = False) -> None:
+                 lends: bool = False, family: str = "") -> None:
         self.name = name
+        self.family = family or name  # its family's name (family.py), which moves report
         self.lends = lends  # materializes on the device lending its payload (the Note on lent ranges)
         self.numel = numel
         self.dtype = dtype

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.observe import Move, Observer, kind_of
+from chunkmem.chunks.observe import Move, Observer
 from chunkmem.chunks.plan import INFINITY
 from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import MemoryBudgetError
@@ -247,7 +247,7 @@ class HostCache:
 
     def _report(self, name: str, src: str, dst: str, nbytes: int, reason: str) -> None:
         for observer in self.observers:
-            observer.moved(Move(name, kind_of(name), src, dst, nbytes, 0.0, reason))
+            observer.moved(Move(name, self.chunks[name].family, src, dst, nbytes, 0.0, reason))
 
     # -- books ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:

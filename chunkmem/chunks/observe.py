@@ -45,7 +45,3 @@ class Observer(Protocol):
     def moment(self, moment: Moment) -> None: ...
     def moved(self, move: Move) -> None: ...
 
-
-def kind_of(chunk_name: str) -> str:
-    """"frozen_param.3" -> "param", "exp_avg.0" -> "exp_avg"."""
-    return chunk_name.rsplit(".", 1)[0].removeprefix("frozen_")

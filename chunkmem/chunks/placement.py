@@ -43,7 +43,7 @@ from chunkmem.chunks.plan import INFINITY, Action, Plan, next_uses, victim
 from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_chunks
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
-from chunkmem.chunks.store import ChunkGroup, ParamStore
+from chunkmem.chunks.store import ParamStore
 from chunkmem.errors import MemoryBudgetError
 
 log = logging.getLogger("chunkmem")
@@ -119,10 +119,10 @@ class Placer:
         self.chunks = {c.name: c for c in store.chunks()}
         self.pinned: set[str] = set()  # parameter chunks the running modules pin (`pin`)
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
-        self.groups = [GroupChunks(g.index, g.param.name, g.chunks["grad"].name,
-                                   tuple(dict.fromkeys([g.master.name, *_state_names(g)])),  # master is param in fp32
+        self.groups = [GroupChunks(g.index, g.param.name, g.grad.name,
+                                   tuple(dict.fromkeys([g.master.name, *(c.name for c in store.states(g))])),
                                    sum(c.nbytes for c in g.chunks.values()),
-                                   sum(r.slot.numel for r in g.members) * g.chunks["grad"].dtype.itemsize)
+                                   sum(r.slot.numel for r in g.members) * g.grad.dtype.itemsize)
                        for g in store.trainable_groups()]
         self.by_index = {g.index: g for g in self.groups}
         # Disk-backed groups stream through the host optimizer (hostcache's Note on three tiers).
@@ -465,7 +465,3 @@ def _mib(nbytes: int) -> str:
 def _bytes(names: Sequence[str], sizes: dict[str, int]) -> int:
     """Bytes of the distinct chunks among `names`."""
     return sum(sizes[n] for n in set(names))
-
-
-def _state_names(group: ChunkGroup) -> list[str]:
-    return [c.name for k, c in group.chunks.items() if k not in ("param", "grad", "master")]

@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.observe import Move, Observer, kind_of
+from chunkmem.chunks.observe import Move, Observer
 from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
@@ -153,7 +153,26 @@ class Residency:
 
     def report(self, chunk: Chunk, src: str, dst: str, nbytes: int, seconds: float, reason: str) -> None:
         for observer in self.observers:
-            observer.moved(Move(chunk.name, kind_of(chunk.name), src, dst, nbytes, seconds, reason))
+            observer.moved(Move(chunk.name, chunk.family, src, dst, nbytes, seconds, reason))
+
+    def stream_down(self, chunk: Chunk, source: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
+                    staged: torch.Tensor | None = None) -> None:
+        """Copy device tensor `source` into `part` of `chunk`'s host payload, made the only copy (or add it there,
+        through `staged`: Chunk.receive): a gradient written straight to the host, where the optimizer steps."""
+        self.claim_host(chunk)
+        chunk.receive(self.device, source, part, staged)
+        self.stats.d2h_bytes += source.nbytes
+        self.stats.grad_stream_bytes += source.nbytes
+        self.report(chunk, "device", "host", source.nbytes, 0.0, "evict")
+
+    def copy_on_host(self, chunk: Chunk, source: Chunk) -> None:
+        """Make `chunk`'s host payload, its only copy, a copy of `source`'s freshest payload (2BW keeping the
+        parameters' newest version as the older one): a download when that payload is the device's."""
+        down = source.state is ChunkState.DEVICE_DIRTY
+        self.host_for_write(chunk).copy_(source.payload())
+        if down:
+            self.stats.d2h_bytes += chunk.nbytes
+            self.report(chunk, "device", "host", chunk.nbytes, 0.0, "optimizer")
 
     def host_for_write(self, chunk: Chunk) -> torch.Tensor:
         """The host payload, made the only copy, for code that is about to change it on the host."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk, HostTier
+from chunkmem.chunks.family import Families, Family
 from chunkmem.chunks.layout import Layout, Slot, pack
 from chunkmem.chunks.state import TENSOR_MOVES, TensorState, next_tensor_state
 from chunkmem.memory.device import Device
@@ -58,12 +59,16 @@ class ChunkGroup:
 
     index: int
     trainable: bool
-    chunks: dict[str, Chunk]  # family -> chunk: "param", "grad", "master", "exp_avg", ...
+    chunks: dict[str, Chunk]  # family name -> chunk: "param", "grad", "master", "exp_avg", ...
     members: list[ParamRecord] = dataclasses.field(default_factory=list)
 
     @property
     def param(self) -> Chunk:
         return self.chunks["param"]
+
+    @property
+    def grad(self) -> Chunk:
+        return self.chunks["grad"]
 
     @property
     def owned(self) -> bool:
@@ -79,9 +84,10 @@ class ParamStore:
     """All chunk groups of one model and the parameters in them. With a disk tier (`host_tier`), the chunks only
     the optimizer touches (fp32 master weights and optimizer states) are disk-backed (hostcache's Note)."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, device: Device, chunk_size: int,
+    def __init__(self, module: nn.Module, families: Families, device: Device, chunk_size: int,
                  world: int = 1, rank: int = 0, host_tier: HostTier | None = None) -> None:
-        self.dtype = dtype
+        self.families = families
+        self.dtype = families.dtype
         self.device = device
         self.chunk_size = chunk_size
         self.host_tier = host_tier
@@ -96,14 +102,11 @@ class ParamStore:
 
     def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
                     aliases: dict[nn.Parameter, tuple[str, ...]]) -> None:
-        prefix = "" if trainable else "frozen_"
+        families = self.families.trained if trainable else self.families.frozen
         for index in range(layout.num_chunks):
-            families = ["param", "grad"] + (["master"] if self.dtype != torch.float32 else [])
             owned = index % self.world == self.rank  # other ranks' chunks have records but no storage here
-            group = ChunkGroup(index, trainable, {
-                kind: self._chunk(f"{prefix}{kind}.{index}", torch.float32 if kind == "master" else self.dtype,
-                                  disk_backed=kind == "master", lends=kind == "grad")
-                for kind in (families if trainable else ["param"]) if owned})
+            group = ChunkGroup(index, trainable, {f.name: self._chunk(f, index, trainable)
+                                                  for f in families if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
                 record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group)
@@ -111,14 +114,13 @@ class ParamStore:
                 self.records[param] = record
             self.groups.append(group)
 
-    def _chunk(self, name: str, dtype: torch.dtype, disk_backed: bool = False, lends: bool = False) -> Chunk:
-        return Chunk(name, self.chunk_size, dtype, self.device, self.host_tier if disk_backed else None, lends)
+    def _chunk(self, family: Family, index: int, trainable: bool) -> Chunk:
+        return Chunk(family.chunk_name(index, trainable), self.chunk_size, family.dtype, self.device,
+                     self.host_tier if family.disk_backed else None, family.lends, family.name)
 
-    def add_family(self, kind: str, dtype: torch.dtype = torch.float32, disk_backed: bool = True) -> None:
-        """Give every trainable group a zeroed chunk of `kind`: an optimizer state (fp32, on the disk tier if there
-        is one), or another version of the parameters."""
-        for group in self.trainable_groups():
-            group.chunks[kind] = self._chunk(f"{kind}.{group.index}", dtype, disk_backed)
+    def states(self, group: ChunkGroup) -> list[Chunk]:
+        """The group's chunks kept with the optimizer's state: its states and other parameter versions."""
+        return [group.chunks[name] for name in self.families.saved]
 
     def swap_param_chunk(self, group: ChunkGroup, kind: str) -> None:
         """Exchange the group's "param" chunk with its chunk of `kind`, a second version of the parameters in the
@@ -195,14 +197,12 @@ def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
     return len(pinned_chunks(module, chunk_size)[0])
 
 
-def planned_model_data_bytes(module: nn.Module, chunk_size: int, dtype: torch.dtype, states: int,
-                             world: int = 1) -> int:
-    """The bytes of chunks a ParamStore of `module` holds on each rank, with `states` optimizer-state
-    families, computed before it allocates them (its `model_data_bytes()` afterwards)."""
+def planned_model_data_bytes(module: nn.Module, chunk_size: int, families: Families, world: int = 1) -> int:
+    """The bytes of chunks a ParamStore of `module` holds on each rank, computed before it allocates them (its
+    `model_data_bytes()` afterwards)."""
     trainable, frozen = layouts(module, chunk_size, world)
-    master = 4 if dtype != torch.float32 else 0
-    per_trainable = 2 * dtype.itemsize + master + 4 * states  # param, grad, fp32 master, fp32 states
-    return (trainable.num_chunks * per_trainable + frozen.num_chunks * dtype.itemsize) * chunk_size // world
+    return (trainable.num_chunks * families.group_bytes(chunk_size)
+            + frozen.num_chunks * families.group_bytes(chunk_size, trainable=False)) // world
 
 
 K = TypeVar("K", bound=Hashable)

@@ -38,7 +38,7 @@ from chunkmem.pipeline.flow import Feed, Flow
 from chunkmem.pipeline.layout import make_layout, stage_ranks
 from chunkmem.pipeline.schedule import SCHEDULES, Action, in_flight
 from chunkmem.pipeline.stage import CHECKPOINT_MODES, Microbatches, Part, StageBody, layers_of
-from chunkmem.pipeline.versions import WeightVersions
+from chunkmem.pipeline.versions import STALE, WeightVersions
 from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.wrapper import ChunkedModel, prepare
 
@@ -123,8 +123,9 @@ class Pipeline:
             if not any(p.requires_grad for name in names[i] for p in layers[name].parameters()):
                 raise ValueError(f"balance {counts} leaves stage {i} ({names[i]}) without trainable parameters: "
                                  "give every stage a layer with parameters, or use balance='auto'")
+        versions = (STALE,) if self.schedule_name == "2bw" else ()
         self.model, self.optimizer = prepare(body, self.optimizer_factory(body.parameters()),
-                                             self.configs[self.stage], group=self.layout.data_group)
+                                             self.configs[self.stage], group=self.layout.data_group, versions=versions)
         self.parts = {i: Part(self.model, names[i], self.checkpoint) for i in self.stages}
         if self.schedule_name == "2bw":
             self.versions = WeightVersions(self.model, self.optimizer)
@@ -246,7 +247,7 @@ class Pipeline:
         """This rank's stages' gradients by parameter name, fp32 on CPU (under ZeRO, its share only)."""
         model, _ = self._built()
         runtime = model.runtime
-        return {r.name: r.view(runtime.data.read(r.group.chunks["grad"])).detach().to("cpu", torch.float32, copy=True)
+        return {r.name: r.view(runtime.data.read(r.group.grad)).detach().to("cpu", torch.float32, copy=True)
                 for r in runtime.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned}
 
     # -- state ---------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ Mini-batch u computes (forward and backward) with weights version u-1; the updat
 backward makes version u+1 from version u and u's coalesced gradient: W(u+1) = W(u) - lr * grad(W(u-1)).
 Each trainable chunk group gets a "stale" chunk beside its "param" chunk: "param" holds the newest
 version (what the optimizer updates, as without versions), "stale" the one before. The stale family is
-kept with the optimizer's state (`Rule.kept`: saved and restored, never stepped, so an update does not
-move it), the runtime places it by the same plan as the others (on the device for groups homed there,
-streamed from the host otherwise) and counts it in `memory_stats()["model_data_bytes"]`.
+declared with the stage's families when it is prepared (chunks/family.py, role VERSION: saved and restored
+with the optimizer's state, never stepped, so an update does not move it); the runtime places it by the same
+plan as the others (on the device for groups homed there, streamed from the host otherwise), and the budget
+checks and `memory_stats()["model_data_bytes"]` count it.
 An update first copies "param" into "stale" where "stale" is (on the device when it is resident, else
 on the host, from the freshest copy of "param"), then steps the optimizer.
 A micro-batch of the older version computes with the groups' "param" and "stale" chunks exchanged
@@ -23,7 +24,7 @@ import dataclasses
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.state import ChunkState
+from chunkmem.chunks.family import Role
 from chunkmem.runtime.activations import Saved
 from chunkmem.runtime.optim import ChunkOptimizer
 from chunkmem.runtime.runtime import ChunkRef
@@ -48,11 +49,12 @@ class WeightVersions:
         if runtime.shards is not None:
             raise ValueError("weight versions (schedule='2bw') are not supported with ZeRO sharding: use "
                              "data_parallel=1")
-        runtime.add_family(STALE, runtime.store.dtype)
+        if STALE not in runtime.store.families.named(Role.VERSION):
+            raise ValueError(f"weight versions need the {STALE!r} chunk family: prepare the stage with "
+                             f"versions=({STALE!r},)")
         self.pairs = [(g, g.param, g.chunks[STALE]) for g in runtime.store.trainable_groups()]
         self._role = {id(c): (i, newest) for i, (_, p, s) in enumerate(self.pairs) for c, newest in ((p, True),
                                                                                                    (s, False))}
-        optimizer.rule = dataclasses.replace(optimizer.rule, kept=(*optimizer.rule.kept, STALE))
         self.optimizer = optimizer
         self.newest = 0
         self.swapped = False  # whether compute uses the older version now
@@ -87,15 +89,10 @@ class WeightVersions:
 
     def _keep(self, newest: Chunk, stale: Chunk) -> None:
         """Copy `newest` into `stale` where `stale` lives (see the Note)."""
-        residency = self.runtime.residency
-        source = newest.payload()
         if stale.state.on_device:
-            self.runtime.data.writable(stale, True).copy_(source)
-            return
-        residency.host_for_write(stale).copy_(source)
-        if newest.state is ChunkState.DEVICE_DIRTY:  # the bytes came down from the device
-            residency.stats.d2h_bytes += stale.nbytes
-            residency.report(stale, "device", "host", stale.nbytes, 0.0, "optimizer")
+            self.runtime.data.writable(stale, True).copy_(newest.payload())
+        else:
+            self.runtime.residency.copy_on_host(stale, newest)
 
     # -- saved tensors, by version ------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | _Versioned:

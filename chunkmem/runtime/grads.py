@@ -48,7 +48,7 @@ class ShownGrads:
         """Point every `p.grad` of a parameter with a gradient at it (the end of a backward)."""
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
-            chunk = group.chunks["grad"]
+            chunk = group.grad
             if not held or chunk.state is ChunkState.FREE:
                 continue
             grads: list[torch.Tensor | None]

@@ -10,10 +10,10 @@ import psutil
 import torch
 from torch import nn
 
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import layouts, pinned_chunks, planned_model_data_bytes
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.memory.disk import aligned
 from chunkmem.memory.hostpool import reserve_bytes
 
 
@@ -33,10 +33,10 @@ def check_sizes(config: Config, device: torch.device) -> None:
                          "what the machine can spare")
 
 
-def check_budgets(module: nn.Module, config: Config, size: int, world: int, states: int, limit: int) -> int:
-    """One chunk of `size` elements, the chunks pinned at once and the model data (with `states` optimizer
-    state families) fit their budgets, `limit` bytes on the device. Returns the working set: the most
-    parameter chunk bytes pinned on the device at once."""
+def check_budgets(module: nn.Module, config: Config, size: int, world: int, families: Families, limit: int) -> int:
+    """One chunk of `size` elements, the chunks pinned at once and the model data (chunks of `families`) fit
+    their budgets, `limit` bytes on the device. Returns the working set: the most parameter chunk bytes pinned
+    on the device at once."""
     chunk_bytes = size * config.torch_dtype.itemsize
     if config.chunk_size is not None and chunk_bytes > limit:
         largest = max((p.numel() for p in module.parameters()), default=0)
@@ -46,29 +46,30 @@ def check_budgets(module: nn.Module, config: Config, size: int, world: int, stat
             f"lower chunk_size (the largest parameter has {largest} elements), or leave it None to search")
     working_set = _check_working_set(module, config, size, world, limit)
     if config.disk is None:
-        _check_host(config, planned_model_data_bytes(module, size, config.torch_dtype, states, world), size)
+        _check_host(config, planned_model_data_bytes(module, size, families, world), size)
     return working_set
 
 
 MIN_DISK_GROUPS = 2  # optimizer groups the disk tier's host room holds at least: one updating, one read ahead
 
 
-def tier_bytes(module: nn.Module, size: int, dtype: torch.dtype, states: int, world: int) -> tuple[int, int, int]:
-    """(bytes that stay in host memory: parameter and gradient chunks; bytes a disk tier may hold: master and
-    optimizer-state chunks, each rounded up to the disk's alignment; one trainable group's share of the latter)."""
+def tier_bytes(module: nn.Module, size: int, families: Families, world: int) -> tuple[int, int, int]:
+    """(bytes that stay in host memory: the chunks that are not disk-backed; bytes a disk tier may hold: master
+    and optimizer-state chunks, each rounded up to the disk's alignment; one trainable group's share of these)."""
     trainable, frozen = layouts(module, size, world)
     own_trainable, own_frozen = trainable.num_chunks // world, frozen.num_chunks // world
-    fixed = (own_trainable * 2 + own_frozen) * size * dtype.itemsize
-    group = ((1 if dtype != torch.float32 else 0) + states) * aligned(size * 4)
+    fixed = own_trainable * families.group_bytes(size, disk_backed=False) + \
+        own_frozen * families.group_bytes(size, trainable=False)
+    group = families.disk_group_bytes(size)
     return fixed, own_trainable * group, group
 
 
-def disk_room(module: nn.Module, config: Config, size: int, world: int, states: int) -> int | None:
+def disk_room(module: nn.Module, config: Config, size: int, world: int, families: Families) -> int | None:
     """With Config.disk: the host bytes disk-backed chunks may hold (chunks/hostcache.py's Note on three tiers),
     or None when all model data fits host memory and no disk tier is needed."""
     if config.disk is None:
         return None
-    fixed, spilled, group = tier_bytes(module, size, config.torch_dtype, states, world)
+    fixed, spilled, group = tier_bytes(module, size, families, world)
     allowed, what = _host_allowed(config)
     if fixed + spilled <= allowed:
         return None

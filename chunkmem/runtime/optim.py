@@ -56,12 +56,6 @@ class Rule:
 
     states: tuple[str, ...]
     update: Callable[[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list[torch.Tensor]], None]
-    kept: tuple[str, ...] = ()  # per-parameter chunk families saved with the state that the update leaves alone
-
-    @property
-    def families(self) -> tuple[str, ...]:
-        """Every family a checkpoint saves and restores."""
-        return self.states + self.kept
 
 
 def rule_for(optimizer: Optimizer) -> Rule:
@@ -224,8 +218,8 @@ class ChunkOptimizer(Optimizer):
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
-            found_inf = not all(torch.isfinite(runtime.data.read(g.chunks["grad"])).all().item()
-                                for g in runtime.groups() if g.chunks["grad"].state is not ChunkState.FREE)
+            found_inf = not all(torch.isfinite(runtime.data.read(g.grad)).all().item()
+                                for g in runtime.groups() if g.grad.state is not ChunkState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
             runtime.scaler.update(found_inf)
@@ -287,7 +281,7 @@ class ChunkOptimizer(Optimizer):
                     group_of: dict[ParamRecord, dict], inv_scale: float, together: Together) -> bool:
         """Update one chunk group now, or add it to `together` (True)."""
         runtime, on_device = self.runtime, self.runtime.placer.homed(chunk_group.index)
-        needed = dict.fromkeys([chunk_group.param, chunk_group.chunks["grad"], chunk_group.master,
+        needed = dict.fromkeys([chunk_group.param, chunk_group.grad, chunk_group.master,
                                 *(chunk_group.chunks[k] for k in self.rule.states)])
         runtime.placer.access(list(needed), "optim", chunk_group.index)
         # With a disk tier, master and states stay in host memory while they update, then are written back.
@@ -313,7 +307,7 @@ class ChunkOptimizer(Optimizer):
         # that one fp32 copy of a gradient is alive at a time.
         later = not lowp and runtime.host_cache is None
         if later and on_device:
-            together.chunks.update([chunk_group.chunks["grad"], chunk_group.master,
+            together.chunks.update([chunk_group.grad, chunk_group.master,
                                     *(chunk_group.chunks[k] for k in self.rule.states)])
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
@@ -340,7 +334,7 @@ class ChunkOptimizer(Optimizer):
                      inv_scale: float) -> None:
         """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy."""
         runtime = self.runtime
-        grad = runtime.residency.to_host(chunk_group.chunks["grad"])
+        grad = runtime.residency.to_host(chunk_group.grad)
         master = runtime.data.writable(chunk_group.master, False)
         states = {k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}
         param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None

@@ -57,15 +57,15 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.hostcache import HostCache
 from chunkmem.chunks.layout import search_chunk_size
-from chunkmem.chunks.observe import Moment, Observer, kind_of
+from chunkmem.chunks.observe import Moment, Observer
 from chunkmem.chunks.placement import Phase, Placer
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.config import Config
-from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
@@ -94,7 +94,7 @@ class ChunkRef:
 
 
 class Runtime:
-    def __init__(self, module: nn.Module, config: Config, state_kinds: Iterable[str], group: Any = None,
+    def __init__(self, module: nn.Module, config: Config, families: Families, group: Any = None,
                  fingerprints: dict[str, int] | None = None) -> None:
         self.config = config
         self.device = make_device(config.device, config.host_memory)
@@ -109,14 +109,11 @@ class Runtime:
             agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
             self.limit = agreed[0]
             check_agreed(own, agreed[1:])
-        state_kinds = list(state_kinds)
         size = self._chunk_size(module, world)
-        working_set = check_budgets(module, config, size, world, len(state_kinds), self.limit)
+        working_set = check_budgets(module, config, size, world, families, self.limit)
         self.observers: list[Observer] = []
-        self.host_cache = self._disk_tier(module, size, world, len(state_kinds))
-        self.store = ParamStore(module, config.torch_dtype, self.device, size, world, rank, self.host_cache)
-        for kind in state_kinds:
-            self.store.add_family(kind)
+        self.host_cache = self._disk_tier(module, size, world, families)
+        self.store = ParamStore(module, families, self.device, size, world, rank, self.host_cache)
         self.step_count = 0  # optimizer steps taken
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
@@ -171,18 +168,9 @@ class Runtime:
         return search_chunk_size([(n, p.numel()) for n, p in module.named_parameters()], multiple_of=world,
                                  fits=lambda size: least_device_bytes(module, size, itemsize, world) <= self.limit)
 
-    def add_family(self, kind: str, dtype: torch.dtype) -> None:
-        """A chunk family beside the parameters' (pipeline/versions.py's older weights), added before the first
-        step: the placer, which reads the families when it is built, is built again."""
-        if self.step_count:
-            raise RuntimeError(f"chunk family {kind!r} added after training started: add it before the first step")
-        self.store.add_family(kind, dtype, disk_backed=False)
-        old = self.placer
-        self.placer = Placer(self.residency, self.store, old.limit, old.working_set, self.nonmodel_bytes, old.headroom)
-
-    def _disk_tier(self, module: nn.Module, size: int, world: int, states: int) -> HostCache | None:
+    def _disk_tier(self, module: nn.Module, size: int, world: int, families: Families) -> HostCache | None:
         """The disk tier when Config.disk is set and host memory cannot hold all model data (hostcache's Note)."""
-        room = disk_room(module, self.config, size, world, states)
+        room = disk_room(module, self.config, size, world, families)
         if room is None:
             return None
         pool = self.device.host_pool
@@ -410,7 +398,7 @@ class Runtime:
         wait for, fenced like every copy (it lands before the host next reads the chunk). On the device, a
         gradient autograd made for the part from `start` is lent to the chunk rather than copied (chunk's
         Note on lent ranges)."""
-        chunk = group.chunks["grad"]
+        chunk = group.grad
         self.emit("grad", "bwd", chunk.name)
         self.placer.access([chunk], "grad", group.index)  # brings it if homed on the device
         if self.placer.homed(group.index):
@@ -423,17 +411,13 @@ class Runtime:
             else:  # overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges)
                 chunk.overwrite(part).copy_(grad)
             return
-        self.residency.claim_host(chunk)
-        chunk.receive(self.device, grad, part, self._host_like(grad) if accumulate else None)
-        self.residency.stats.d2h_bytes += grad.nbytes
-        self.residency.stats.grad_stream_bytes += grad.nbytes
-        self.residency.report(chunk, "device", "host", grad.nbytes, 0.0, "evict")
+        self.residency.stream_down(chunk, grad, part, self._host_like(grad) if accumulate else None)
 
     def _add_share(self, key: Key, share: torch.Tensor) -> None:
         """Add this rank's reduce-scattered share of a gradient group to its gradient chunk."""
         owned = self.shards.owned(key)  # type: ignore[union-attr]
         if owned.trainable:
-            grad = owned.chunks["grad"]
+            grad = owned.grad
             self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
 
     def _backward_done(self) -> None:
@@ -467,7 +451,7 @@ class Runtime:
         self.grads.hide(only)
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
-            chunk = group.chunks["grad"]
+            chunk = group.grad
             if len(cleared) == len(group.members):
                 self.residency.reset(chunk)
             elif cleared and chunk.state is not ChunkState.FREE:

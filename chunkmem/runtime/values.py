@@ -10,7 +10,6 @@ from collections.abc import Container
 import torch
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.observe import kind_of
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ParamRecord, ParamStore
@@ -41,7 +40,7 @@ class ModelData:
         """The gradients of `records`, all of one chunk group, on the device or the host (to change in place
         if `write`): the tensors lent to their chunk where it lends them all (chunk's Note on lent ranges),
         else views of its payload."""
-        chunk = records[0].group.chunks["grad"]
+        chunk = records[0].group.grad
         if not on_device:
             flat = self.residency.host_for_write(chunk) if write else self.residency.to_host(chunk)
             return [r.view(flat) for r in records]
@@ -61,7 +60,7 @@ class ModelData:
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD and (only is None or r in only)]
             if held:
-                out += self.grads(held, group.chunks["grad"].state.on_device, write=True)
+                out += self.grads(held, group.grad.state.on_device, write=True)
         return out
 
     def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
@@ -104,7 +103,7 @@ class ModelData:
         """
         out: dict[str, dict[str, int]] = {"device": {}, "host": {}, "disk": {}}
         for chunk in self.store.chunks():
-            kind = kind_of(chunk.name)
+            kind = chunk.family
             side = "disk" if chunk.state is ChunkState.DISK else "host"
             out[side][kind] = out[side].get(kind, 0) + chunk.nbytes
             if chunk.state.on_device:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.layout import search_chunk_size
 from chunkmem.chunks.placement import SAFETY_FRACTION
 from chunkmem.chunks.store import layouts, working_set_chunks
@@ -40,7 +41,7 @@ HOST_OVERHEAD = 2 * 2**30
 TIGHT = 0.9
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STATES = {"adam": 2, "sgd": 0, "sgd-momentum": 1}
+STATES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": (), "sgd-momentum": ("momentum_buffer",)}  # by --optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +125,16 @@ def _layout(module: nn.Module, itemsize: int, world: int, device_memory: int) ->
 def model_data(module: nn.Module, request: Request) -> tuple[int, int, int, int, dict[str, int]]:
     """chunk_size, chunks and per-rank bytes by kind, exactly as the runtime allocates them."""
     size, trainable, frozen, working = chunk_layout(module, request)
-    e, world = ITEMSIZE[request.dtype], request.world_size
+    world = request.world_size
     owned_trainable, owned_frozen = trainable // world, frozen // world  # counts are multiples of world
-    kinds = {"param": (owned_trainable + owned_frozen) * size * e, "grad": owned_trainable * size * e}
-    if request.dtype != "fp32":
-        kinds["master"] = owned_trainable * size * 4
-    names = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": (), "sgd-momentum": ("momentum_buffer",)}[request.optimizer]
-    for name in names:
-        kinds[name] = owned_trainable * size * 4
-    return size, trainable, frozen, working * size * e, kinds
+    families = _families(request)
+    kinds = {f.name: owned_trainable * f.dtype.itemsize * size for f in families.trained}
+    kinds["param"] += owned_frozen * families.dtype.itemsize * size
+    return size, trainable, frozen, working * size * families.dtype.itemsize, kinds
+
+
+def _families(request: Request) -> Families:
+    return Families.declare(DTYPES[request.dtype], STATES[request.optimizer])
 
 
 def plan(spec: ModelSpec, request: Request) -> Estimate:
@@ -153,8 +155,7 @@ def plan(spec: ModelSpec, request: Request) -> Estimate:
     overhead = host_acts + (HOST_OVERHEAD if request.cuda else 0)
     host_need, disk_bytes = total + overhead, 0
     if request.disk and host_need * request.hosted_ranks > request.host_memory:
-        fixed, disk_bytes, group = tier_bytes(spec.module, size, DTYPES[request.dtype], STATES[request.optimizer],
-                                              request.world_size)
+        fixed, disk_bytes, group = tier_bytes(spec.module, size, _families(request), request.world_size)
         host_need = fixed + min(disk_bytes, MIN_DISK_GROUPS * group) + overhead
     per_host = host_need * request.hosted_ranks
     ratios = {"device memory": device_need / request.device_memory, "host memory": per_host / request.host_memory}

@@ -72,8 +72,9 @@ def lanes(rank: RankTrace) -> list[dict[str, Any]]:
                 runs[-1][1] = x
             else:
                 runs.append([x, x])
-    sizes = {c["name"]: c["bytes"] for c in rank.layout.get("chunks", [])}
-    return [{"chunk": name, "bytes": sizes.get(name, 0), "spans": runs} for name, runs in spans.items()]
+    known = {c["name"]: c for c in rank.layout.get("chunks", [])}
+    return [{"chunk": name, "kind": known.get(name, {}).get("kind"), "bytes": known.get(name, {}).get("bytes", 0),
+             "spans": runs} for name, runs in spans.items()]
 
 
 def phase_summary(rank: RankTrace) -> dict[str, dict[str, float]]:

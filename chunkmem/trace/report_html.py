@@ -94,7 +94,7 @@ function lanes() {
   const sx = x => L + (W - L - 8) * (x - first) / Math.max(1, last - first);
   lanes.forEach((lane, j) => { const y = 8 + j * h; const t = el('text', {x: 2, y: y + 9, 'font-size': 10}, svg);
     t.textContent = lane.chunk; el('line', {x1: L, x2: W, y1: y + h / 2, y2: y + h / 2, stroke: '#f0f0f0'}, svg);
-    const kind = lane.chunk.replace(/^frozen_/, '').replace(/\.\d+$/, '');
+    const kind = lane.kind;
     for (const [a, b] of lane.spans) { if (b < first || a > last) continue;
       el('rect', {x: sx(Math.max(a, first)), y: y + 2, width: Math.max(1, sx(Math.min(b, last)) - sx(Math.max(a, first))),
         height: h - 4, fill: C[kind] || '#999'}, svg); } });

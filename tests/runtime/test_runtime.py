@@ -16,6 +16,7 @@ from torch import nn
 
 import chunkmem
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.family import Families
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import planned_model_data_bytes
@@ -118,9 +119,10 @@ def test_model_data_beyond_the_free_host_memory_is_refused_before_allocating(mon
                                         ("bf16", functools.partial(torch.optim.SGD, lr=0.1))])
 def test_the_host_check_counts_exactly_the_model_data_prepare_allocates(dtype, make) -> None:
     model = lora_gpt2()
-    states = len(rule_for(make(trainable(model))).states)
-    cm, _ = chunkmem.prepare(model, make(trainable(model)), chunkmem.Config(device="cpu", dtype=dtype))
-    planned = planned_model_data_bytes(model, cm.runtime.store.chunk_size, cm.runtime.config.torch_dtype, states)
+    config = chunkmem.Config(device="cpu", dtype=dtype)
+    families = Families.declare(config.torch_dtype, rule_for(make(trainable(model))).states)
+    cm, _ = chunkmem.prepare(model, make(trainable(model)), config)
+    planned = planned_model_data_bytes(model, cm.runtime.store.chunk_size, families)
     assert planned == cm.memory_stats()["model_data_bytes"] > 0
 
 
@@ -318,15 +320,3 @@ def test_device_peak_under_a_tight_budget_stays_within_it() -> None:
     assert stats["h2d_bytes"] > 0  # chunks moved
     assert max(stats["device_chunk_bytes_peak"], activations) < stats["device_bytes_peak"] <= budget
     assert stats["device_bytes_peak"] < stats["device_chunk_bytes_peak"] + activations  # not two peaks added
-
-
-def test_a_chunk_family_is_added_before_the_first_step_or_refused():
-    model = mlp()
-    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config())
-    runtime = cm.runtime
-    runtime.add_family("stale", runtime.store.dtype)
-    assert all("stale" in g.chunks for g in runtime.store.trainable_groups())
-    assert "stale.0" in runtime.placer.chunks, "the placer was built again and places the new family"
-    train(cm, opt, mlp_batches(1), mlp_loss)
-    with pytest.raises(RuntimeError, match="added after training started"):
-        runtime.add_family("other", runtime.store.dtype)

@@ -69,6 +69,7 @@ def test_trace_round_trips_through_the_report(tmp_path: Path) -> None:
                                                                                   "exp_avg_sq")) for m in moments)
     lanes = {lane["chunk"]: lane for lane in data["ranks"][0]["lanes"]}
     assert any(lane["spans"] for lane in lanes.values())
+    assert {lane["kind"] for lane in lanes.values()} == {"param", "grad", "exp_avg", "exp_avg_sq"}  # the colours
 
 
 def test_predicted_vs_actual_with_a_plan_of_the_same_run(tmp_path: Path) -> None:
