@@ -6,7 +6,8 @@ A manager lays every model it prepares into one store, the models side by side i
 residency keeps all their chunks within one budget and one placer records and plans the accesses of all of
 them in the order the step runs them: a reference model's forward is more accesses in the policy's step, and
 a chunk of one model leaves for a chunk of another when the plan says the other is needed sooner. A step ends
-at an optimizer's `step()`, as for one model.
+once every trained model's optimizer has stepped (an actor's and a critic's), so one plan covers both updates
+(`Runtime.optimizer_done`); with one trained model, at its optimizer's `step()`, as for one model.
 
 Each `prepare` builds the runtime again over every model so far, their chunks laid out anew from the values
 they hold now, and points the models and optimizers returned before at it. So the budget check of the last
@@ -17,7 +18,8 @@ is allowed only before the first forward of a step: afterwards the record, the p
 A model prepared without an optimizer is frozen (its parameters stop requiring gradients, so its chunks hold
 parameters only) and scores in the step: its forwards belong to the plan, as a reference model's do in every
 step. A trained model's forwards without gradients (evaluation, `generate`) are served off the plan.
-Not yet: sharding over ranks (ZeRO), and more than one trained model (one optimizer per manager).
+Trained models share the optimizer's families (chunks/family.py): the same torch.optim class, with the same
+states. Not yet: sharding over ranks (ZeRO), fp16 loss scaling with more than one trained model.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Manager:
         for member, member_optimizer in zip(self.models, self.optimizers):
             member.own_records = frozenset(runtime.store.records[p] for p in member.module.parameters())
             member.hooks.scores_in_step = member_optimizer is None
+        runtime.optimizers = sum(o is not None for o in self.optimizers)
         self.runtime = runtime
         gc.collect()  # the runtime before, and its device memory, go now
         return wrapped if prepared is None else (wrapped, prepared)
@@ -114,11 +117,14 @@ class Manager:
             raise NotImplementedError("chunkmem.Manager does not shard over ranks yet: under torchrun, prepare "
                                       "each model with chunkmem.prepare")
         if rule is not None and self.rule is not None:
-            # Each optimizer's step() ends a step of the one plan: two would cut every training step in two, and
-            # that is not supported yet (a second trained model's steps read wrong values in the simulation).
-            raise NotImplementedError("a chunkmem.Manager trains one model (one optimizer) for now; prepare the frozen "
-                                      "models (reference, reward) beside it, and a second trained model (a critic) "
-                                      "with a manager of its own or chunkmem.prepare")
+            if rule.states != self.rule.states:
+                raise ValueError(f"this optimizer keeps {list(rule.states) or 'no states'}, the one this manager "
+                                 f"trains with keeps {list(self.rule.states) or 'none'}: the trained models of one "
+                                 "manager share their chunk families, so give them the same torch.optim class "
+                                 "(and momentum for SGD), or prepare this model with a manager of its own")
+            if self.config.dtype == "fp16":
+                raise NotImplementedError("fp16 with more than one trained model per chunkmem.Manager: their "
+                                          "optimizers would share one loss scaler; use dtype='bf16'")
         ours = {p for m in self.models for p in m.module.parameters()}
         shared = next((n for n, p in model.named_parameters() if p in ours), None)
         if shared is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ def pairs(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def with_adamw(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return model, adamw(model)
 
 
 def managed(budget: int | None, *frozen: torch.nn.Module) -> tuple[chunkmem.Manager, list]:
@@ -183,11 +188,58 @@ def test_generation_between_steps_gives_plain_tokens_and_keeps_the_plan():
     assert len(planned) == 1, "generation made the plan record again"
 
 
-def test_prepare_refuses_a_second_trained_model_models_sharing_parameters_and_any_model_after_a_forward():
+def actor_critic_step(actor, actor_optimizer, critic, critic_optimizer, reference, pair) -> tuple[float, float]:
+    """A PPO-shaped step: the actor's DPO loss weighted by the critic's value, the critic regressed on a target;
+    two backwards, then each optimizer steps."""
+    value = critic(pair[0]).logits.squeeze(-1)
+    actor_loss = DPO.dpo_loss(actor, reference, *pair, PROMPT) * (1 + value.detach().mean())
+    critic_loss = (value - 1.0).pow(2).mean()
+    actor_loss.backward()
+    critic_loss.backward()
+    actor_optimizer.step()
+    critic_optimizer.step()
+    actor_optimizer.zero_grad()
+    critic_optimizer.zero_grad()
+    return actor_loss.item(), critic_loss.item()
+
+
+def test_two_trained_models_under_one_budget_match_plain_and_one_plan_covers_both_updates():
+    batches = pairs(6)
+    actor, reference = models()
+    critic = reward_model()
+    config = chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK)
+    probe = chunkmem.Manager(config)
+    for model in (actor, critic):
+        probe.prepare(*with_adamw(copy.deepcopy(model)))
+    data = probe.memory_stats()["model_data_bytes"]
+    budget = 3 * data // 5  # about the 6 MB at which two trained models once read NaNs
+    manager = chunkmem.Manager(dataclasses.replace(config, device_memory=budget))
+    ours = [*manager.prepare(*with_adamw(copy.deepcopy(actor))), *manager.prepare(*with_adamw(copy.deepcopy(critic)))]
+    ours_reference = manager.prepare(copy.deepcopy(reference))
+    with recording() as planned:
+        losses = [actor_critic_step(*ours, ours_reference, pair) for pair in batches]
+    plain = [actor, adamw(actor), critic, adamw(critic)]
+    assert losses == [actor_critic_step(*plain, reference, pair) for pair in batches]
+    for model, reference_model in ((ours[0], actor), (ours[2], critic)):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in reference_model.state_dict().items())
+    stats = manager.memory_stats()
+    assert stats["h2d_bytes"] > 0 and stats["device_bytes_peak"] <= budget < data
+    runtime = manager.runtime
+    assert runtime.step_count == len(batches), "a step ends once both optimizers stepped"
+    assert len(planned) == 1 and runtime.placer.phase is Phase.FOLLOW and runtime.placer.replans == 0
+
+
+def test_prepare_refuses_another_optimizer_kind_models_sharing_parameters_and_any_model_after_a_forward():
     manager, (policy, _, reference) = managed(None)
     critic = reward_model()
-    with pytest.raises(NotImplementedError, match="one model"):
-        manager.prepare(critic, adamw(critic))
+    with pytest.raises(ValueError, match=r"this optimizer keeps no states, the one this manager trains with keeps "
+                                         r"\['exp_avg', 'exp_avg_sq'\]"):
+        manager.prepare(critic, torch.optim.SGD(critic.parameters(), lr=0.1))
+    assert manager.models == [policy, reference] and critic.model.layers[0].mlp.up_proj.weight.requires_grad
+    fp16 = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp16"))
+    fp16.prepare(*with_adamw(reward_model()))
+    with pytest.raises(NotImplementedError, match="one loss scaler"):
+        fp16.prepare(critic, adamw(critic))
     twin = torch.nn.Linear(64, 256, bias=False)
     twin.weight = reference.module.lm_head.weight  # frozen: no hook of ours on it
     with pytest.raises(ValueError, match="belongs to a model this manager prepared"):

@@ -378,8 +378,9 @@ class Placer:
         if self.phase is Phase.DIVERGED or (partial and outgrown):
             self.phase = Phase.RECORD
             return
-        if partial:  # nothing moved, and its accesses were not all recorded: the plan stays
-            self._following.cursor = 0
+        if partial or not events:  # nothing moved, and its accesses were not all recorded, or it made none (a
+            if self.follower is not None:  # step() with no gradient to apply): the plan stays
+                self.follower.cursor = 0
             return
         held = max((e.nonmodel for e in events), default=0) + self.headroom()
         if self.phase is Phase.RECORD:

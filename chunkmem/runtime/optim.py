@@ -224,7 +224,7 @@ class ChunkOptimizer(Optimizer):
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
             runtime.scaler.update(found_inf)
             if found_inf:
-                runtime.step_done()
+                runtime.optimizer_done(self)
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
@@ -239,7 +239,7 @@ class ChunkOptimizer(Optimizer):
             together.update()
         finally:
             runtime.residency.before_leave = None
-        runtime.step_done()
+        runtime.optimizer_done(self)
         runtime.fence_uploads()  # parameters sent up during the step are read next, maybe outside forward (an EMA)
         return loss
 

@@ -114,7 +114,9 @@ class Runtime:
         self.observers: list[Observer] = []
         self.host_cache = self._disk_tier(module, size, world, families)
         self.store = ParamStore(module, families, self.device, size, world, rank, self.host_cache)
-        self.step_count = 0  # optimizer steps taken
+        self.step_count = 0  # steps taken (optimizer steps, for one trained model)
+        self.optimizers = 1  # optimizers whose steps end a step together (a Manager's trained models)
+        self._stepped: set[int] = set()  # those that stepped since the last step ended, by id
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
         # The largest block non-model data took: a hole it filled in one step may be taken in the next, so the
@@ -348,6 +350,15 @@ class Runtime:
                 observer.moment(moment)
         self.moment_index += 1
 
+    def optimizer_done(self, optimizer: object) -> None:
+        """`optimizer` stepped: the step ends once every optimizer training here has stepped since the last end,
+        or before one steps again (manager's Note on one runtime for several models)."""
+        if id(optimizer) in self._stepped:
+            self.step_done()
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) >= self.optimizers:
+            self.step_done()
+
     def step_done(self) -> None:
         if self.step_count == 0 and self.gpu_memory is not None and self.config.device_memory is not None:
             # Libraries load lazily (cuBLAS handles, NCCL buffers): what the process holds outside the allocator
@@ -369,6 +380,7 @@ class Runtime:
         self.warmup = self.placer.phase is not Phase.FOLLOW
         self.step_count += 1
         self.moment_index = 0
+        self._stepped.clear()
 
     # -- backward ------------------------------------------------------------------------------
     def grad_ready(self, record: ParamRecord) -> None:

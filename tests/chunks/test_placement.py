@@ -354,3 +354,21 @@ def test_accesses_inside_a_module_that_owns_parameters_hold_its_chunk_until_it_r
     assert held[(chunk(cm.module[0].after.weight),)] == (outer,)
     assert held[(chunk(cm.module[1].weight),)] == (), "the outer module has returned"
     assert not placer.pinned and not any(c.pins for c in cm.runtime.store.chunks())
+
+
+def test_a_step_with_no_gradient_changes_nothing_and_keeps_the_plan():
+    # torch.optim's step() skips parameters without a gradient; a step of nothing once crashed the plan that
+    # followed it (an empty record).
+    base = mlp(width=64)
+    model, optimizer = prepared(base, functools.partial(torch.optim.AdamW, lr=1e-2),
+                                device_memory=2 * param_bytes(base), chunk_size=4096)
+    plain, plain_optimizer = base, torch.optim.AdamW(base.parameters(), lr=1e-2)
+    for batch in mlp_batches(5, width=64):
+        for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+            mlp_loss(net, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.step()  # nothing to apply
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.state_dict().items())
+    placer = model.runtime.placer
+    assert placer.phase is Phase.FOLLOW and model.memory_stats()["h2d_bytes"] > 0
