@@ -49,7 +49,7 @@ class Manager:
         self.config = config or Config()
         self.models: list[ChunkedModel] = []
         self.optimizers: list[ChunkOptimizer | None] = []
-        self.rule: Rule | None = None  # the trained model's optimizer's (one at most)
+        self.rule: Rule | None = None  # the trained models' optimizers' (they share their chunk families)
         self.runtime: Runtime | None = None
 
     @overload

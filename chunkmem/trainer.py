@@ -39,7 +39,10 @@ class ChunkmemTrainer(Trainer):
     def __init__(self, *args: Any, chunkmem_config: chunkmem.Config | None = None, **kwargs: Any) -> None:
         self.chunkmem_config = chunkmem_config or chunkmem.Config()
         super().__init__(*args, **kwargs)
-        self.accelerator.device_placement = False
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.device_placement = False  # before a subclass's __init__ prepares another model with it
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         """chunkmem places the parameters; moving the whole model would defeat it."""
@@ -54,9 +57,13 @@ class ChunkmemTrainer(Trainer):
         if self.model is None:
             raise RuntimeError("ChunkmemTrainer: no model to prepare: pass model= (or model_init=) to the Trainer")
         plain = super().create_optimizer(model)
-        self.model, self.optimizer = chunkmem.prepare(self.model, plain, self.chunkmem_config)
+        self.model, self.optimizer = self._prepare(self.model, plain)
         self.model_wrapped = self.model
         return self.optimizer
+
+    def _prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                 ) -> tuple[ChunkedModel, ChunkOptimizer]:
+        return chunkmem.prepare(model, optimizer, self.chunkmem_config)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
         return self._prepared().clip_grad_norm_(self.args.max_grad_norm)

@@ -20,7 +20,7 @@ LAYERS = [  # bottom first: a module imports only from its own layer and the lay
     ("runtime", ["chunkmem.runtime"]),
     ("public face", ["chunkmem.wrapper", "chunkmem.checkpoint", "chunkmem.manager"]),
     ("applications", ["chunkmem.pipeline", "chunkmem.finetune", "chunkmem.trace", "chunkmem.commands",
-                      "chunkmem.trainer", "chunkmem.selftest", "chunkmem.cli", "chunkmem"]),
+                      "chunkmem.trainer", "chunkmem.dpo", "chunkmem.selftest", "chunkmem.cli", "chunkmem"]),
 ]
 
 
