@@ -19,16 +19,17 @@ A model prepared without an optimizer is frozen (its parameters stop requiring g
 parameters only) and scores in the step: its forwards belong to the plan, as a reference model's do in every
 step. A trained model's forwards without gradients (evaluation, `generate`) are served off the plan.
 Trained models share the optimizer's families (chunks/family.py): the same torch.optim class, with the same
-states. Not yet: sharding over ranks (ZeRO), fp16 loss scaling with more than one trained model.
+states. Under ZeRO (a process group, as `chunkmem.prepare` takes it) every rank prepares the same models in the
+same order: each `prepare` gathers the values laid out before, a collective. Not yet: fp16 loss scaling with
+more than one trained model.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import overload
+from typing import Any, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -38,15 +39,18 @@ from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks
 from chunkmem.runtime.optim import ChunkOptimizer, Rule, rule_for
 from chunkmem.runtime.runtime import Runtime
-from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data
+from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data, shard_group
+from chunkmem.zero.agreement import fingerprints
 
 
 class Manager:
     """Prepares several models into one runtime (the Note above): `model, opt = cm.prepare(model, opt)` for a
     trained model, `ref = cm.prepare(ref)` for a frozen one."""
 
-    def __init__(self, config: Config | None = None) -> None:
+    def __init__(self, config: Config | None = None, group: Any = None) -> None:
+        """group: the process group to shard the models' data over, as `chunkmem.prepare` takes it."""
         self.config = config or Config()
+        self.group = shard_group(group, self.config)
         self.models: list[ChunkedModel] = []
         self.optimizers: list[ChunkOptimizer | None] = []
         self.rule: Rule | None = None  # the trained models' optimizers' (they share their chunk families)
@@ -75,7 +79,9 @@ class Manager:
                 model.requires_grad_(False)
             trained = rule or self.rule
             families = Families.declare(self.config.torch_dtype, trained.states if trained else ())
-            runtime = Runtime(ModelSet([*earlier, model]), self.config, families)
+            models = ModelSet([*earlier, model])
+            optimizers = [o for o in [*self.optimizers, optimizer] if o is not None]
+            runtime = Runtime(models, self.config, families, self.group, fingerprints(models, self.config, *optimizers))
             hooked.append(ChunkedModel(model, runtime))
             prepared = ChunkOptimizer(runtime, optimizer, rule) if optimizer is not None and rule is not None else None
         except BaseException:  # a prepare that raises changes nothing: earlier models keep their runtime
@@ -113,9 +119,6 @@ class Manager:
         if runtime is not None and (runtime.step_count or runtime.placer.events):
             raise RuntimeError("chunkmem.Manager.prepare after the models started running: prepare every model "
                                "before the first forward (one plan covers them all, and is laid out at prepare)")
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise NotImplementedError("chunkmem.Manager does not shard over ranks yet: under torchrun, prepare "
-                                      "each model with chunkmem.prepare")
         if rule is not None and self.rule is not None:
             if rule.states != self.rule.states:
                 raise ValueError(f"this optimizer keeps {list(rule.states) or 'no states'}, the one this manager "
@@ -138,5 +141,7 @@ def _off_device(runtime: Runtime) -> dict[nn.Parameter, torch.Tensor]:
     for chunk in list(runtime.residency.resident.values()):
         runtime.residency.evict(chunk)
     runtime.device.arena.release()
+    if runtime.shards is not None:  # other ranks own some: gathered, a collective every rank makes at this prepare
+        return {record.param: value for record, value in runtime.data.values().items()}
     return {param: record.view(runtime.residency.to_host(record.group.master))
             for param, record in runtime.store.records.items()}

@@ -272,6 +272,12 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
                          "prepare a copy made before the first call (copy.deepcopy)")
 
 
+def shard_group(group: Any, config: Config) -> Any:
+    """The process group `prepare(..., group=group)` shards over (its docstring), None for no sharding."""
+    group = None if group == LOCAL else default_group(group, config.device)
+    return None if group is None or dist.get_world_size(group) == 1 else group
+
+
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
             group: Any = None, *, versions: tuple[str, ...] = ()) -> tuple[ChunkedModel, ChunkOptimizer]:
     """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.
@@ -284,9 +290,7 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     check_fresh(model, optimizer)
     rule = rule_for(optimizer)
     config = config or Config()
-    group = None if group == LOCAL else default_group(group, config.device)
-    if group is not None and dist.get_world_size(group) == 1:
-        group = None
+    group = shard_group(group, config)
     before = Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:

@@ -10,11 +10,14 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import chunkmem
+import torch.distributed as dist
 from benchmarks.optimum import solve
 from benchmarks.placement_problem import Instance
 from benchmarks.record import recording
 from benchmarks.several_models import load_dpo
 from chunkmem.chunks.placement import Phase
+from tests.helpers import updates
+from tests.multiproc import run_workers
 
 DPO = load_dpo()
 CHUNK = 16384  # the embedding's elements
@@ -247,3 +250,37 @@ def test_prepare_refuses_another_optimizer_kind_models_sharing_parameters_and_an
     reference(pairs(1)[0][0])
     with pytest.raises(RuntimeError, match="before the first forward"):
         manager.prepare(reward_model())
+
+
+def sharded_dpo(rank: int, world: int, budget: int) -> dict:
+    policy, reference = models()
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK,
+                                               device_memory=budget))
+    policy, optimizer = manager.prepare(policy, adamw(policy))
+    reference = manager.prepare(reference)
+    losses = []
+    for pair in pairs(4):
+        loss = torch.tensor(step(policy, optimizer, reference, tuple(t.chunk(world)[rank] for t in pair)),
+                            dtype=torch.float64)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {"losses": losses, "updates": updates(initial, policy.state_dict()), "stats": manager.memory_stats(),
+            "sharded": manager.runtime.shards is not None}
+
+
+def test_a_manager_shards_its_models_over_ranks_and_trains_as_one_process_on_the_whole_batch():
+    policy, reference = models()
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = adamw(policy)
+    expected = [step(policy, optimizer, reference, pair) for pair in pairs(4)]
+    reference_updates = updates(initial, policy.state_dict())
+    budget, whole = small_budget(share=0.25)  # a quarter of both models' data: about half of a rank's share
+    for got in run_workers(sharded_dpo, 2, budget, timeout=300):
+        assert got["sharded"] and got["losses"] == pytest.approx(expected, rel=1e-5)
+        for name, update in reference_updates.items():  # the gradients are reduced over ranks: rounding differs
+            assert (got["updates"][name] - update).norm() <= 2e-3 * update.norm(), name
+        stats = got["stats"]
+        assert stats["model_data_bytes"] < whole / 2 + 2 * CHUNK * 4 * 4  # each rank keeps half, give or take a group
+        assert stats["device_bytes_peak"] <= budget and stats["transient_bytes_peak"] <= stats["transient_reserved_bytes"]
+        assert stats["device_chunk_bytes_peak"] < stats["model_data_bytes"] < stats["h2d_bytes"]  # chunks moved

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from chunkmem.config import Config
 
 
-def fingerprints(module: nn.Module, config: Config, optimizer: Optimizer) -> dict[str, int]:
+def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> dict[str, int]:
     """What must match on every rank, by what to tell the user, hashed to non-negative 62-bit ints."""
     names = {id(p): n for n, p in module.named_parameters()}
     parts: dict[str, Any] = {
@@ -28,9 +28,9 @@ def fingerprints(module: nn.Module, config: Config, optimizer: Optimizer) -> dic
         "the Config (dtype, chunk_size, device kind, gather_units)":
             (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
-            (type(optimizer).__qualname__, [(sorted((k, repr(v)) for k, v in g.items() if k != "params"),
-                                              [names.get(id(p)) for p in g["params"]])
-                                             for g in optimizer.param_groups]),
+            [(type(optimizer).__qualname__, [(sorted((k, repr(v)) for k, v in g.items() if k != "params"),
+                                               [names.get(id(p)) for p in g["params"]])
+                                              for g in optimizer.param_groups]) for optimizer in optimizers],
     }
     return {what: _hash(value) for what, value in parts.items()}
 
