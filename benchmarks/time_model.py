@@ -1,0 +1,181 @@
+"""The time model of a step on a GPU (chunkmem/trace/timing.py) against what an H100 measured.
+
+    CHUNKMEM_SIM_MEMORY=0 python -m benchmarks.time_model --json benchmarks/results/time_model_h100.json
+
+The scenario of issue 36: transformers' LlamaForCausalLM, hidden 2048, intermediate 5632, 20 layers, 16 heads,
+vocab 32000 (1.16B parameters), bf16, AdamW, batch 4 x 1024. Its step is recorded in the CPU simulation on the same
+model 8x narrower (hidden, intermediate and vocab divided by 8: 64x fewer parameters, the same 20 layers) with
+chunks 64x smaller, so that every chunk holds what the full model's would; the replay multiplies every byte by 64.
+Budgets are the activation peak plus a share of the model data, as in the issue.
+
+Speeds (H100 80GB, lent machine, 16 cores): plain's compute per stage and its fused AdamW (the issue's table);
+copy bandwidth from the self-test (benchmarks/results/selftest_h100_8eca4ba.json, 256 MiB); chunkmem's host time
+per stage from the launch-bound benchmark as CUDA would run it (benchmarks/results/
+overhead_launch_bound_llama20_as_cuda.json); the host update at the native kernel's speed measured on this
+machine (benchmarks/results/cpu_adam_cpu.json). One speed is fitted: the device update of homed groups, from the
+no-budget row's optimizer stage. So "no budget" reproduces by construction where the fit applies, and 50% is a
+prediction. Target (issue 36): within 20% of the measured step for plain, no budget and 50%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import chunkmem
+from benchmarks.common import table, write_json
+from chunkmem.chunks.layout import search_chunk_size
+from chunkmem.chunks.observe import Moment, Move
+from chunkmem.chunks.placement import Placer
+from chunkmem.trace.timing import Predicted, Recorded, Speeds, predict
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NARROW = 8  # the recorded model's width divisor; parameters and chunks shrink by NARROW ** 2
+MEASURED = {  # the issue's H100 table at 49e1b37: step, forward, backward, optimizer (seconds)
+    "plain": (0.122, 0.038, 0.069, 0.015),
+    "no budget": (0.178, 0.039, 0.096, 0.043),
+    "50%": (0.517, 0.150, 0.174, 0.194),
+}
+PLAIN = {"fwd": 0.038, "bwd": 0.069}
+PLAIN_OPTIMIZER = 0.015  # AdamW(fused=True) over the fp32 parameters
+
+
+def config(narrow: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=32000 // narrow, hidden_size=2048 // narrow, intermediate_size=5632 // narrow,
+                       num_hidden_layers=20, num_attention_heads=16, num_key_value_heads=16,
+                       max_position_embeddings=1024)
+
+
+def speeds() -> tuple[dict[str, dict[str, float]], float, float, float]:
+    """Host time per stage by budget (launch-bound, as CUDA), copy bandwidth, host update speed."""
+    launch = json.loads((RESULTS / "overhead_launch_bound_llama20_as_cuda.json").read_text())
+    host = {}
+    for row in launch["rows"]:
+        if row["dtype"] == "bf16":
+            fwd, bwd, opt = (max(0.0, float(x)) / 1000 for x in row["extra ms fwd / bwd / opt"].split(" / "))
+            host[row["budget"]] = {"fwd": fwd, "bwd": bwd, "optim": opt}
+    selftest = json.loads((RESULTS / "selftest_h100_8eca4ba.json").read_text())
+    copies = next(c for c in selftest["selftest"]["checks"] if c["check"] == "copy bandwidth")["figures"]["256 MiB"]
+    adam = json.loads((RESULTS / "cpu_adam_cpu.json").read_text())
+    host_update = max(float(r["GB/s (best)"]) for r in adam["rows"] if r["method"] == "chunkmem") * 1e9
+    return host, copies["engine_h2d_GBps"] * 1e9, copies["engine_d2h_GBps"] * 1e9, host_update
+
+
+class Stages:
+    """Tags each placer event with the stage of the moment before it (the runtime emits a moment, then accesses)."""
+
+    def __init__(self, placer: Placer) -> None:
+        self.placer = placer
+        self.marks: list[tuple[int, str]] = []
+
+    def moment(self, moment: Moment) -> None:
+        self.marks.append((len(self.placer.events), moment.stage))
+
+    def moved(self, move: Move) -> None:
+        pass
+
+    def of(self, count: int) -> list[str]:
+        out, stage, marks = [], "fwd", iter(self.marks + [(count + 1, "")])
+        at, next_stage = next(marks)
+        for i in range(count):
+            while i >= at:
+                stage = next_stage
+                at, next_stage = next(marks)
+            out.append(stage)
+        return out
+
+
+def record(model: torch.nn.Module, ids: torch.Tensor, budget: int | None, chunk: int) -> Recorded:
+    """Train three steps; the third is the one replayed, with the homes and the plan chunkmem followed in it."""
+    module = copy.deepcopy(model)
+    cm, opt = chunkmem.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-4),
+                               chunkmem.Config(device="cpu", dtype="bf16", chunk_size=chunk, device_memory=budget))
+    runtime = cm.runtime
+    for _ in range(2):
+        cm(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    placer, stages = runtime.placer, Stages(runtime.placer)
+    runtime.observers.append(stages)
+    follower = placer.follower
+    assert follower is not None, "the third step follows a plan"
+    cm(ids, labels=ids).loss.backward()
+    opt.step()  # its events are kept by the wrapper below before the placer clears them
+    events = kept.pop()
+    return Recorded(events, stages.of(len(events)), placer.groups, frozenset(placer.homes), placer.sizes,
+                    follower.step, follower.plan, scale=NARROW ** 2)
+
+
+kept: list[list] = []
+
+
+def keep_events() -> None:
+    original = Placer.step_done
+
+    def step_done(self: Placer) -> None:
+        kept.append(list(self.events))
+        original(self)
+
+    Placer.step_done = step_done  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", default="none,0.5,0.25,0.1", help="'none' or shares of model data")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    keep_events()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config(NARROW))
+    with torch.device("meta"):
+        real = LlamaForCausalLM(config(1))
+    real_params = sum(p.numel() for p in real.parameters())
+    chunk = search_chunk_size([(n, p.numel()) for n, p in real.named_parameters()])
+    small_chunk = chunk // NARROW ** 2
+    ids = torch.randint(0, 32000 // NARROW, (1, 64), generator=torch.Generator().manual_seed(0))
+    probe = record(model, ids, None, small_chunk)
+    data = sum(probe.sizes.values())
+    activations = max((e.nonmodel for e in probe.events), default=0)
+    host, h2d, d2h, host_update = speeds()
+    update_bytes = data * probe.scale  # every chunk: parameters, gradients, master, states
+    fitted = update_bytes / max(1e-9, MEASURED["no budget"][3] - host["fits"]["optim"])
+    plain_ms = [PLAIN["fwd"] * 1000, PLAIN["bwd"] * 1000, PLAIN_OPTIMIZER * 1000]
+    rows = [{"run": "plain", "predicted s": round(sum(PLAIN.values()) + PLAIN_OPTIMIZER, 3),
+             "fwd / bwd / opt ms": " / ".join(f"{x:.0f}" for x in plain_ms), "GB up / down": "-", "copy s": "-",
+             "overlap": "-", "bound s": "-"}]
+    for share in args.budgets.split(","):
+        budget = None if share == "none" else activations + int(float(share) * data)
+        recorded = probe if budget is None else record(model, ids, budget, small_chunk)
+        name = "no budget" if budget is None else f"{float(share):.0%}"
+        launch = host["fits"] if budget is None else host.get(name, host["25%"])  # 10%: the smallest measured
+        speed = Speeds(h2d, d2h, host_update, fitted, PLAIN, launch)
+        got = predict(recorded, speed)
+        rows.append(_row(name, got) | {"bound s": round(got.bound(MEASURED["plain"][0], speed), 3)})
+    for row in rows:
+        measured = MEASURED.get(row["run"])
+        row["measured s"] = measured[0] if measured else "-"
+        row["error"] = f"{row['predicted s'] / measured[0] - 1:+.0%}" if measured else "-"
+    print(f"LLaMA 1.16B from its {NARROW}x narrower record; chunk {chunk} elements ({small_chunk} recorded), "
+          f"{real_params / 1e9:.2f}B parameters; device update fitted at {fitted / 1e9:.0f} GB/s")
+    print(table(rows, ["run", "predicted s", "measured s", "error", "bound s", "fwd / bwd / opt ms", "GB up / down",
+                       "copy s", "overlap"]))
+    if args.json:
+        write_json(args.json, {"benchmark": "time_model", "args": vars(args), "rows": rows, "chunk": chunk,
+                               "speeds": {"h2d": h2d, "d2h": d2h, "host_update": host_update,
+                                          "device_update_fitted": fitted, "host": host}})
+
+
+def _row(name: str, got: Predicted) -> dict:
+    return {"run": name, "predicted s": round(got.step_s, 3),
+            "fwd / bwd / opt ms": " / ".join(f"{got.stage_s[s] * 1000:.0f}" for s in ("fwd", "bwd", "optim")),
+            "GB up / down": f"{got.h2d_bytes / 1e9:.1f} / {got.d2h_bytes / 1e9:.1f}",
+            "copy s": round(got.copy_s, 3), "overlap": f"{got.overlap:.0%}"}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""A time model of a chunkmem step on a GPU: a recorded step replayed on a compute stream, two copy streams and
+the host, at measured speeds.
+
+[Note: the time model]
+On a CPU every kernel takes milliseconds and hides the host's bookkeeping; on a GPU the step is a race between
+four timelines, and this model runs them over the step chunkmem recorded (its events, in order, each tagged with
+the stage it ran in) and the plan it follows:
+- the host issues every event, paying chunkmem's host cost of its stage (measured in the launch-bound regime:
+  benchmarks/overhead.py), and runs the host optimizer of streamed groups (bytes at the host update's speed),
+  waiting for their gradients to land first;
+- compute runs each access once the host issued it and its chunks have landed: a share of the plain step's
+  forward or backward time in proportion to the parameter bytes it computes with, or a homed group's update;
+- uploads (fetches, prefetches, parameters sent up after a host update) queue on the host-to-device stream,
+  downloads (dirty evictions, streamed gradients) on the device-to-host one, at the self-test's bandwidths. A
+  fetch waits for the evictions that make its room; an eviction, for the compute that last used the chunk.
+Prefetches are issued one access ahead, as the placer does. The model knows nothing of the caching allocator's
+out-of-memory fallbacks: a step that needs them is slower than it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from chunkmem.chunks.plan import Plan
+from chunkmem.chunks.planning import Event, GroupChunks, Step, steady_chunks
+
+STAGES = ("fwd", "bwd", "optim")
+
+
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """A machine's measured speeds. Bytes per second; seconds per step and stage."""
+
+    h2d: float  # pinned host to device (the self-test's copy bandwidth)
+    d2h: float
+    host_update: float  # chunk bytes the host optimizer reads and writes per second
+    device_update: float  # the same on the device, for homed groups
+    compute: dict[str, float]  # seconds of kernels per stage in the plain step ("fwd", "bwd")
+    host: dict[str, float]  # seconds of host work chunkmem adds per stage and step
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One step as chunkmem ran it: its events with the stage of each, its groups and their homes, and the plan."""
+
+    events: Sequence[Event]
+    stages: Sequence[str]  # per event
+    groups: Sequence[GroupChunks]
+    homes: frozenset[int]
+    sizes: dict[str, int]
+    step: Step
+    plan: Plan
+    scale: float = 1.0  # multiplies every byte count (a step recorded on a narrower model of the same shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    step_s: float
+    stage_s: dict[str, float]  # time from the end of the stage before to the end of this one
+    h2d_bytes: float
+    d2h_bytes: float
+    copy_s: float  # time the copy streams were busy, both together
+    overlap: float  # share of copy time during which compute ran
+    host_update_s: float  # the host optimizer's time alone
+
+    def bound(self, plain_s: float, speeds: Speeds) -> float:
+        """The step's lower bound (issue 36): the plain step, the host update alone, or the bytes moved at the
+        copy bandwidth, whichever is longest."""
+        return max(plain_s, self.host_update_s, self.h2d_bytes / speeds.h2d, self.d2h_bytes / speeds.d2h)
+
+
+class _Replay:
+    """The four timelines of the Note, their busy intervals, and what the chunks are doing."""
+
+    def __init__(self, recorded: Recorded, speeds: Speeds) -> None:
+        self.speeds = speeds
+        self.sizes = {name: nbytes * recorded.scale for name, nbytes in recorded.sizes.items()}
+        self.groups = {g.index: g for g in recorded.groups}
+        self.free = {"host": 0.0, "compute": 0.0, "h2d": 0.0, "d2h": 0.0}
+        self.busy: dict[str, list[tuple[float, float]]] = {name: [] for name in self.free}
+        self.moved = {"h2d": 0.0, "d2h": 0.0}
+        self.ready: dict[str, float] = {}  # chunk -> when its last upload lands
+        self.last_use: dict[str, float] = {}  # chunk -> when compute last finished with it
+        self.dirty: set[str] = set()  # changed on the device since it came up
+        self.unborn = {g.grad for g in recorded.groups}  # gradient chunks not written yet: they come up as zeros
+        self.landed = 0.0  # when the last streamed gradient reached the host
+        self.host_update_s = 0.0
+        self.computed = {stage: sum(self._own(e) for e, x in zip(recorded.events, recorded.stages)
+                                    if x == stage and e.kind == "use") for stage in STAGES}
+
+    def run(self, stream: str, after: float, seconds: float) -> float:
+        start = max(self.free[stream], after)
+        self.free[stream] = end = start + seconds
+        if seconds > 0:
+            self.busy[stream].append((start, end))
+        return end
+
+    def copy(self, direction: str, name: str, after: float, nbytes: float | None = None) -> float:
+        nbytes = self.sizes[name] if nbytes is None else nbytes
+        self.moved[direction] += nbytes
+        return self.run(direction, after, nbytes / (self.speeds.h2d if direction == "h2d" else self.speeds.d2h))
+
+    def access(self, here: dict[str, list[str]], prefetch: list[str], chunks: tuple[str, ...],
+               writes: frozenset[str], event: Event, stage: str, issued: float) -> float:
+        """One device access: the plan's evictions and fetches before it, the prefetches for the next, its
+        compute. Returns when its compute ends."""
+        room = issued
+        for name in here.get("evict", []):
+            if name in self.dirty:
+                self.dirty.discard(name)
+                room = max(room, self.copy("d2h", name, self.last_use.get(name, 0.0)))
+        for name in here.get("fetch", []):
+            self.ready[name] = room if name in self.unborn else self.copy("h2d", name, room)
+            self.unborn.discard(name)
+        for name in prefetch:
+            self.ready[name] = issued if name in self.unborn else self.copy("h2d", name, issued)
+            self.unborn.discard(name)
+        start = max([issued, *(self.ready.get(c, 0.0) for c in chunks)])
+        end = self.run("compute", start, self._seconds(event, stage))
+        self.dirty |= writes
+        for name in chunks:
+            self.last_use[name] = end
+        return end
+
+    def _seconds(self, event: Event, stage: str) -> float:
+        if event.kind == "use":
+            total = self.computed[stage]
+            return self.speeds.compute.get(stage, 0.0) * self._own(event) / total if total else 0.0
+        if event.kind == "optim":
+            return self.update_bytes(event.group) / self.speeds.device_update
+        return 0.0  # a gradient lands in its chunk: autograd's kernels are the backward's
+
+    def update_bytes(self, index: int) -> float:
+        group = self.groups[index]
+        return sum(self.sizes[c] for c in {group.param, group.grad, *group.updated})
+
+    def _own(self, event: Event) -> float:
+        return sum(self.sizes[c] for c in event.chunks)
+
+
+def predict(recorded: Recorded, speeds: Speeds) -> Predicted:
+    """Replay `recorded` at `speeds` (the Note above)."""
+    replay = _Replay(recorded, speeds)
+    steady = {id(event): chunks for event, chunks in steady_chunks(recorded.events, replay.groups, recorded.homes)}
+    per_stage = {stage: sum(1 for x in recorded.stages if x == stage) for stage in STAGES}
+    grad_events = {i: sum(1 for e in recorded.events if e.kind == "grad" and e.group == i) for i in replay.groups}
+    actions: dict[int, dict[str, list[str]]] = {}
+    for action in recorded.plan.actions:
+        actions.setdefault(action.at, {}).setdefault(action.verb, []).append(action.chunk)
+    index, ends = 0, dict.fromkeys(STAGES, 0.0)
+    for event, stage in zip(recorded.events, recorded.stages):
+        issued = replay.run("host", 0.0, speeds.host.get(stage, 0.0) / max(1, per_stage[stage]))
+        chunks = steady.get(id(event))
+        if chunks is not None:  # on the device, as the plan places it
+            prefetch = actions.get(index + 1, {}).get("prefetch", [])
+            writes = recorded.step.accesses[index].writes
+            done = replay.access(actions.get(index, {}), prefetch, chunks, writes, event, stage, issued)
+            ends[stage] = max(ends[stage], done)
+            index += 1
+        elif event.kind == "grad":  # a streamed group's gradient goes down as backward runs
+            nbytes = replay.groups[event.group].streamed * recorded.scale / max(1, grad_events[event.group])
+            replay.landed = replay.copy("d2h", "", max(issued, replay.free["compute"]), nbytes)
+        elif event.kind == "optim":  # a streamed group updates on the host, then its parameters go up
+            group = replay.groups[event.group]
+            seconds = replay.update_bytes(group.index) / speeds.host_update
+            replay.host_update_s += seconds
+            end = replay.run("host", replay.landed, seconds)
+            replay.ready[group.param] = replay.copy("h2d", group.param, end)
+            ends[stage] = max(ends[stage], replay.ready[group.param])
+    step = max(replay.free.values())
+    stage_s, before = {}, 0.0
+    for stage in STAGES:
+        end = max(ends[stage], before)
+        stage_s[stage], before = end - before, end
+    stage_s["optim"] += step - before
+    copies = replay.busy["h2d"] + replay.busy["d2h"]
+    copy_s = sum(b - a for a, b in copies)
+    hidden = sum(_overlap(interval, replay.busy["compute"]) for interval in copies)
+    return Predicted(step, stage_s, replay.moved["h2d"], replay.moved["d2h"], copy_s,
+                     hidden / copy_s if copy_s else 1.0, replay.host_update_s)
+
+
+def _overlap(interval: tuple[float, float], busy: list[tuple[float, float]]) -> float:
+    a, b = interval
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)

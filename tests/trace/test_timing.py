@@ -1,0 +1,57 @@
+"""The time model (chunkmem/trace/timing.py) on steps small enough to time by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkmem.chunks.plan import Action, Plan
+from chunkmem.chunks.planning import Event, GroupChunks, Step
+from chunkmem.trace.timing import Recorded, Speeds, predict
+
+MB = 10**6
+# 1 MB/ms each way; kernels of 1 ms per forward module when the stage's 2 ms are shared by two equal modules.
+SPEEDS = Speeds(h2d=1e9, d2h=1e9, host_update=1e9, device_update=1e9, compute={"fwd": 2e-3, "bwd": 0.0}, host={})
+SIZES = {"a": MB, "b": MB}
+
+
+def two_modules(actions: tuple[Action, ...], host: dict[str, float] | None = None) -> tuple[Recorded, Speeds]:
+    events = [Event("use", ("a",), -1, 0), Event("use", ("b",), -1, 0)]
+    step = Step.of(events, {}, (), SIZES, 10 * MB)
+    recorded = Recorded(events, ["fwd", "fwd"], [], frozenset(), SIZES, step, Plan(actions, (2 * MB, 2 * MB)))
+    speeds = Speeds(SPEEDS.h2d, SPEEDS.d2h, SPEEDS.host_update, SPEEDS.device_update, SPEEDS.compute, host or {})
+    return recorded, speeds
+
+
+def test_resident_chunks_cost_the_compute_alone() -> None:
+    got = predict(*two_modules(()))
+    assert got.step_s == pytest.approx(2e-3) and got.copy_s == 0 and got.h2d_bytes == 0
+
+
+def test_a_fetch_on_demand_waits_and_a_prefetch_hides_behind_the_compute_before() -> None:
+    # The host takes 1 ms to issue each access, as long as its kernel: the GPU waits on it, and a fetch issued
+    # with access 1 lands 1 ms after it was issued, while nothing else runs.
+    paced = {"fwd": 2e-3}
+    waited = predict(*two_modules((Action(1, "fetch", "b"),), paced))
+    assert waited.step_s == pytest.approx(4e-3) and waited.overlap == pytest.approx(0.0)
+    ahead = predict(*two_modules((Action(1, "prefetch", "b"),), paced))  # issued with access 0, under its kernel
+    assert ahead.step_s == pytest.approx(3e-3) and ahead.overlap == pytest.approx(1.0)
+    assert waited.h2d_bytes == ahead.h2d_bytes == MB
+
+
+def test_host_time_beyond_the_kernels_sets_the_pace() -> None:
+    got = predict(*two_modules((), host={"fwd": 6e-3}))  # 3 ms of host work before each 1 ms kernel
+    assert got.step_s == pytest.approx(7e-3)
+
+
+def test_a_streamed_group_waits_for_its_gradient_updates_on_the_host_and_sends_its_parameters_up() -> None:
+    group = GroupChunks(0, "p", "g", ("m",), nbytes=3 * MB, streamed=MB)
+    sizes = {"p": MB, "g": MB, "m": MB}
+    events = [Event("use", ("p",), -1, 0), Event("grad", ("g",), 0, 0), Event("optim", ("p", "g", "m"), 0, 0)]
+    step = Step.of(events, {0: group}, (), sizes, 10 * MB)
+    speeds = Speeds(1e9, 1e9, 1e9, 1e9, {"bwd": 1e-3}, {})
+    got = predict(Recorded(events, ["bwd", "bwd", "optim"], [group], frozenset(), sizes, step,
+                           Plan((), (MB,))), speeds)
+    # 1 ms backward, the gradient down (1 ms), the update of p, g, m (3 ms), p up (1 ms).
+    assert got.step_s == pytest.approx(6e-3) and got.host_update_s == pytest.approx(3e-3)
+    assert (got.h2d_bytes, got.d2h_bytes) == (MB, MB)
+    assert got.bound(2e-3, speeds) == pytest.approx(3e-3)  # the host update alone
