@@ -64,12 +64,6 @@ class Families:
             raise ValueError(f"chunk families {names}: each name must be declared once")
         return cls(tuple(trained), (param,))
 
-    def __getitem__(self, name: str) -> Family:
-        for family in self.trained:
-            if family.name == name:
-                return family
-        raise KeyError(f"no chunk family {name!r}: declared are {[f.name for f in self.trained]}")
-
     def named(self, *roles: Role) -> tuple[str, ...]:
         """The names of the trained families of `roles`, in declaration order."""
         return tuple(f.name for f in self.trained if f.role in roles)

@@ -43,8 +43,6 @@ def test_the_declaration_lists_each_family_once_with_its_role_and_dtype() -> Non
     assert "master" not in Families.declare(torch.float32, ADAM_STATES).named(Role.MASTER)
     with pytest.raises(ValueError, match=r"\['param', 'grad', 'grad'\]: each name must be declared once"):
         Families.declare(torch.float32, ("grad",))
-    with pytest.raises(KeyError, match="no chunk family 'stale'"):
-        Families.declare(torch.float32)["stale"]
 
 
 def test_a_declared_version_family_is_in_the_store_the_plan_the_budget_and_the_moves() -> None:
