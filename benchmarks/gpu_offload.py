@@ -1,0 +1,228 @@
+"""GPU speed (issue 36): plain PyTorch, chunkmem without a budget and at shares of the model data, and FSDP2's CPU
+offload, side by side in one run on one GPU, with each row's stages and its lower bound.
+
+    python -m benchmarks.gpu_offload --json benchmarks/results/gpu_offload_h100.json   # on a GPU
+    python -m benchmarks.gpu_offload --simulate                                        # the CPU simulation
+
+The model and batch are benchmarks/gpu_budgets.py's (LLaMA 1.16B, bf16 AdamW, 4 x 1024 on CUDA; its 256x smaller
+twin in the simulation), and so are the budgets: outside the allocator + 1.15 x plain's activation peak + a share
+of the model data. plain: fp32 weights under autocast(bfloat16), AdamW(fused=True) on CUDA. Each run takes
+--steps steps, the first two warm-up; the median of the rest, with forward, backward and optimizer timed apart
+(the device synchronized between them, which costs the overlap across stages a step would have).
+
+A row's lower bound (issue 36, target 2): the longest of the plain step, the host update alone and the bytes moved
+at the copy bandwidth. The host update alone is the native kernel timed on the chunk groups that updated on the
+host in the row's last step (their sizes, fresh tensors, this process's threads); the bandwidth is a pinned
+256 MiB copy each way, measured here. Each run is a process of its own (the allocator's cap is process-wide).
+Not measured here: the overlap of copies with compute (the time model predicts it: benchmarks/time_model.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import table, write_json
+from benchmarks.gpu_budgets import DIVISOR, _outside_after_a_step, ids, model, plain_peak
+
+STAGES = ("fwd", "bwd", "optim")
+
+
+def timed(step: Callable[[str], None], steps: int, device: str) -> dict[str, float]:
+    """Median seconds per stage over the steps after two warm-ups; `step(stage)` runs one stage."""
+    laps: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    for _ in range(steps):
+        for stage in STAGES:
+            start = time.perf_counter()
+            step(stage)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            laps[stage].append(time.perf_counter() - start)
+    return {stage: statistics.median(values[2:] or values) for stage, values in laps.items()}
+
+
+def run_plain(device: str, steps: int) -> dict[str, Any]:
+    net = model(device).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
+    batch, state = ids(device).to(device), {}
+
+    def step(stage: str) -> None:
+        if stage == "fwd":
+            with torch.autocast(device, dtype=torch.bfloat16):
+                state["loss"] = net(batch, labels=batch).loss
+        elif stage == "bwd":
+            state.pop("loss").backward()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"stages": timed(step, steps, device)}
+
+
+def run_chunkmem(device: str, budget: int | None, steps: int) -> dict[str, Any]:
+    import chunkmem
+
+    net = model(device)
+    size = sum(p.numel() for p in net.parameters()) // 9 + 1  # gpu_budgets' 9 parameter chunks
+    try:
+        cm, optimizer = chunkmem.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4), chunkmem.Config(
+            device=device, dtype="bf16", device_memory=budget, chunk_size=size))
+    except chunkmem.MemoryBudgetError as error:
+        return {"refused": str(error)[:300]}
+    batch, state = ids(device).to(cm.runtime.device.torch_device), {}
+
+    def step(stage: str) -> None:
+        if stage == "fwd":
+            state["loss"] = cm(batch, labels=batch).loss
+        elif stage == "bwd":
+            state.pop("loss").backward()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+    try:
+        stages = timed(step, steps, device)
+    except torch.OutOfMemoryError as error:
+        return {"error": str(error)[:300]}
+    stats, placer = cm.memory_stats(), cm.runtime.placer
+    hosted = [sum(r.slot.numel for r in g.members) for g in cm.runtime.store.trainable_groups()
+              if not placer.homed(g.index)]
+    return {"stages": stages, "h2d_per_step": stats["h2d_bytes"] / steps, "d2h_per_step": stats["d2h_bytes"] / steps,
+            "oom_fallbacks": stats["oom_fallbacks"], "host_update_s": host_update_alone(hosted, size)}
+
+
+def host_update_alone(sizes: list[int], chunk: int) -> float:
+    """Seconds the native AdamW kernel takes over chunks of these groups (fp32 master and states, bf16 gradient
+    and parameter out), on fresh host tensors, with this process's threads; 0 without the native kernel."""
+    from chunkmem.memory import native
+
+    if not sizes or native.load() is None:
+        return 0.0
+    master, first, second = (torch.zeros(chunk) for _ in range(3))
+    grad, out = torch.zeros(chunk, dtype=torch.bfloat16), torch.zeros(chunk, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    for numel in sizes:
+        native.adam_step(master[:numel], grad[:numel], first[:numel], second[:numel], out[:numel], lr=1e-4,
+                         beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, step=1)
+    return time.perf_counter() - start
+
+
+def run_fsdp2(device: str, steps: int) -> dict[str, Any]:
+    """FSDP2 `fully_shard` with CPUOffloadPolicy(pin_memory=True) on one rank: the peer at equal memory."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("FSDP_PORT", "29533"))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    net = model(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in net.model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
+    fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    batch, state = ids(device).to(device), {}
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(stage: str) -> None:
+        if stage == "fwd":
+            state["loss"] = net(batch, labels=batch).loss
+        elif stage == "bwd":
+            state.pop("loss").backward()
+        else:
+            optimizer.step()
+            optimizer.zero_grad()
+    stages = timed(step, steps, device)
+    return {"stages": stages, "held": torch.cuda.max_memory_reserved()}
+
+
+def bandwidth(device: str) -> float:
+    """Bytes per second of a pinned 256 MiB copy, the slower way (the simulation: a nominal 25 GB/s)."""
+    if device != "cuda":
+        return 25e9
+    host = torch.empty(2**28, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    speeds = []
+    for copy in (lambda: dev.copy_(host, non_blocking=True), lambda: host.copy_(dev, non_blocking=True)):
+        copy()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy()
+        torch.cuda.synchronize()
+        speeds.append(host.numel() / (time.perf_counter() - start))
+    return min(speeds)
+
+
+def worker(kind: str, device: str, budget: int, steps: int) -> dict[str, Any]:
+    if kind == "plain":
+        return run_plain(device, steps)
+    if kind == "fsdp2":
+        return run_fsdp2(device, steps)
+    return run_chunkmem(device, budget if budget >= 0 else None, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--simulate", action="store_true", help="the CPU simulation, scaled down 256 times")
+    parser.add_argument("--shares", default="none,0.5,0.25,0.1", help="'none' or shares of the model data")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", nargs=4, metavar=("KIND", "DEVICE", "BUDGET", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        kind, device, budget, steps = args.worker
+        print(json.dumps(worker(kind, device, int(budget), int(steps))))
+        return
+    device = "cpu" if args.simulate else "cuda"
+    env = dict(os.environ, CHUNKMEM_SIM_MEMORY=f"scale:{DIVISOR}") if args.simulate else dict(os.environ)
+    peak = plain_peak(device)
+    outside = 0 if args.simulate else _outside_after_a_step()
+    runs = [("plain", "plain", -1)] + [
+        (share if share == "none" else f"{float(share):.0%}", "chunkmem",
+         -1 if share == "none" else int(outside + 1.15 * peak["activations"] + float(share) * peak["model_data"]))
+        for share in args.shares.split(",")] + ([] if args.simulate else [("FSDP2 offload", "fsdp2", -1)])
+    speed, rows = bandwidth(device), []
+    for name, kind, budget in runs:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_offload", "--worker", kind, device, str(budget),
+                               str(args.steps)], env=env, capture_output=True, text=True, timeout=1800)
+        got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"crash": done.stderr[-600:]}
+        rows.append(_row(name, budget, got, rows[0] if rows else None, speed))
+    columns = ["run", "budget GiB", "step s", "vs plain", "fwd / bwd / opt ms", "GB up / down", "oom", "bound s",
+               "vs bound", "note"]
+    print(table(rows, columns))
+    if args.json:
+        write_json(args.json, {"benchmark": "gpu_offload", "args": vars(args), "plain": peak, "bandwidth": speed,
+                                "device": "CPU simulation (scaled 1/256)" if args.simulate else
+                                torch.cuda.get_device_name(), "rows": rows})
+
+
+def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | None, speed: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"run": name, "budget GiB": round(budget / 2**30, 2) if budget >= 0 else "-", "step s": "-",
+                           "vs plain": "-", "fwd / bwd / opt ms": "-", "GB up / down": "-", "oom": "-",
+                           "bound s": "-", "vs bound": "-", "note": ""}
+    if "stages" not in got:
+        return row | {"note": (got.get("refused") or got.get("error") or got.get("crash") or "")[:120], "raw": got}
+    stages = got["stages"]
+    step = sum(stages.values())
+    row |= {"step s": round(step, 4), "fwd / bwd / opt ms": " / ".join(f"{stages[s] * 1000:.1f}" for s in STAGES),
+            "raw": got}
+    if plain is not None and isinstance(plain["step s"], float):
+        row["vs plain"] = f"{step / plain['step s']:.2f}x"
+    if "h2d_per_step" in got and plain is not None and isinstance(plain["step s"], float):
+        moved = max(got["h2d_per_step"], got["d2h_per_step"]) / speed
+        bound = max(plain["step s"], got["host_update_s"], moved)
+        row |= {"GB up / down": f"{got['h2d_per_step'] / 1e9:.2f} / {got['d2h_per_step'] / 1e9:.2f}",
+                "oom": got["oom_fallbacks"], "bound s": round(bound, 4), "vs bound": f"{step / bound:.2f}x"}
+    if "held" in got:
+        row["note"] = f"holds {got['held'] / 2**30:.1f} GiB"
+    return row
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""benchmarks/gpu_offload.py in the CPU simulation: the table a GPU session will fill, each row what its run did."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_the_speed_table_has_plain_and_a_streaming_row_with_its_bound(tmp_path: Path) -> None:
+    out = tmp_path / "offload.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu_offload", "--simulate", "--shares", "0.5", "--steps", "3",
+                    "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    rows = {row["run"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"plain", "50%"}
+    plain, streamed = rows["plain"], rows["50%"]
+    stages = streamed["raw"]["stages"]
+    assert streamed["step s"] == pytest.approx(sum(stages.values()), abs=1e-4)
+    assert streamed["raw"]["h2d_per_step"] > 0, "half of the model data on the device: chunks move"
+    assert streamed["bound s"] >= plain["step s"] and streamed["vs plain"].endswith("x")
+    assert streamed["raw"]["host_update_s"] > 0, "some groups updated on the host and the kernel was timed on them"
