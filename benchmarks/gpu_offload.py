@@ -50,21 +50,30 @@ def timed(step: Callable[[str], None], steps: int, device: str) -> dict[str, flo
     return {stage: statistics.median(values[2:] or values) for stage, values in laps.items()}
 
 
-def run_plain(device: str, steps: int) -> dict[str, Any]:
-    net = model(device).to(device)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
-    batch, state = ids(device).to(device), {}
+def stages_of(forward: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer) -> Callable[[str], None]:
+    """One stage of a training step at a time: the loss, its backward, the optimizer's step."""
+    state: dict[str, torch.Tensor] = {}
 
     def step(stage: str) -> None:
         if stage == "fwd":
-            with torch.autocast(device, dtype=torch.bfloat16):
-                state["loss"] = net(batch, labels=batch).loss
+            state["loss"] = forward()
         elif stage == "bwd":
             state.pop("loss").backward()
         else:
             optimizer.step()
             optimizer.zero_grad()
-    return {"stages": timed(step, steps, device)}
+    return step
+
+
+def run_plain(device: str, steps: int) -> dict[str, Any]:
+    net = model(device).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
+    batch = ids(device).to(device)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return net(batch, labels=batch).loss
+    return {"stages": timed(stages_of(forward, optimizer), steps, device)}
 
 
 def run_chunkmem(device: str, budget: int | None, steps: int) -> dict[str, Any]:
@@ -77,18 +86,9 @@ def run_chunkmem(device: str, budget: int | None, steps: int) -> dict[str, Any]:
             device=device, dtype="bf16", device_memory=budget, chunk_size=size))
     except chunkmem.MemoryBudgetError as error:
         return {"refused": str(error)[:300]}
-    batch, state = ids(device).to(cm.runtime.device.torch_device), {}
-
-    def step(stage: str) -> None:
-        if stage == "fwd":
-            state["loss"] = cm(batch, labels=batch).loss
-        elif stage == "bwd":
-            state.pop("loss").backward()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
+    batch = ids(device).to(cm.runtime.device.torch_device)
     try:
-        stages = timed(step, steps, device)
+        stages = timed(stages_of(lambda: cm(batch, labels=batch).loss, optimizer), steps, device)
     except torch.OutOfMemoryError as error:
         return {"error": str(error)[:300]}
     stats, placer = cm.memory_stats(), cm.runtime.placer
@@ -127,18 +127,9 @@ def run_fsdp2(device: str, steps: int) -> dict[str, Any]:
         fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
     fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    batch, state = ids(device).to(device), {}
+    batch = ids(device).to(device)
     torch.cuda.reset_peak_memory_stats()
-
-    def step(stage: str) -> None:
-        if stage == "fwd":
-            state["loss"] = net(batch, labels=batch).loss
-        elif stage == "bwd":
-            state.pop("loss").backward()
-        else:
-            optimizer.step()
-            optimizer.zero_grad()
-    stages = timed(step, steps, device)
+    stages = timed(stages_of(lambda: net(batch, labels=batch).loss, optimizer), steps, device)
     return {"stages": stages, "held": torch.cuda.max_memory_reserved()}
 
 
