@@ -118,14 +118,17 @@ def probe(others: int, steps: int) -> None:
         optimizer.zero_grad()
 
 
-def others_overhead(short: int = 10, long: int = 40) -> dict:
+def others_overhead(short: int = 10, long: int = 110) -> dict:
     """Instructions per step of the probe's model alone and beside two other prepared models, counted by
     callgrind (repeatable however loaded the machine is): the difference of a long and a short run, so that
-    start-up and preparation cancel out."""
+    start-up and preparation cancel out. Start-up itself varied by 120M of 19G instructions between two runs
+    with Python's hash randomization on, about 4M a step over a difference of 30 steps (12% of one): the hash
+    seed is fixed, and the difference is 100 steps."""
     def instructions(others: int, steps: int) -> int:
         command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-m",
                    "benchmarks.several_models", "--probe", str(others), str(steps)]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=True,
+                              env=dict(os.environ, PYTHONHASHSEED="0"))
         return int(re.findall(r"Collected : (\d+)", done.stderr)[-1])
 
     per_step = {others: (instructions(others, long) - instructions(others, short)) / (long - short)
