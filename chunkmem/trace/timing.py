@@ -111,17 +111,20 @@ class _Replay:
                 self.dirty.discard(name)
                 room = max(room, self.copy("d2h", name, self.last_use.get(name, 0.0)))
         for name in here.get("fetch", []):
-            self.ready[name] = room if name in self.unborn else self.copy("h2d", name, room)
-            self.unborn.discard(name)
+            self._bring(name, room)
         for name in prefetch:
-            self.ready[name] = issued if name in self.unborn else self.copy("h2d", name, issued)
-            self.unborn.discard(name)
+            self._bring(name, issued)
         start = max([issued, *(self.ready.get(c, 0.0) for c in chunks)])
         end = self.run("compute", start, self._seconds(event, stage))
         self.dirty |= writes
         for name in chunks:
             self.last_use[name] = end
         return end
+
+    def _bring(self, name: str, after: float) -> None:
+        """Upload `name` once `after` has passed; a gradient chunk not written yet comes up as zeros, copying nothing."""
+        self.ready[name] = after if name in self.unborn else self.copy("h2d", name, after)
+        self.unborn.discard(name)
 
     def _seconds(self, event: Event, stage: str) -> float:
         if event.kind == "use":
