@@ -30,8 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import chunkmem
 from benchmarks.common import table, write_json
 from chunkmem.chunks.layout import search_chunk_size
-from chunkmem.chunks.observe import Moment, Move
-from chunkmem.chunks.placement import Placer
+from chunkmem.trace import timing
 from chunkmem.trace.timing import Predicted, Recorded, Speeds, predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,62 +65,19 @@ def speeds() -> tuple[dict[str, dict[str, float]], float, float, float]:
     return host, copies["engine_h2d_GBps"] * 1e9, copies["engine_d2h_GBps"] * 1e9, host_update
 
 
-class Stages:
-    """Tags each placer event with the stage of the moment before it (the runtime emits a moment, then accesses)."""
-
-    def __init__(self, placer: Placer) -> None:
-        self.placer = placer
-        self.marks: list[tuple[int, str]] = []
-
-    def moment(self, moment: Moment) -> None:
-        self.marks.append((len(self.placer.events), moment.stage))
-
-    def moved(self, move: Move) -> None:
-        pass
-
-    def of(self, count: int) -> list[str]:
-        out, stage, marks = [], "fwd", iter(self.marks + [(count + 1, "")])
-        at, next_stage = next(marks)
-        for i in range(count):
-            while i >= at:
-                stage = next_stage
-                at, next_stage = next(marks)
-            out.append(stage)
-        return out
-
-
 def record(model: torch.nn.Module, ids: torch.Tensor, budget: int | None, chunk: int) -> Recorded:
     """Train three steps; the third is the one replayed, with the homes and the plan chunkmem followed in it."""
     module = copy.deepcopy(model)
     cm, opt = chunkmem.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-4),
                                chunkmem.Config(device="cpu", dtype="bf16", chunk_size=chunk, device_memory=budget))
-    runtime = cm.runtime
-    for _ in range(2):
+
+    def train_step() -> None:
         cm(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    placer, stages = runtime.placer, Stages(runtime.placer)
-    runtime.observers.append(stages)
-    follower = placer.follower
-    assert follower is not None, "the third step follows a plan"
-    cm(ids, labels=ids).loss.backward()
-    opt.step()  # its events are kept by the wrapper below before the placer clears them
-    events = kept.pop()
-    return Recorded(events, stages.of(len(events)), placer.groups, frozenset(placer.homes), placer.sizes,
-                    follower.step, follower.plan, scale=NARROW ** 2)
 
-
-kept: list[list] = []
-
-
-def keep_events() -> None:
-    original = Placer.step_done
-
-    def step_done(self: Placer) -> None:
-        kept.append(list(self.events))
-        original(self)
-
-    Placer.step_done = step_done  # type: ignore[method-assign]
+    train_step(), train_step()
+    return timing.record(cm.runtime, train_step, scale=NARROW ** 2)
 
 
 def main() -> None:
@@ -129,7 +85,6 @@ def main() -> None:
     parser.add_argument("--budgets", default="none,0.5,0.25,0.1", help="'none' or shares of model data")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    keep_events()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(NARROW))
     with torch.device("meta"):

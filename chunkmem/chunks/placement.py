@@ -134,6 +134,7 @@ class Placer:
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
         self.events: list[Event] = []  # this step's, kept in every phase: a step off the record re-plans from them
+        self.last_events: list[Event] = []  # the last step's (trace/timing.py replays them)
         self.backwards = 0  # this step's backward passes: each streams the streamed groups' gradients
         self.follower: Follower | None = None
         self.start: set[str] = set()
@@ -372,6 +373,7 @@ class Placer:
         differ from the plan's (they are the next step's best guess) or the next step starts from other
         resident chunks; re-record after a step that fell back."""
         events, self.events = self.events, []
+        self.last_events = events
         passes, self.backwards = max(1, self.backwards), 0
         outgrown, self.giving_way = self.giving_way, False
         partial, self.served_resident, self.resident = self.served_resident, False, False

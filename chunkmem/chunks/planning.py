@@ -202,6 +202,9 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
 
     feasible: Callable[[frozenset[int]], bool] = \
         lambda homes: homes.isdisjoint(streamed) and fits(step(homes), by_index, sizes)
+    everything = frozenset(by_index) - frozenset(streamed)
+    if feasible(everything) and score(everything)[0] == passes * sum(by_index[i].streamed for i in streamed):
+        return step(everything)  # all home and nothing else moves: no homes do better (nor is a search quick)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]
     for parity in (0, 1):  # every other group: the optimum single moves could not reach on a 16-layer MLP (issue 35)
         seeds.append(_greedy([g for g in groups if g.index % 2 == parity], sizes, feasible))

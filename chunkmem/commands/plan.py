@@ -2,7 +2,8 @@
 
 MODEL is a local Hugging Face directory or config.json, or the size is given with
 --layers/--hidden/--vocab (a GPT-2 of that size; --params alone picks the hidden size for
---layers). Exit status: 0 fits or tight, 1 does not fit, 2 bad arguments.
+--layers). Exit status: 0 fits or tight, 1 does not fit (or, with --simulate, a simulated step ran out of
+the budget), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -128,13 +129,29 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         from chunkmem.trace.simulate import simulate
 
         try:
-            measured = simulate(config, request, estimate)
+            measured = simulate(config, request, estimate, record=True)
         except MemoryError as error:
             return _error(str(error))
-        result["simulated"] = dict(vars(measured), estimate_error=estimate.activation_forward_bytes /
+        result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
                                    max(1, measured.activation_peak) - 1)
+        result["time_model"] = _time_model(spec, request, measured.recorded) if measured.recorded is not None \
+            else {"failure": measured.failure}
     print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
-    return 1 if estimate.verdict == "does not fit" else 0
+    return 1 if estimate.verdict == "does not fit" or "failure" in result.get("time_model", {}) else 0
+
+
+def _time_model(spec: Any, request: Any, recorded: Any) -> dict[str, Any]:
+    """The simulated step replayed at typical GPU speeds (trace/timing.py): predicted seconds, by stage, the copies'
+    share hidden behind compute, and the step's lower bound (plain's compute and device update, the host update
+    alone, or the bytes moved over PCIe)."""
+    from chunkmem.trace.search import typical_speeds
+    from chunkmem.trace.timing import predict
+
+    speeds = typical_speeds(spec, request, recorded)
+    got = predict(recorded, speeds)
+    plain = sum(speeds.compute.values()) + sum(recorded.sizes.values()) / speeds.device_update
+    return {"step_s": got.step_s, "stage_s": got.stage_s, "h2d_bytes": got.h2d_bytes, "d2h_bytes": got.d2h_bytes,
+            "overlap": got.overlap, "host_update_s": got.host_update_s, "bound_s": got.bound(plain, speeds)}
 
 
 def _layouts(config: Any, gpus: int, request: Any, as_json: bool, stdout: Any, shown: int = 10) -> int:
@@ -206,4 +223,12 @@ def _text(r: dict[str, Any]) -> str:
         lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "
                      f"{_gib(r['activation_forward_bytes'])} ({s['estimate_error']:+.1%}); model data "
                      f"{_gib(s['model_data_bytes'])}; step {s['seconds']:.2f}s")
+        t = r["time_model"]
+        if "failure" in t:
+            lines.append(f"simulated steps after the first: FAILED, the budget did not hold: {t['failure']}")
+            return "\n".join(lines)
+        lines.append(f"time model of that step on a GPU: {t['step_s']:.3g} s predicted (forward / backward / optimizer "
+                     + " / ".join(f"{t['stage_s'][k] * 1000:.3g}" for k in ("fwd", "bwd", "optim"))
+                     + f" ms), {_gib(t['h2d_bytes']).strip()} up and {_gib(t['d2h_bytes']).strip()} down, "
+                     f"{t['overlap']:.0%} of copy time hidden, bound {t['bound_s']:.3g} s (chunkmem/trace/timing.py)")
     return "\n".join(lines)

@@ -22,6 +22,8 @@ Seconds per step of the requested tokens, nothing overlapped (a bound to rank by
   offloaded  activations sent to the host and back once per micro-batch, over PCIE
   disk       the disk tier's bytes read and written back once a step at DISK
 FLOPS, PCIE, HOST_UPDATE and DISK are typical of one recent GPU machine, not measured here.
+`chunkmem plan --simulate` also replays the simulated step at these speeds in the time model of trace/timing.py
+(copies and host updates overlapping compute as the plan orders them), with chunkmem's own host time per event.
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from typing import Any
 import torch
 
 from chunkmem.trace.planner import Estimate, ModelSpec, Request, plan
+from chunkmem.trace.timing import STAGES, Recorded, Speeds
 
 FLOPS = 200e12  # dense bf16 a GPU sustains on large GEMMs
 PCIE = 20e9  # host <-> device bytes per second
 HOST_UPDATE = 10e9  # bytes of gradient, master and optimizer state a multi-core host steps per second
+DEVICE_UPDATE = 500e9  # the same on the GPU (an H100's, fitted in benchmarks/time_model.py)
+# chunkmem's host seconds per placer event (module access, gradient, update) as CUDA runs a step: the launch-bound
+# LLaMA's extra host time at 50% of its model data, and resident (benchmarks/results/
+# overhead_launch_bound_llama20_as_cuda.json, bf16: 68 and 14 ms over its 673 events)
+HOST_PER_EVENT = 100e-6
+RESIDENT_HOST_PER_EVENT = 20e-6
 DISK = 2e9  # NVMe bytes per second each way
 HALF_ROWS = 2048  # tokens per micro-batch at which GEMMs run at half their peak
 LORA_RANKS = (64, 8)
@@ -71,20 +80,35 @@ def with_lora(spec: ModelSpec, rank: int) -> ModelSpec:
 def step_seconds(spec: ModelSpec, estimate: Estimate, tokens: int) -> float:
     """Predicted seconds of a step of `tokens` tokens as `estimate` runs it (the Note on the step-time model)."""
     request = estimate.request
-    params = sum(p.numel() for p in spec.module.parameters())
-    trainable = sum(p.numel() for p in spec.module.parameters() if p.requires_grad)
-    flops = tokens * (params * (4 + (2 if request.checkpointing else 0)) + 2 * trainable)
-    rows = request.batch_size * request.seq_len
-    rate = FLOPS * (1.0 if request.dtype != "fp32" else 0.5) * rows / (rows + HALF_ROWS)
-    micro_batches = max(1, tokens // rows)
+    micro_batches = max(1, tokens // (request.batch_size * request.seq_len))
     room = max(0, request.device_memory - (estimate.device_need - estimate.working_set_bytes))
     spill = max(0.0, 1 - room / max(1, estimate.model_data_bytes))
     kinds = estimate.model_data_by_kind
     streamed = spill * (2 * micro_batches * kinds["param"] + kinds.get("grad", 0))
     stepped = spill * sum(kinds.get(kind, 0) for kind in OPTIMIZER_KINDS)
     offloaded = 2 * micro_batches * estimate.offloaded_activation_bytes
-    return (flops / rate + (streamed + offloaded) / PCIE + 2 * stepped / HOST_UPDATE
-            + 2 * estimate.disk_bytes / DISK)
+    return (sum(compute_seconds(spec, request, tokens).values()) + (streamed + offloaded) / PCIE
+            + 2 * stepped / HOST_UPDATE + 2 * estimate.disk_bytes / DISK)
+
+
+def compute_seconds(spec: ModelSpec, request: Request, tokens: int) -> dict[str, float]:
+    """Seconds of kernels in the forward ("fwd") and backward ("bwd") of `tokens` tokens (the Note on the
+    step-time model: its compute)."""
+    params = sum(p.numel() for p in spec.module.parameters())
+    trainable = sum(p.numel() for p in spec.module.parameters() if p.requires_grad)
+    rows = request.batch_size * request.seq_len
+    rate = FLOPS * (1.0 if request.dtype != "fp32" else 0.5) * rows / (rows + HALF_ROWS)
+    backward = params * (2 + (2 if request.checkpointing else 0)) + 2 * trainable
+    return {"fwd": tokens * 2 * params / rate, "bwd": tokens * backward / rate}
+
+
+def typical_speeds(spec: ModelSpec, request: Request, recorded: Recorded) -> Speeds:
+    """The time model's speeds (trace/timing.py) for a step of `recorded` on a typical GPU machine: this module's
+    constants, and chunkmem's host time at HOST_PER_EVENT (RESIDENT_HOST_PER_EVENT when every group is home)."""
+    per_event = RESIDENT_HOST_PER_EVENT if len(recorded.homes) == len(recorded.groups) else HOST_PER_EVENT
+    host = {stage: per_event * sum(1 for s in recorded.stages if s == stage) for stage in STAGES}
+    return Speeds(PCIE, PCIE, HOST_UPDATE, DEVICE_UPDATE,
+                  compute_seconds(spec, request, request.batch_size * request.seq_len), host)
 
 
 def options(spec: ModelSpec, request: Request) -> list[Option]:

@@ -10,6 +10,8 @@ runtime's own. What is measured:
                    on a shared machine (tracemalloc does not even see PyTorch's allocations).
   chunk peak       memory_stats()["device_chunk_bytes_peak"]
   model data       memory_stats()["model_data_bytes"]
+With `record`, two more steps follow (AdamW or SGD's step after each backward), and the third, under the plan the
+warm-up made, is recorded for the time model (chunkmem/trace/timing.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import psutil
 import torch
 
 import chunkmem
+from chunkmem.errors import MemoryBudgetError
+from chunkmem.trace import timing
 from chunkmem.trace.planner import ITEMSIZE, Estimate, Request
 
 MAX_FRACTION_OF_RAM = 0.5  # of available host memory: beyond this, simulating would risk the machine
@@ -34,9 +38,15 @@ class Measured:
     model_data_bytes: int
     chunk_size: int
     seconds: float
+    recorded: timing.Recorded | None = None  # the third step, with `record`
+    failure: str | None = None  # why a step after the first failed, with `record`
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "recorded"}
 
 
-def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, use_cache: bool = True) -> Measured:
+def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, use_cache: bool = True,
+             record: bool = False) -> Measured:
     """Run one training step of `config`'s model under `request` in the CPU simulation.
 
     use_cache: Hugging Face's default forward keeps the key/value cache (True: what a plain loop
@@ -72,8 +82,22 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, u
     loss = prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss
     loss.backward()
     seconds = time.perf_counter() - start
-    stats = prepared.memory_stats()
     # With checkpointing this is the forward's peak: the recomputation in backward keeps its tensors
     # inside torch.utils.checkpoint's own frame, where no saved-tensor hook sees them.
-    return Measured(prepared.runtime.activations.peak, stats["device_chunk_bytes_peak"], stats["model_data_bytes"],
-                    stats["chunk_size"], seconds)
+    stats, peak = prepared.memory_stats(), prepared.runtime.activations.peak
+    recorded, failure = None, None
+    if record:
+        def train_step() -> None:
+            prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        try:
+            optimizer.step()
+            optimizer.zero_grad()
+            train_step()
+            recorded = timing.record(prepared.runtime, train_step)
+        except MemoryBudgetError as error:  # a budget prepare accepted that a later step outgrew: the user must know
+            failure = str(error)
+    return Measured(peak, stats["device_chunk_bytes_peak"], stats["model_data_bytes"],
+                    stats["chunk_size"], seconds, recorded, failure)

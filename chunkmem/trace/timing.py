@@ -15,15 +15,25 @@ the stage it ran in) and the plan it follows:
   fetch waits for the evictions that make its room; an eviction, for the compute that last used the chunk.
 Prefetches are issued one access ahead, as the placer does. The model knows nothing of the caching allocator's
 out-of-memory fallbacks: a step that needs them is slower than it says.
+
+`record` runs a step of a prepared model under its plan and keeps what the replay needs; a model recorded narrower
+than the one predicted (the same layers, hidden sizes divided by n: chunks n**2 smaller) replays at the full
+model's bytes with `scale` n**2 (benchmarks/time_model.py, `chunkmem plan --simulate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
+from chunkmem.chunks.observe import Moment, Move
+from chunkmem.chunks.placement import Placer
 from chunkmem.chunks.plan import Plan
 from chunkmem.chunks.planning import Event, GroupChunks, Step, steady_chunks
+
+if TYPE_CHECKING:
+    from chunkmem.runtime.runtime import Runtime
 
 STAGES = ("fwd", "bwd", "optim")
 
@@ -68,6 +78,49 @@ class Predicted:
         """The step's lower bound (issue 36): the plain step, the host update alone, or the bytes moved at the
         copy bandwidth, whichever is longest."""
         return max(plain_s, self.host_update_s, self.h2d_bytes / speeds.h2d, self.d2h_bytes / speeds.d2h)
+
+
+class _Stages:
+    """An observer tagging each placer event with the stage of the moment before it (the runtime emits a moment,
+    then accesses)."""
+
+    def __init__(self, placer: Placer) -> None:
+        self.placer = placer
+        self.marks: list[tuple[int, str]] = []
+
+    def moment(self, moment: Moment) -> None:
+        self.marks.append((len(self.placer.events), moment.stage))
+
+    def moved(self, move: Move) -> None:
+        pass
+
+    def of(self, count: int) -> list[str]:
+        out, stage, marks = [], "fwd", iter(self.marks + [(count + 1, "")])
+        at, next_stage = next(marks)
+        for i in range(count):
+            while i >= at:
+                stage = next_stage
+                at, next_stage = next(marks)
+            out.append(stage)
+        return out
+
+
+def record(runtime: Runtime, train_step: Callable[[], None], scale: float = 1.0) -> Recorded:
+    """Run `train_step` (a forward, its backward and the optimizer's step) on the model `runtime` serves, under the
+    plan it follows, and keep the step for the replay. The step takes the full path (an observer is on)."""
+    placer = runtime.placer
+    follower = placer.follower
+    if follower is None:
+        raise ValueError("a step is recorded under a plan: train at least one step (the warm-up) first")
+    stages = _Stages(placer)
+    runtime.observers.append(stages)
+    try:
+        train_step()
+    finally:
+        runtime.observers.remove(stages)
+    events = placer.last_events
+    return Recorded(events, stages.of(len(events)), placer.groups, frozenset(placer.homes), dict(placer.sizes),
+                    follower.step, follower.plan, scale)
 
 
 class _Replay:

@@ -138,11 +138,33 @@ def test_plan_command(capsys) -> None:
 
 def test_plan_simulate(capsys) -> None:
     args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
-            "--dtype", "fp32", "--device-memory", "4MiB", "--simulate", "--json"]
-    assert main(args) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert abs(result["simulated"]["estimate_error"]) < 0.25
-    assert result["simulated"]["model_data_bytes"] == result["model_data_bytes"]
+            "--dtype", "fp32", "--simulate", "--json"]
+    timed = {}
+    for budget in ("2MiB", "64MiB"):  # chunks stream; all of them fit
+        assert main(args + ["--device-memory", budget]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert abs(result["simulated"]["estimate_error"]) < 0.25
+        assert result["simulated"]["model_data_bytes"] == result["model_data_bytes"]
+        timed[budget] = t = result["time_model"]  # the third simulated step replayed at typical GPU speeds
+        assert sum(t["stage_s"].values()) == pytest.approx(t["step_s"]) and t["step_s"] >= t["bound_s"] > 0
+    streamed, resident = timed["2MiB"], timed["64MiB"]
+    assert streamed["h2d_bytes"] > 0 and streamed["host_update_s"] > 0
+    assert resident["h2d_bytes"] == resident["d2h_bytes"] == resident["host_update_s"] == 0
+    assert streamed["step_s"] > resident["step_s"]
+
+
+def test_plan_simulate_says_when_a_later_step_outgrows_the_budget(capsys, monkeypatch) -> None:
+    from chunkmem.errors import MemoryBudgetError
+    from chunkmem.trace import timing
+
+    def outgrown(runtime: Any, train_step: Any, scale: float = 1.0) -> Any:
+        raise MemoryBudgetError("chunk master.3 needs 4096 bytes on the device")
+
+    monkeypatch.setattr(timing, "record", outgrown)
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
+            "--dtype", "fp32", "--device-memory", "64MiB", "--simulate"]
+    assert main(args) == 1  # the estimate said it fits; the simulation says otherwise
+    assert "FAILED, the budget did not hold: chunk master.3 needs 4096 bytes" in capsys.readouterr().out
 
 
 def test_plan_and_finetune_assume_one_dtype() -> None:
