@@ -128,14 +128,19 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
     if args.simulate:
         from chunkmem.trace.simulate import simulate
 
+        from chunkmem.errors import MemoryBudgetError
+
         try:
             measured = simulate(config, request, estimate, record=True)
         except MemoryError as error:
             return _error(str(error))
-        result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
-                                   max(1, measured.activation_peak) - 1)
-        result["time_model"] = _time_model(spec, request, measured.recorded) if measured.recorded is not None \
-            else {"failure": measured.failure}
+        except MemoryBudgetError as error:  # the first step: nothing measured
+            result["time_model"] = {"failure": str(error)}
+        else:
+            result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
+                                       max(1, measured.activation_peak) - 1)
+            result["time_model"] = _time_model(spec, request, measured.recorded) if measured.recorded is not None \
+                else {"failure": measured.failure}
     print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
     return 1 if estimate.verdict == "does not fit" or "failure" in result.get("time_model", {}) else 0
 
@@ -223,10 +228,10 @@ def _text(r: dict[str, Any]) -> str:
         lines.append(f"simulated: activation peak {_gib(s['activation_peak'])} vs estimate "
                      f"{_gib(r['activation_forward_bytes'])} ({s['estimate_error']:+.1%}); model data "
                      f"{_gib(s['model_data_bytes'])}; step {s['seconds']:.2f}s")
-        t = r["time_model"]
-        if "failure" in t:
-            lines.append(f"simulated steps after the first: FAILED, the budget did not hold: {t['failure']}")
-            return "\n".join(lines)
+    t = r.get("time_model")
+    if t is not None and "failure" in t:
+        lines.append(f"simulated steps: FAILED, the budget did not hold: {t['failure']}")
+    elif t is not None:
         lines.append(f"time model of that step on a GPU: {t['step_s']:.3g} s predicted (forward / backward / optimizer "
                      + " / ".join(f"{t['stage_s'][k] * 1000:.3g}" for k in ("fwd", "bwd", "optim"))
                      + f" ms), {_gib(t['h2d_bytes']).strip()} up and {_gib(t['d2h_bytes']).strip()} down, "

@@ -153,7 +153,7 @@ def test_plan_simulate(capsys) -> None:
     assert streamed["step_s"] > resident["step_s"]
 
 
-def test_plan_simulate_says_when_a_later_step_outgrows_the_budget(capsys, monkeypatch) -> None:
+def test_plan_simulate_says_when_a_later_step_outgrows_the_budget(capsys, monkeypatch, sim_memory) -> None:
     from chunkmem.errors import MemoryBudgetError
     from chunkmem.trace import timing
 
@@ -165,6 +165,10 @@ def test_plan_simulate_says_when_a_later_step_outgrows_the_budget(capsys, monkey
             "--dtype", "fp32", "--device-memory", "64MiB", "--simulate"]
     assert main(args) == 1  # the estimate said it fits; the simulation says otherwise
     assert "FAILED, the budget did not hold: chunk master.3 needs 4096 bytes" in capsys.readouterr().out
+    monkeypatch.undo()
+    sim_memory(1)  # the first step already: 1 MiB is less than one segment of CUDA's caching allocator
+    assert main(args[:-2] + ["1MiB", "--simulate", "--json"]) == 1
+    assert "needs" in json.loads(capsys.readouterr().out)["time_model"]["failure"]
 
 
 def test_plan_and_finetune_assume_one_dtype() -> None:
