@@ -89,7 +89,10 @@ class SlotArena:
         for nbytes, count in slots.items():
             queue = self._free.setdefault(nbytes, collections.deque())
             for _ in range(count - self._in_use(nbytes) - len(queue)):
-                queue.append(self._new(nbytes))
+                try:
+                    queue.append(self._new(nbytes))
+                except torch.OutOfMemoryError:  # the allocator's segments left no room for it now: taken when
+                    return  # needed, where an upload out of memory makes room (Residency.retry_out_of_memory)
 
     def _in_use(self, nbytes: int) -> int:
         return sum(1 for slot in self._used.values() if slot.base.nbytes == nbytes)

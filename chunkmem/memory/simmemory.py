@@ -100,7 +100,6 @@ _hook: TorchDispatchMode | None = None  # the op hook, at the bottom of the mode
 def simulated_memory() -> SimulatedMemory | None:
     """This process's simulated device memory, with its op hook in place. CHUNKMEM_SIM_MEMORY: unset or "cuda",
     CUDA's sizes; "scale:D", sizes divided by D (Sizes.scaled); "0", not modelled (None)."""
-    global _memory
     setting = os.environ.get("CHUNKMEM_SIM_MEMORY", "cuda")
     if setting == "0":
         return None

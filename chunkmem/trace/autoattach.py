@@ -19,7 +19,6 @@ calls the original and attaches.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 from typing import Any

@@ -153,6 +153,17 @@ def test_plan_simulate(capsys) -> None:
     assert streamed["step_s"] > resident["step_s"]
 
 
+def test_plan_simulate_with_cudas_allocator_sizes_trains_where_the_plans_slots_do_not_all_fit(capsys, sim_memory) -> None:
+    # At 48 MiB the plan made after the first step asks the arena for more slots than the allocator's segments leave
+    # room for (chunkmem/memory/arena.py, `reserve`): the steps go on, and the third is recorded.
+    sim_memory(1)
+    args = ["plan", "--layers", "4", "--hidden", "256", "--vocab", "1024", "--batch-size", "2", "--seq-len", "64",
+            "--dtype", "bf16", "--device-memory", "48MiB", "--simulate", "--json"]
+    assert main(args) == 0
+    timed = json.loads(capsys.readouterr().out)["time_model"]
+    assert "failure" not in timed and timed["h2d_bytes"] > 0
+
+
 def test_plan_simulate_says_when_a_later_step_outgrows_the_budget(capsys, monkeypatch, sim_memory) -> None:
     from chunkmem.errors import MemoryBudgetError
     from chunkmem.trace import timing
