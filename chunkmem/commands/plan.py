@@ -134,13 +134,12 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
             measured = simulate(config, request, estimate, record=True)
         except MemoryError as error:
             return _error(str(error))
-        except MemoryBudgetError as error:  # the first step: nothing measured
+        except MemoryBudgetError as error:  # a budget the estimate accepted that a simulated step outgrew
             result["time_model"] = {"failure": str(error)}
         else:
             result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
                                        max(1, measured.activation_peak) - 1)
-            result["time_model"] = _time_model(spec, request, measured.recorded) if measured.recorded is not None \
-                else {"failure": measured.failure}
+            result["time_model"] = _time_model(spec, request, measured.recorded)
     print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
     return 1 if estimate.verdict == "does not fit" or "failure" in result.get("time_model", {}) else 0
 

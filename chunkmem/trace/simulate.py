@@ -24,7 +24,6 @@ import psutil
 import torch
 
 import chunkmem
-from chunkmem.errors import MemoryBudgetError
 from chunkmem.trace import timing
 from chunkmem.trace.planner import ITEMSIZE, Estimate, Request
 
@@ -39,7 +38,6 @@ class Measured:
     chunk_size: int
     seconds: float
     recorded: timing.Recorded | None = None  # the third step, with `record`
-    failure: str | None = None  # why a step after the first failed, with `record`
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k != "recorded"}
@@ -78,26 +76,26 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, u
         offload_activations=request.offload_activations))
     ids = torch.randint(0, config.vocab_size, (request.batch_size, request.seq_len),
                         generator=torch.Generator().manual_seed(seed))
+
+    def forward_backward() -> None:
+        prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss.backward()
+
+    def train_step() -> None:
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
     start = time.perf_counter()
-    loss = prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss
-    loss.backward()
+    forward_backward()
     seconds = time.perf_counter() - start
     # With checkpointing this is the forward's peak: the recomputation in backward keeps its tensors
     # inside torch.utils.checkpoint's own frame, where no saved-tensor hook sees them.
     stats, peak = prepared.memory_stats(), prepared.runtime.activations.peak
-    recorded, failure = None, None
+    recorded = None
     if record:
-        def train_step() -> None:
-            prepared(ids, labels=ids, use_cache=use_cache and not request.checkpointing).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-        try:
-            optimizer.step()
-            optimizer.zero_grad()
-            train_step()
-            recorded = timing.record(prepared.runtime, train_step)
-        except MemoryBudgetError as error:  # a budget prepare accepted that a later step outgrew: the user must know
-            failure = str(error)
+        optimizer.step()
+        optimizer.zero_grad()
+        train_step()
+        recorded = timing.record(prepared.runtime, train_step)
     return Measured(peak, stats["device_chunk_bytes_peak"], stats["model_data_bytes"],
-                    stats["chunk_size"], seconds, recorded, failure)
+                    stats["chunk_size"], seconds, recorded)
