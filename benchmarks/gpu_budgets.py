@@ -29,28 +29,42 @@ from benchmarks.common import write_json
 SHAPES = {"cuda": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20, num_attention_heads=16,
                        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=1024),
           "cpu": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=20, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=2000, max_position_embeddings=128)}
-BATCH = {"cuda": (4, 1024), "cpu": (4, 64)}
+                      num_key_value_heads=4, vocab_size=2000, max_position_embeddings=128),
+          # launch-bound (issue 36's other size): kernels cost next to nothing, so a GPU waits on the host
+          "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=20, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)}
+BATCH = {"cuda": (4, 1024), "cpu": (4, 64), "tiny": (1, 16)}
 DIVISOR = 256  # the simulation's scale: its allocator's sizes too
 
 
-def model(device: str) -> torch.nn.Module:
+def model(device: str, shape: str | None = None) -> torch.nn.Module:
+    """The LLaMA of SHAPES[shape] (by default the one for `device`), built on `device`: a CUDA GPU draws the 1.16B
+    random weights in a blink, where a CPU core takes half a minute, in each of the benchmark's processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**SHAPES[device]))
+    with torch.device(device):
+        return LlamaForCausalLM(LlamaConfig(**SHAPES[shape or device]))
 
 
-def ids(device: str) -> torch.Tensor:
-    vocab = SHAPES[device]["vocab_size"]
-    return torch.randint(0, vocab, BATCH[device], generator=torch.Generator().manual_seed(1))
+def host_model(device: str, shape: str | None = None) -> torch.nn.Module:
+    """model(), on the host (what chunkmem.prepare and FSDP2's CPU offload take), none of it left on the device."""
+    net = model(device, shape).cpu()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return net
 
 
-def plain_peak(device: str) -> dict[str, int]:
+def ids(device: str, shape: str | None = None) -> torch.Tensor:
+    vocab = SHAPES[shape or device]["vocab_size"]
+    return torch.randint(0, vocab, BATCH[shape or device], generator=torch.Generator().manual_seed(1))
+
+
+def plain_peak(device: str, shape: str | None = None) -> dict[str, int]:
     """The activation peak of one plain bf16 step (gradients included) and the model data chunkmem keeps."""
-    net = model(device).to(torch.bfloat16)
+    net = model(device, shape).to(torch.bfloat16)
     data = sum(p.numel() for p in net.parameters()) * (2 + 2 + 4 + 4 + 4)  # param, grad, fp32 master, 2 states
-    batch = ids(device)
+    batch = ids(device, shape)
     if device == "cuda":
         net = net.cuda()
         torch.cuda.synchronize()
@@ -75,7 +89,7 @@ def run_budget(device: str, budget: int, steps: int) -> dict[str, Any]:
     import chunkmem
     from chunkmem.memory.gpu_memory import outside_bytes
 
-    net = model(device)
+    net = host_model(device)
     size = sum(p.numel() for p in net.parameters()) // 9 + 1  # 9 parameter chunks, as on the H100 (131M there)
     try:
         cm, opt = chunkmem.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4), chunkmem.Config(

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import table, write_json
-from benchmarks.gpu_budgets import DIVISOR, _outside_after_a_step, ids, model, plain_peak
+from benchmarks.gpu_budgets import DIVISOR, _outside_after_a_step, host_model, ids, model, plain_peak
+from chunkmem.memory.gpu_memory import outside_bytes
 
 STAGES = ("fwd", "bwd", "optim")
 
@@ -65,10 +66,10 @@ def stages_of(forward: Callable[[], torch.Tensor], optimizer: torch.optim.Optimi
     return step
 
 
-def run_plain(device: str, steps: int) -> dict[str, Any]:
-    net = model(device).to(device)
+def run_plain(device: str, steps: int, shape: str | None) -> dict[str, Any]:
+    net = model(device, shape).to(device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")
-    batch = ids(device).to(device)
+    batch = ids(device, shape).to(device)
 
     def forward() -> torch.Tensor:
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -76,26 +77,36 @@ def run_plain(device: str, steps: int) -> dict[str, Any]:
     return {"stages": timed(stages_of(forward, optimizer), steps, device)}
 
 
-def run_chunkmem(device: str, budget: int | None, steps: int) -> dict[str, Any]:
+def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None) -> dict[str, Any]:
+    """The speed figures, and the CUDA budgets issue's: what the device held at most (the allocator's reserved
+    bytes, or the simulated allocator's, plus what NVML sees outside it) against the budget."""
     import chunkmem
 
-    net = model(device)
+    net = host_model(device, shape)
     size = sum(p.numel() for p in net.parameters()) // 9 + 1  # gpu_budgets' 9 parameter chunks
     try:
         cm, optimizer = chunkmem.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4), chunkmem.Config(
             device=device, dtype="bf16", device_memory=budget, chunk_size=size))
     except chunkmem.MemoryBudgetError as error:
         return {"refused": str(error)[:300]}
-    batch = ids(device).to(cm.runtime.device.torch_device)
+    batch = ids(device, shape).to(cm.runtime.device.torch_device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     try:
-        stages = timed(stages_of(lambda: cm(batch, labels=batch).loss, optimizer), steps, device)
-    except torch.OutOfMemoryError as error:
-        return {"error": str(error)[:300]}
-    stats, placer = cm.memory_stats(), cm.runtime.placer
+        got: dict[str, Any] = {"stages": timed(stages_of(lambda: cm(batch, labels=batch).loss, optimizer), steps,
+                                               device)}
+    except torch.OutOfMemoryError as error:  # what the budgets issue saw: accepted, then out of memory
+        got = {"error": str(error)[:300]}
+    stats, placer, memory = cm.memory_stats(), cm.runtime.placer, getattr(cm.runtime.device, "memory", None)
+    reserved = torch.cuda.max_memory_reserved() if device == "cuda" else memory.allocator.peak_reserved if memory \
+        else 0
     hosted = [sum(r.slot.numel for r in g.members) for g in cm.runtime.store.trainable_groups()
               if not placer.homed(g.index)]
-    return {"stages": stages, "h2d_per_step": stats["h2d_bytes"] / steps, "d2h_per_step": stats["d2h_bytes"] / steps,
-            "oom_fallbacks": stats["oom_fallbacks"], "host_update_s": host_update_alone(hosted, size)}
+    held = reserved + outside_bytes(device)
+    return got | {"h2d_per_step": stats["h2d_bytes"] / steps, "d2h_per_step": stats["d2h_bytes"] / steps,
+                  "oom_fallbacks": stats["oom_fallbacks"], "host_update_s": host_update_alone(hosted, size),
+                  "max_reserved": reserved, "held": held, "held_over_budget": held / budget if budget else None,
+                  "homes": len(placer.homes), "groups": len(hosted) + len(placer.homes)}
 
 
 def host_update_alone(sizes: list[int], chunk: int) -> float:
@@ -114,23 +125,23 @@ def host_update_alone(sizes: list[int], chunk: int) -> float:
     return time.perf_counter() - start
 
 
-def run_fsdp2(device: str, steps: int) -> dict[str, Any]:
+def run_fsdp2(device: str, steps: int, shape: str | None) -> dict[str, Any]:
     """FSDP2 `fully_shard` with CPUOffloadPolicy(pin_memory=True) on one rank: the peer at equal memory."""
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("FSDP_PORT", "29533"))
     dist.init_process_group("nccl", rank=0, world_size=1)
-    net = model(device)
+    net = host_model(device, shape)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in net.model.layers:
         fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
     fully_shard(net, offload_policy=CPUOffloadPolicy(pin_memory=True), mp_policy=policy)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    batch = ids(device).to(device)
+    batch = ids(device, shape).to(device)
     torch.cuda.reset_peak_memory_stats()
     stages = timed(stages_of(lambda: net(batch, labels=batch).loss, optimizer), steps, device)
-    return {"stages": stages, "held": torch.cuda.max_memory_reserved()}
+    return {"stages": stages, "holds": torch.cuda.max_memory_reserved() + outside_bytes(device)}
 
 
 def bandwidth(device: str) -> float:
@@ -150,53 +161,63 @@ def bandwidth(device: str) -> float:
     return min(speeds)
 
 
-def worker(kind: str, device: str, budget: int, steps: int) -> dict[str, Any]:
+def worker(kind: str, device: str, budget: int, steps: int, shape: str | None) -> dict[str, Any]:
     if kind == "plain":
-        return run_plain(device, steps)
+        return run_plain(device, steps, shape)
     if kind == "fsdp2":
-        return run_fsdp2(device, steps)
-    return run_chunkmem(device, budget if budget >= 0 else None, steps)
+        return run_fsdp2(device, steps, shape)
+    return run_chunkmem(device, budget if budget >= 0 else None, steps, shape)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulate", action="store_true", help="the CPU simulation, scaled down 256 times")
     parser.add_argument("--shares", default="none,0.5,0.25,0.1", help="'none' or shares of the model data")
+    parser.add_argument("--shape", choices=("tiny",), default=None,
+                        help="tiny: a launch-bound LLaMA (20 layers 64 wide, 1 x 16 tokens) instead of the 1.16B one")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", nargs=4, metavar=("KIND", "DEVICE", "BUDGET", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, metavar=("KIND", "DEVICE", "BUDGET", "STEPS", "SHAPE"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, device, budget, steps = args.worker
-        print(json.dumps(worker(kind, device, int(budget), int(steps))))
+        kind, device, budget, steps, shape = args.worker
+        print(json.dumps(worker(kind, device, int(budget), int(steps), None if shape == "-" else shape)))
         return
     device = "cpu" if args.simulate else "cuda"
     env = dict(os.environ, CHUNKMEM_SIM_MEMORY=f"scale:{DIVISOR}") if args.simulate else dict(os.environ)
-    peak = plain_peak(device)
+    peak = plain_peak(device, args.shape)
     outside = 0 if args.simulate else _outside_after_a_step()
     runs = [("plain", "plain", -1)] + [
         (share if share == "none" else f"{float(share):.0%}", "chunkmem",
          -1 if share == "none" else int(outside + 1.15 * peak["activations"] + float(share) * peak["model_data"]))
-        for share in args.shares.split(",")] + ([] if args.simulate else [("FSDP2 offload", "fsdp2", -1)])
+        for share in args.shares.split(",")] + ([] if args.simulate or args.shape else [("FSDP2 offload", "fsdp2", -1)])
     speed, rows = bandwidth(device), []
-    for name, kind, budget in runs:
+    columns = ["run", "budget GiB", "step s", "vs plain", "fwd / bwd / opt ms", "GB up / down", "oom", "held/budget",
+               "bound s", "vs bound", "note"]
+    while runs:  # each row as it comes, and the JSON rewritten after it: a time limit keeps the rows done
+        name, kind, budget = runs.pop(0)
         done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_offload", "--worker", kind, device, str(budget),
-                               str(args.steps)], env=env, capture_output=True, text=True, timeout=1800)
+                               str(args.steps), args.shape or "-"], env=env, capture_output=True, text=True,
+                              timeout=1800)
         got = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {"crash": done.stderr[-600:]}
         rows.append(_row(name, budget, got, rows[0] if rows else None, speed))
-    columns = ["run", "budget GiB", "step s", "vs plain", "fwd / bwd / opt ms", "GB up / down", "oom", "bound s",
-               "vs bound", "note"]
+        print(table(rows[-1:], columns), flush=True)
+        if "holds" in got:  # FSDP2's: issue 36's target 3 runs chunkmem in the memory FSDP2 held
+            runs.append(("at FSDP2's memory", "chunkmem", got["holds"]))
+        if args.json:
+            write_json(args.json, {"benchmark": "gpu_offload", "args": vars(args), "plain": peak, "bandwidth": speed,
+                                    "outside_allocator": outside, "device": "CPU simulation (scaled 1/256)"
+                                    if args.simulate else torch.cuda.get_device_name(), "rows": rows})
     print(table(rows, columns))
-    if args.json:
-        write_json(args.json, {"benchmark": "gpu_offload", "args": vars(args), "plain": peak, "bandwidth": speed,
-                                "device": "CPU simulation (scaled 1/256)" if args.simulate else
-                                torch.cuda.get_device_name(), "rows": rows})
 
 
 def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | None, speed: float) -> dict[str, Any]:
     row: dict[str, Any] = {"run": name, "budget GiB": round(budget / 2**30, 2) if budget >= 0 else "-", "step s": "-",
                            "vs plain": "-", "fwd / bwd / opt ms": "-", "GB up / down": "-", "oom": "-",
-                           "bound s": "-", "vs bound": "-", "note": ""}
+                           "held/budget": "-", "bound s": "-", "vs bound": "-", "note": ""}
+    if got.get("held_over_budget") is not None:
+        row |= {"held/budget": round(got["held_over_budget"], 3), "oom": got["oom_fallbacks"]}
     if "stages" not in got:
         return row | {"note": (got.get("refused") or got.get("error") or got.get("crash") or "")[:120], "raw": got}
     stages = got["stages"]
@@ -210,8 +231,8 @@ def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | No
         bound = max(plain["step s"], got["host_update_s"], moved)
         row |= {"GB up / down": f"{got['h2d_per_step'] / 1e9:.2f} / {got['d2h_per_step'] / 1e9:.2f}",
                 "oom": got["oom_fallbacks"], "bound s": round(bound, 4), "vs bound": f"{step / bound:.2f}x"}
-    if "held" in got:
-        row["note"] = f"holds {got['held'] / 2**30:.1f} GiB"
+    if "holds" in got:
+        row["note"] = f"holds {got['holds'] / 2**30:.1f} GiB"
     return row
 
 

@@ -1,39 +1,51 @@
 #!/usr/bin/env bash
 # One pass of everything the CUDA issues ask a lent GPU for, in one call of at most 8 minutes, on a machine whose
-# python3 has a CUDA build of torch and transformers: the machine's facts, the native parts' build, the gpu-marked
-# tests, the budgets table (benchmarks/gpu_budgets.py), the speed table (benchmarks/gpu_offload.py) and
-# `chunkmem selftest`. Each part runs in processes of its
+# python3 has a CUDA build of torch and transformers: the machine's facts, the native parts' build, the speed and
+# budgets table of the 1.16B LLaMA (benchmarks/gpu_offload.py: plain, chunkmem at 50/25/100/10% of the model data
+# and without a budget, FSDP2's CPU offload and chunkmem in the memory FSDP2 held; each chunkmem row with its
+# out-of-memory fallbacks and the bytes the device held against its budget), the same for a launch-bound LLaMA,
+# the gpu-marked tests and `chunkmem selftest`, the parts that matter most first. Each part runs in processes of its
 # own under its own time limit, so a crash or a hang ends that part only: a test that kills pytest is noted and the
-# tests after it run in a fresh pytest. Logs, JSON and status.txt (each part's exit status) go to $OUT.
-# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, TESTS_S, BUDGETS_S, OFFLOAD_S, SELFTEST_S.
+# tests after it run in a fresh pytest. status.txt (each part's exit status) and parts.tgz (each part's log and
+# JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the parts
+# done) go to $OUT.
+# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TINY_S, TESTS_S, SELFTEST_S; at
+# most 520 s in all.
 # Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
+logs=$(mktemp -d)
 mkdir -p "$out"
 export TQDM_DISABLE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 start=$(date +%s)
 
-part() {  # part NAME LIMIT_S COMMAND...: its output to $OUT/NAME.log, its exit status to status.txt
+part() {  # part NAME LIMIT_S COMMAND...: its output to NAME.log, its exit status to status.txt
   local name=$1 limit=$2
   shift 2
   echo "== $name (at $(($(date +%s) - start)) s, at most ${limit} s)"
-  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$logs/$name.log" 2>&1
   local status=$?
   echo "$name $status" >>"$out/status.txt"
-  tail -n 8 "$out/$name.log"
+  tail -n 8 "$logs/$name.log"
+  tar czf "$out/parts.tgz" -C "$logs" .
 }
 
-part machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv;
+part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c "import os, sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"cuda\",
   torch.version.cuda, \"transformers\", transformers.__version__, torch.cuda.get_device_name(), os.cpu_count(), \"cpus\")"'
 part build "${BUILD_S:-120}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
+part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 --shares 0.5,0.25,1.0,0.1,none \
+  --json "$logs/gpu_offload.json"
+part offload_tiny "${TINY_S:-40}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
+  --json "$logs/gpu_offload_tiny.json"
+
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
-deadline=$(($(date +%s) + ${TESTS_S:-100}))
+deadline=$(($(date +%s) + ${TESTS_S:-80}))
 deselect=()
 for round in 1 2 3 4; do
   left=$((deadline - $(date +%s)))
@@ -41,13 +53,9 @@ for round in 1 2 3 4; do
   part "gpu_tests_$round" "$left" python3 -m pytest -v -rfE -p no:cacheprovider -p no:randomly -m gpu \
     tests/memory/test_cuda.py "${deselect[@]}"
   tail -n 1 "$out/status.txt" | grep -qE " (0|1|5)$" && break  # finished: passed, failed or nothing left
-  while read -r test; do deselect+=(--deselect "$test"); done < <(grep -oE "^tests/[^ ]+::[^ ]+" "$out/gpu_tests_$round.log")
-  echo "crashed in: $(grep -oE "^tests/[^ ]+::[^ ]+" "$out/gpu_tests_$round.log" | tail -n 1)" | tee -a "$out/status.txt"
+  while read -r test; do deselect+=(--deselect "$test"); done < <(grep -oE "^tests/[^ ]+::[^ ]+" "$logs/gpu_tests_$round.log")
+  echo "crashed in: $(grep -oE "^tests/[^ ]+::[^ ]+" "$logs/gpu_tests_$round.log" | tail -n 1)" | tee -a "$out/status.txt"
 done
 
-part budgets "${BUDGETS_S:-90}" python3 -m benchmarks.gpu_budgets --steps 4 --fractions 1.0,0.5,0.25 \
-  --json "$out/gpu_budgets.json"
-part offload "${OFFLOAD_S:-120}" python3 -m benchmarks.gpu_offload --steps 4 --shares none,0.5 \
-  --json "$out/gpu_offload.json"
-part selftest "${SELFTEST_S:-100}" python3 -m chunkmem.cli selftest --json "$out/selftest.json"
+part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json"
 echo "done in $(($(date +%s) - start)) s" | tee -a "$out/status.txt"
