@@ -9,8 +9,9 @@
 # tests after it run in a fresh pytest. status.txt (each part's exit status) and parts.tgz (each part's log and
 # JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the parts
 # done) go to $OUT.
-# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TINY_S, TESTS_S, SELFTEST_S; at
-# most 520 s in all.
+# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, SELFTEST_S, TINY_S; at
+# most 520 s in all. A second call can run fewer rows and checks: SHARES (gpu_offload's --shares), SELFTEST_ONLY
+# (check names, comma-separated).
 # Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,10 +39,8 @@ part build "${BUILD_S:-120}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
-part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 --shares 0.5,0.25,1.0,0.1,none \
+part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 --shares "${SHARES:-0.5,0.25,1.0,0.1,none}" \
   --json "$logs/gpu_offload.json"
-part offload_tiny "${TINY_S:-40}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
-  --json "$logs/gpu_offload_tiny.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
@@ -57,5 +56,9 @@ for round in 1 2 3 4; do
   echo "crashed in: $(grep -oE "^tests/[^ ]+::[^ ]+" "$logs/gpu_tests_$round.log" | tail -n 1)" | tee -a "$out/status.txt"
 done
 
-part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json"
+IFS=, read -ra only <<<"${SELFTEST_ONLY:-}"  # check names, comma-separated; none: every check
+part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \
+  ${only[@]:+--only "${only[@]}"}
+part offload_tiny "${TINY_S:-40}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
+  --json "$logs/gpu_offload_tiny.json"
 echo "done in $(($(date +%s) - start)) s" | tee -a "$out/status.txt"

@@ -30,6 +30,7 @@ import chunkmem
 from chunkmem.memory.gpu_memory import outside_bytes
 
 MiB = 1 << 20
+SEGMENTS = 4 * MiB  # budget_for's: two of the caching allocator's small segments
 NEEDS_GPU = "needs a CUDA GPU: skipped"
 OVERLAP_TARGET = 0.8  # of copy time hidden behind compute (the GPU speed issue's target)
 RESIDENT_FORWARD_TARGET = 1.05  # a resident forward against plain PyTorch's
@@ -66,18 +67,25 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list, device
 
 def budget_for(device: str, nbytes: int | None) -> int | None:
     """A `device_memory` that leaves `nbytes` for model data and activations on `device`. On CUDA the budget
-    counts everything the process holds there (gpu_memory's Note): the tensors it already has, and what it
-    holds outside PyTorch's allocator, read once a prepared model has trained (the copy engine, its streams
-    and the kernels of a step loaded)."""
-    if nbytes is None or device == "cpu":
-        return nbytes
+    counts everything the process holds there (gpu_memory's Note): what the allocator has reserved (cuBLAS's
+    workspaces among it), and what the process holds outside the allocator, read once a prepared model has
+    trained (the copy engine, its streams and the kernels of a step loaded); and the allocator reserves in
+    segments, so a few KiB of model data take two new ones of 2 MiB (SEGMENTS), one for chunks and one for
+    activations. The simulation counts the same when it models the allocator (CHUNKMEM_SIM_MEMORY)."""
+    from chunkmem.memory.simmemory import simulated_memory
+
+    if nbytes is None:
+        return None
+    if device == "cpu":
+        memory = simulated_memory()
+        return nbytes if memory is None else nbytes + SEGMENTS + memory.reserved
     warm = mlp(64, 2)
     cm, opt = chunkmem.prepare(warm, torch.optim.AdamW(warm.parameters()), chunkmem.Config(device=device))
     train(cm, opt, batches(64, 4, 2), torch.device(device))
     del warm, cm, opt
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return nbytes + torch.cuda.memory_allocated(device) + outside_bytes(device)
+    return nbytes + SEGMENTS + torch.cuda.memory_reserved(device) + outside_bytes(device)
 
 
 def model_data_bytes(model: nn.Module) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -115,3 +117,20 @@ def test_casting_or_moving_a_prepared_model_is_refused_and_asking_for_what_it_is
     assert cm.to("cpu") is cm and cm.float() is cm and cm.cpu() is cm and cm.to(torch.float32) is cm
     batches = mlp_batches(2)
     assert train(cm, opt, batches, mlp_loss) == train(ref, torch.optim.SGD(ref.parameters(), lr=0.1), batches, mlp_loss)
+
+
+def test_a_dropped_model_is_freed_and_its_budget_goes_with_it(sim_memory) -> None:
+    # A parameter's gradient hook is held by autograd's C++ side, out of the collector's sight: when it held the
+    # prepared model, a dropped model kept its chunks, pinned memory and allocator cap for good (the lent H200's
+    # self-test: the next model, without a budget, met the last one's cap of 0.67 MiB).
+    memory = sim_memory(1)
+    model = mlp(64)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=8 << 20))
+    train(cm, opt, mlp_batches(2, 64), mlp_loss)
+    assert memory.allocator.allowed is not None and memory.allocator.allocated > 0
+    runtime = weakref.ref(cm.runtime)
+    del cm, opt, model  # the module too: its parameters are views into the chunks
+    while gc.collect():  # a second pass frees what the first let go of on autograd's side
+        pass
+    assert runtime() is None
+    assert memory.allocator.allowed is None and memory.allocator.allocated == 0

@@ -15,6 +15,7 @@ every stream, the legacy default stream included.
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -73,6 +74,10 @@ class Device(Protocol):
     def limit_memory(self, owner: object, limit: int, outside: int) -> None:
         """Hold everything `owner` (a runtime) takes from the device within `limit` bytes, of which `outside`
         are already held outside the allocator (gpu_memory's Note on the budget)."""
+        ...
+
+    def capped(self) -> bool:
+        """Whether prepared models cap this device's memory now (dropped ones too, until the collector ends them)."""
         ...
 
     def synchronize(self) -> None:
@@ -226,9 +231,14 @@ class CudaDevice:
         until `owner` is gone."""
         index = self.torch_device.index
         budgets = _BUDGETS.setdefault(index, weakref.WeakKeyDictionary())
+        known = owner in budgets
         budgets[owner] = (limit, outside)
         _apply_cap(index, self.total_bytes())
-        weakref.finalize(owner, _apply_cap, index, self.total_bytes())
+        if not known:
+            weakref.finalize(owner, _apply_cap, index, self.total_bytes())
+
+    def capped(self) -> bool:
+        return bool(_BUDGETS.get(self.torch_device.index))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
@@ -275,5 +285,7 @@ def make_device(name: str, host_memory: int | str | None = None) -> Device:
     """The device `name` ("cpu" is the simulation) pinning at most `host_memory` bytes of host buffers."""
     limit = parse_size("host_memory", host_memory)
     device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
+    if device.capped():  # a model dropped earlier, its runtime held only by reference cycles, would cap this one
+        gc.collect()
     native.report_missing(cuda=name != "cpu")
     return device

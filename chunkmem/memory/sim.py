@@ -146,6 +146,9 @@ class SimulatedDevice:
         if self.memory is not None:
             self.memory.limit(owner, limit - outside)
 
+    def capped(self) -> bool:
+        return self.memory is not None and self.memory.capped()
+
     def memory_reading(self) -> tuple[int, int] | None:
         """The most the allocator held since the last call (live blocks and the holes between them) and the largest
         block it handed out since (None: memory not modelled, CHUNKMEM_SIM_MEMORY=0)."""

@@ -80,9 +80,14 @@ class SimulatedMemory:
 
     def limit(self, owner: object, allowed: int) -> None:
         """Cap what the allocator may reserve at the sum of the live owners' `allowed` bytes (CudaDevice's cap)."""
+        known = owner in self._budgets
         self._budgets[owner] = allowed
         self._apply()
-        weakref.finalize(owner, self._apply)
+        if not known:
+            weakref.finalize(owner, self._apply)
+
+    def capped(self) -> bool:
+        return len(self._budgets) > 0
 
     def _apply(self) -> None:
         allowed = list(self._budgets.values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.chunks.store import ParamRecord
 from chunkmem.runtime.runtime import Runtime
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
@@ -104,6 +104,12 @@ def _is_parameter(arg: Any, kind: type) -> bool:
                                      and isinstance(arg, nn.Parameter))
 
 
+def _grad_ready(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
+    owner = hooks()
+    if owner is not None:
+        owner.runtime.grad_ready(owner.runtime.store.records[param])
+
+
 class Hooks:
     """Module, gradient and saved-tensor hooks of one prepared model."""
 
@@ -119,13 +125,13 @@ class Hooks:
         for sub in module.modules():
             self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
             self.handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
+        # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
+        # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
+        # model is gone, its hook does nothing.
+        ready = functools.partial(_grad_ready, weakref.ref(self))
         for param in module.parameters():  # its own: a manager's runtime holds other models' too
             if param.requires_grad:
-                self.handles.append(param.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_ready, runtime.store.records[param])))
-
-    def _grad_ready(self, record: ParamRecord, _param: nn.Parameter) -> None:
-        self.runtime.grad_ready(record)
+                self.handles.append(param.register_post_accumulate_grad_hook(ready))
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
@@ -196,8 +202,9 @@ def already_hooked(module: nn.Module) -> str | None:
     """The name of the first submodule or parameter of `module` that another prepared model's hooks
     manage (its parameters are views into that model's chunks), or None."""
     def ours(hook: Any) -> bool:
-        bound = hook.func if isinstance(hook, functools.partial) else hook
-        return isinstance(getattr(bound, "__self__", None), Hooks)
+        if isinstance(hook, functools.partial) and hook.func is _grad_ready:
+            return hook.args[0]() is not None  # a live prepared model's
+        return isinstance(getattr(hook, "__self__", None), Hooks)
 
     for name, sub in module.named_modules():
         if any(ours(h) for h in sub._forward_pre_hooks.values()):

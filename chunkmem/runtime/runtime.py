@@ -156,9 +156,9 @@ class Runtime:
                 self.residency.bring(chunk)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
+        self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
         if config.device_memory is not None:  # the budget holds for what the process takes (gpu_memory's Note)
-            outside = self.gpu_memory.outside_allocator() if self.gpu_memory is not None else 0
-            self.device.limit_memory(self, self.limit, outside)
+            self._cap(self.gpu_memory.outside_allocator() if self.gpu_memory is not None else 0)
 
     # -- set-up ------------------------------------------------------------------------------
     def _chunk_size(self, module: nn.Module, world: int) -> int:
@@ -359,11 +359,18 @@ class Runtime:
         if len(self._stepped) >= self.optimizers:
             self.step_done()
 
+    def _cap(self, outside: int) -> None:
+        self.capped_outside = outside
+        self.device.limit_memory(self, self.limit, outside)
+
     def step_done(self) -> None:
-        if self.step_count == 0 and self.gpu_memory is not None and self.config.device_memory is not None:
-            # Libraries load lazily (cuBLAS handles, NCCL buffers): what the process holds outside the allocator
-            # grew in the first step, and the cap counts it (gpu_memory's Note on the budget).
-            self.device.limit_memory(self, self.limit, self.gpu_memory.outside_allocator(fresh=True))
+        if self.gpu_memory is not None and self.config.device_memory is not None:
+            # Libraries and kernels load lazily (cuBLAS handles, NCCL buffers, the kernels of the plan's first
+            # steps): what the process holds outside the allocator grows, and the cap counts it (gpu_memory's Note
+            # on the budget). Read fresh after the first step, then at most every REFRESH_S.
+            outside = self.gpu_memory.outside_allocator(fresh=self.step_count == 0)
+            if outside != self.capped_outside:
+                self._cap(outside)
         if self.shards is not None:
             self.shards.step_done()
         placer = self.placer

@@ -53,7 +53,8 @@ def test_an_interrupt_while_saved_tensors_die_is_not_swallowed(monkeypatch: Any)
             raise KeyboardInterrupt
 
     interrupted = False
-    gc.collect()  # garbage earlier tests left (their finalizers run Python code) goes before the hook is on
+    while gc.collect():  # garbage earlier tests left (their finalizers run Python code) goes before the hook is on:
+        pass  # all of it, also what a first pass only freed (a parameter autograd's C++ side still held)
     sys.setprofile(interrupt)
     try:
         del loss  # autograd's graph, and with it every saved activation, goes now
