@@ -1,5 +1,8 @@
-"""GPU speed (issue 36): plain PyTorch, chunkmem without a budget and at shares of the model data, and FSDP2's CPU
-offload, side by side in one run on one GPU, with each row's stages and its lower bound.
+"""GPU speed (issue 36) and budgets (issue 34): plain PyTorch, chunkmem without a budget and at shares of the model
+data, FSDP2's CPU offload and chunkmem in the memory FSDP2 held, side by side in one run on one GPU, with each row's
+stages, its lower bound, its out-of-memory fallbacks and what the device held (the allocator's most reserved bytes
+plus what NVML sees outside it) against its budget. Bytes moved are the timed steps' (after the warm-up and the
+first step on the plan). `--shape tiny` runs a launch-bound LLaMA (20 layers, 64 wide, 1 x 16 tokens) instead.
 
     python -m benchmarks.gpu_offload --json benchmarks/results/gpu_offload_h100.json   # on a GPU
     python -m benchmarks.gpu_offload --simulate                                        # the CPU simulation
