@@ -34,26 +34,32 @@ part() {  # part NAME LIMIT_S COMMAND...: its output to NAME.log, its exit statu
 
 part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv;
   python3 -c "import os, sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"cuda\",
-  torch.version.cuda, \"transformers\", transformers.__version__, torch.cuda.get_device_name(), os.cpu_count(), \"cpus\")"'
+  torch.version.cuda, \"transformers\", transformers.__version__, torch.cuda.get_device_name(), os.cpu_count(),
+  \"cpus\")"'
 part build "${BUILD_S:-120}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
-part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 --shares "${SHARES:-0.5,0.25,1.0,0.1,none}" \
-  --json "$logs/gpu_offload.json"
+part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 \
+  --shares "${SHARES:-0.5,0.25,1.0,0.1,none}" --json "$logs/gpu_offload.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
 deadline=$(($(date +%s) + ${TESTS_S:-80}))
 deselect=()
+# Each failure's reason printed as it happens (pytest prints them at the end, which a time limit cuts off), and no
+# test longer than 45 s where pytest-timeout is installed.
+per_test=(--tb=short)
+python3 -c "import pytest_timeout" 2>/dev/null && per_test+=(--timeout 45)
 for round in 1 2 3 4; do
   left=$((deadline - $(date +%s)))
   [ "$left" -gt 10 ] || break
   part "gpu_tests_$round" "$left" python3 -m pytest -v -rfE -p no:cacheprovider -p no:randomly -m gpu \
-    tests/memory/test_cuda.py "${deselect[@]}"
+    "${per_test[@]}" -p tests.report_early tests/memory/test_cuda.py "${deselect[@]}"
   tail -n 1 "$out/status.txt" | grep -qE " (0|1|5)$" && break  # finished: passed, failed or nothing left
-  while read -r test; do deselect+=(--deselect "$test"); done < <(grep -oE "^tests/[^ ]+::[^ ]+" "$logs/gpu_tests_$round.log")
-  echo "crashed in: $(grep -oE "^tests/[^ ]+::[^ ]+" "$logs/gpu_tests_$round.log" | tail -n 1)" | tee -a "$out/status.txt"
+  named=$(grep -oE "^tests/[^ ]+::[^ []+(\[[^]]*\])?" "$logs/gpu_tests_$round.log")  # ids may hold spaces
+  while read -r test; do deselect+=(--deselect "$test"); done <<<"$named"
+  echo "crashed in: $(tail -n 1 <<<"$named")" | tee -a "$out/status.txt"
 done
 
 IFS=, read -ra only <<<"${SELFTEST_ONLY:-}"  # check names, comma-separated; none: every check

@@ -121,7 +121,7 @@ def test_the_homes_search_leaves_a_local_optimum_single_moves_cannot_leave() -> 
         return costs.get(homes, 20), -len(homes)
 
     groups = [group(i) for i in range(6)]
-    assert _descend(frozenset({1, 3}), groups, score, lambda homes: len(homes) <= 3) == {0, 2, 4}
+    assert _descend(frozenset({1, 3}), groups, score, lambda homes: len(homes) <= 3, lambda: False) == {0, 2, 4}
 
 
 def test_the_homes_search_spends_at_most_its_evaluations_per_seed(monkeypatch) -> None:
@@ -137,5 +137,21 @@ def test_the_homes_search_spends_at_most_its_evaluations_per_seed(monkeypatch) -
 
     groups = [group(i) for i in range(40)]  # 20 in, 20 out: 440 single moves, thousands of pair moves
     start = frozenset(range(20))
-    assert planning._descend(start, groups, score, lambda homes: True) == start
+    assert planning._descend(start, groups, score, lambda homes: True, lambda: False) == start
     assert len(evaluated) <= 2 * 300  # each move scores itself and the current homes
+
+
+def test_the_homes_search_stops_once_all_seeds_together_priced_their_share() -> None:
+    """Issue 36: uncapped, a 20-layer LLaMA's search priced 12,503 sets of homes over its seeds, 6 minutes of
+    planning; decide_homes stops every seed's descent once PRICED_SETS are priced (`spent_all`)."""
+    from chunkmem.chunks import planning
+
+    priced: set[frozenset[int]] = set()
+
+    def score(homes: frozenset[int]) -> tuple[int, int]:
+        priced.add(homes)
+        return 1, 0
+
+    groups, start = [group(i) for i in range(40)], frozenset(range(20))
+    assert planning._descend(start, groups, score, lambda homes: True, lambda: len(priced) >= 50) == start
+    assert len(priced) <= 50 + 1  # the move that reached the cap, then no more

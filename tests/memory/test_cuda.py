@@ -114,12 +114,15 @@ def test_what_the_process_reserves_stays_within_the_budget(device, fraction, sim
     assert cm.memory_stats()["oom_fallbacks"] == 0
     if memory is not None:
         assert memory.allocator.peak_reserved <= budget
-        return
-    outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory else 0
-    assert torch.cuda.max_memory_reserved() - before + outside <= budget
-    assert all(c.host_unfenced.is_pinned() for c in cm.runtime.store.chunks())
-    del cm, opt
+    else:
+        outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory else 0
+        assert torch.cuda.max_memory_reserved() - before + outside <= budget
+        assert all(c.host_unfenced.is_pinned() for c in cm.runtime.store.chunks())
+    del cm, opt, model  # the module too: its parameters are views into the chunks, its hooks the runtime's
     gc.collect()
+    if memory is not None:
+        assert memory.allocator.allowed is None, "the cap went with the runtime"
+        return
     beyond = torch.empty(budget + (64 << 20), dtype=torch.uint8, device="cuda")  # the cap went with the runtime
     assert beyond.numel() > budget
 
@@ -255,6 +258,7 @@ def test_copy_engine_batched_round_trip_and_pinned_pool():
 
 DEFAULT_SETUP = """
 import hashlib, sys, torch, chunkmem
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from chunkmem.selftest import budget_for
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
 device = sys.argv[1]
@@ -265,7 +269,8 @@ if device == "cuda":
         module.register_forward_pre_hook(lambda *_: torch.cuda._sleep(2_000_000))
 cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), chunkmem.Config(
     device=device, device_memory=budget_for(device, int(param_bytes(model) * 0.4)), native_optimizer=True))
-losses = train(cm, opt, gpt2_batches(5), gpt2_loss)
+with sdpa_kernel(SDPBackend.MATH):  # the memory-efficient attention's backward is not deterministic on CUDA
+    losses = train(cm, opt, gpt2_batches(5), gpt2_loss)
 digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in cm.state_dict().values())).hexdigest()
 engine = getattr(cm.runtime.device, "engine", None) is not None
 print(repr(losses), digest, engine, opt.native_steps > 0, not cm.runtime.placer.all_homed)
