@@ -207,15 +207,15 @@ class Runtime:
     def outside(self, fresh: bool = False) -> int:
         """What the process holds on the device outside the allocator (gpu_memory.py), or will hold: kernels and
         library buffers load lazily, and the lent H200 held 54 to 117 MB more there after the warm-up than at
-        prepare. So a budgeted model counts at least LAZY_ROOM of its budget (at most LAZY_ROOM_MAX) more than the
-        first reading, until the reading itself is higher."""
+        prepare. So a budgeted model counts more than the first reading, until the reading itself is higher:
+        LAZY_ROOM of what the budget left the allocator (at most LAZY_ROOM_MAX)."""
         if self.gpu_memory is None:
             return 0
         reading = self.gpu_memory.outside_allocator(fresh)
         if self.first_outside is None:
             self.first_outside = reading
-        room = min(LAZY_ROOM_MAX, int(self.limit * LAZY_ROOM)) if self.config.device_memory is not None else 0
-        return max(reading, self.first_outside + room)
+        left = max(0, self.limit - self.first_outside) if self.config.device_memory is not None else 0
+        return max(reading, self.first_outside + min(LAZY_ROOM_MAX, int(left * LAZY_ROOM)))
 
     # -- forward -------------------------------------------------------------------------------
     def enter(self, module: nn.Module) -> None:
