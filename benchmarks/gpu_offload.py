@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import table, write_json
-from benchmarks.gpu_budgets import DIVISOR, _outside_after_a_step, host_model, ids, model, plain_peak
+from benchmarks.gpu_budgets import DIVISOR, held_after_a_step, host_model, ids, model, plain_peak
 from chunkmem.memory.gpu_memory import outside_bytes
 
 STAGES = ("fwd", "bwd", "optim")
@@ -86,7 +86,7 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None)
     import chunkmem
 
     net = host_model(device, shape)
-    size = sum(p.numel() for p in net.parameters()) // 9 + 1  # gpu_budgets' 9 parameter chunks
+    size = sum(p.numel() for p in net.parameters()) // 9 + 1  # 9 parameter chunks, as on the H100 (131M there)
     try:
         cm, optimizer = chunkmem.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4), chunkmem.Config(
             device=device, dtype="bf16", device_memory=budget, chunk_size=size))
@@ -193,7 +193,7 @@ def main() -> None:
     device = "cpu" if args.simulate else "cuda"
     env = dict(os.environ, CHUNKMEM_SIM_MEMORY=f"scale:{DIVISOR}") if args.simulate else dict(os.environ)
     peak = plain_peak(device, args.shape)
-    outside = 0 if args.simulate else _outside_after_a_step()
+    outside = 0 if args.simulate else held_after_a_step()
     runs = [("plain", "plain", -1)] + [
         (share if share == "none" else f"{float(share):.0%}", "chunkmem",
          -1 if share == "none" else int(outside + 1.15 * peak["activations"] + float(share) * peak["model_data"]))

@@ -23,3 +23,5 @@ def test_the_speed_table_has_plain_and_a_streaming_row_with_its_bound(tmp_path: 
     assert streamed["raw"]["h2d_per_step"] > 0, "half of the model data on the device: chunks move"
     assert streamed["bound s"] >= plain["step s"] and streamed["vs plain"].endswith("x")
     assert streamed["raw"]["host_update_s"] > 0, "some groups updated on the host and the kernel was timed on them"
+    assert streamed["raw"]["oom_fallbacks"] == 0 and 0 < streamed["raw"]["held_over_budget"] <= 1.0, \
+        "the budgets columns: the simulated allocator's most reserved bytes within the budget"
