@@ -9,7 +9,7 @@ first step on the plan). `--shape tiny` runs a launch-bound LLaMA (20 layers, 64
 
 The model and batch are benchmarks/gpu_budgets.py's (LLaMA 1.16B, bf16 AdamW, 4 x 1024 on CUDA; its 256x smaller
 twin in the simulation), and so are the budgets: outside the allocator + 1.15 x plain's activation peak + a share
-of the model data. plain: fp32 weights under autocast(bfloat16), AdamW(fused=True) on CUDA. Each run takes
+of the model data. plain: fp32 weights under autocast(bfloat16); AdamW(fused=True) on CUDA, for both. Each run takes
 --steps steps, the first two warm-up; the median of the rest, with forward, backward and optimizer timed apart
 (the device synchronized between them, which costs the overlap across stages a step would have).
 
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -87,9 +88,10 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None)
 
     net = host_model(device, shape)
     size = sum(p.numel() for p in net.parameters()) // 9 + 1  # 9 parameter chunks, as on the H100 (131M there)
+    adamw = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")  # as plain's
     try:
-        cm, optimizer = chunkmem.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-4), chunkmem.Config(
-            device=device, dtype="bf16", device_memory=budget, chunk_size=size))
+        cm, optimizer = chunkmem.prepare(net, adamw, chunkmem.Config(device=device, dtype="bf16", device_memory=budget,
+                                                                     chunk_size=size))
     except chunkmem.MemoryBudgetError as error:
         return {"refused": str(error)[:300]}
     batch = ids(device, shape).to(cm.runtime.device.torch_device)
@@ -101,7 +103,7 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None)
         before = cm.memory_stats()
         got: dict[str, Any] = {"stages": timed(step, timed_steps, device, warmup=0)}
     except torch.OutOfMemoryError as error:  # what the budgets issue saw: accepted, then out of memory
-        got = {"error": str(error)[:300]}
+        got = {"error": str(error)[:300], "where": traceback.format_exc(limit=-4)[-1500:]}
     stats, placer, memory = cm.memory_stats(), cm.runtime.placer, getattr(cm.runtime.device, "memory", None)
     moved = {key: (stats[key] - before[key]) / timed_steps if before else None for key in ("h2d_bytes", "d2h_bytes")}
     reserved = torch.cuda.max_memory_reserved() if device == "cuda" else memory.allocator.peak_reserved if memory \

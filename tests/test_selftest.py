@@ -43,3 +43,12 @@ def test_overlap_is_the_share_of_copy_time_under_some_kernel():
     assert kernels == [(0, 20), (30, 40)]
     assert selftest._overlap((15, 35), kernels) == 5 + 5
     assert selftest._overlap((20, 30), kernels) == 0
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_the_reserved_memory_checks_worker_holds_its_budget_in_the_simulation(sim_memory, fraction):
+    # The GPU check's own set-up, in the simulated allocator (CUDA's sizes): a broken construction shows here.
+    sim_memory(1)
+    figures = selftest.budget_worker(fraction, "cpu")
+    assert figures["oom_fallbacks"] == 0 and figures["h2d_bytes"] > 0, "it trains, and chunks move"
+    assert 0.5 < selftest.reserved_over_budget(figures) <= 1.0, figures

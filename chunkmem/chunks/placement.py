@@ -107,7 +107,8 @@ class Placer:
     """
 
     def __init__(self, residency: Residency, store: ParamStore, limit: int, working_set: int,
-                 nonmodel: Callable[[], int], headroom: Callable[[], int] = lambda: 0) -> None:
+                 nonmodel: Callable[[], int], headroom: Callable[[], int] = lambda: 0,
+                 rise: Callable[[], int] = lambda: 0) -> None:
         self.residency = residency
         self.store = store
         self.limit = limit
@@ -116,6 +117,7 @@ class Placer:
         self.margin = max(int(limit * SAFETY_FRACTION), 2 * residency.device.segment_bytes)
         self.nonmodel = nonmodel
         self.headroom = headroom  # non-model bytes a plan leaves room for beyond its record (runtime.largest_block)
+        self.rise = rise  # the most non-model data grew between two readings (runtime.largest_rise)
         self.chunks = {c.name: c for c in store.chunks()}
         self.pinned: set[str] = set()  # parameter chunks the running modules pin (`pin`)
         self.sizes = {name: c.nbytes for name, c in self.chunks.items()}
@@ -283,8 +285,11 @@ class Placer:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
         what the non-model data on the device now leaves, less the margin, but never below the working
         set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
-        to activations as they grow, as the plan's budgets do later."""
-        left = self.limit - nonmodel - self.margin
+        to activations as they grow, as the plan's budgets do later. Chunks give way at accesses, but non-model data
+        also grows between them (the loss's logits, the optimizer's temporaries): the margin is at least the most
+        it grew between two readings, and the room a plan leaves (`headroom`), so a step recorded again after an
+        allocation failed leaves room for that allocation."""
+        left = self.limit - nonmodel - max(self.margin, self.headroom(), self.rise())
         self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
 

@@ -275,10 +275,14 @@ _BUDGETS: dict[int, weakref.WeakKeyDictionary] = {}  # CUDA index -> {runtime: (
 
 
 def _apply_cap(index: int, total: int) -> None:
-    """Cap the allocator on device `index` at its live runtimes' budgets; no cap once none is left."""
+    """Cap the allocator on device `index` at its live runtimes' budgets; no cap once none is left. A cap lowered
+    below what the allocator holds (what the process holds outside it grew) only stops it from taking more: its
+    cached free blocks go back to the device too."""
     budgets = list(_BUDGETS.get(index, {}).values())
     fraction = allocator_fraction([b for b, _ in budgets], max(o for _, o in budgets), total) if budgets else 1.0
     torch.cuda.set_per_process_memory_fraction(fraction, index)
+    if torch.cuda.memory_reserved(index) > fraction * total:
+        torch.cuda.empty_cache()
 
 
 def make_device(name: str, host_memory: int | str | None = None) -> Device:

@@ -90,8 +90,11 @@ class SimulatedMemory:
         return len(self._budgets) > 0
 
     def _apply(self) -> None:
+        """The cap; lowered below what the allocator reserves, its wholly free segments go (as _apply_cap's on CUDA)."""
         allowed = list(self._budgets.values())
         self.allocator.allowed = sum(allowed) if allowed else None
+        if self.allocator.allowed is not None and self.allocator.reserved > self.allocator.allowed:
+            self.allocator.empty_cache()
 
     @property
     def reserved(self) -> int:

@@ -116,6 +116,18 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         step += 1
 
 
+def _widened(grads: list[torch.Tensor], inv_scale: float) -> list[torch.Tensor]:
+    """fp32 copies of low-precision gradients (unscaled by `inv_scale`), as views of one buffer: one allocation
+    and one multi-tensor copy for a chunk group rather than one of each per parameter (kernel launches are what a
+    GPU waits on when tensors are small)."""
+    flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32, device=grads[0].device)
+    wide = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    torch._foreach_copy_(wide, grads)
+    if inv_scale != 1.0:
+        torch._foreach_mul_(wide, inv_scale)
+    return wide
+
+
 class Together:
     """Updates of chunk groups made in one call of the update rule per param group, later than each group's
     turn (the Note on updates made together). `chunks` are those the pending updates use on the device: one of
@@ -299,7 +311,7 @@ class ChunkOptimizer(Optimizer):
         lowp = "master" in chunk_group.chunks
         grads = runtime.data.grads(members, on_device)
         if lowp:
-            grads = [g.float().mul_(inv_scale) if inv_scale != 1.0 else g.float() for g in grads]
+            grads = _widened(grads, inv_scale)
         grad_of = dict(zip(members, grads))
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}

@@ -126,6 +126,10 @@ class Runtime:
         # The largest block non-model data took: a hole it filled in one step may be taken in the next, so the
         # plan leaves room for one more of it (placement's Note on warm-up).
         self.largest_block = 0
+        # The most non-model data grew from one reading to the next (the loss's logits and their gradient, the
+        # optimizer's temporaries): a step recorded without a plan leaves room for that, and for one largest block
+        # more, as the rise may not fit the holes there are (placement's _conservative_now).
+        self.largest_rise, self._last_nonmodel = 0, 0
         self._slots_seen = 0  # the arena's slot allocations at the last memory reading
         self.warmup = True
         # Off: every step takes the full path (the torch-function mode changed an op's arguments in a step, or a
@@ -154,7 +158,7 @@ class Runtime:
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
-                             lambda: 2 * self.largest_block)
+                             lambda: 2 * self.largest_block, lambda: self.largest_rise + self.largest_block)
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
@@ -202,7 +206,10 @@ class Runtime:
             self.largest_block = max(self.largest_block, largest)
         self._slots_seen = arena.allocations
         own = arena.footprint + (self.shards.live if self.shards is not None else 0)  # ZeRO's: apart
-        return max(0, held - own) + self.outside()
+        nonmodel = max(0, held - own) + self.outside()
+        self.largest_rise = max(self.largest_rise, nonmodel - self._last_nonmodel)
+        self._last_nonmodel = nonmodel
+        return nonmodel
 
     def outside(self, fresh: bool = False) -> int:
         """What the process holds on the device outside the allocator (gpu_memory.py), or will hold: kernels and

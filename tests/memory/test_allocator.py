@@ -92,3 +92,16 @@ def test_an_op_beyond_the_cap_raises_cudas_out_of_memory_error(memory):
         weight.repeat(8, 1)  # 32 MiB: beyond the cap
     del owner
     assert memory.allocator.allowed is None, "the cap goes with the last model that set it"
+
+
+def test_a_cap_lowered_below_what_is_reserved_gives_the_free_segments_back(memory):
+    # What the process holds outside the allocator grew after the cap was set (kernels load lazily): the cap comes
+    # down, and cached segments no block uses leave, as on CUDA (device._apply_cap), so the process holds the budget.
+    owner = type("Owner", (), {})()
+    memory.limit(owner, 64 * MiB)
+    kept, dropped = memory.charge(torch.ones(1024, 1024)), memory.charge(torch.ones(6 * 1024, 1024))
+    del dropped
+    assert memory.allocator.reserved == 20 * MiB + 24 * MiB, "the freed 24 MiB segment stays cached"
+    memory.limit(owner, 32 * MiB)
+    assert memory.allocator.reserved == 20 * MiB, "the wholly free segment went; the one in use stays"
+    assert kept.sum() == 1024 * 1024
