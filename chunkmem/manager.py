@@ -26,7 +26,6 @@ more than one trained model.
 
 from __future__ import annotations
 
-import gc
 from typing import Any, overload
 
 import torch
@@ -36,6 +35,7 @@ from torch.optim import Optimizer
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ModelSet
 from chunkmem.config import Config
+from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
 from chunkmem.runtime.optim import ChunkOptimizer, Rule, rule_for
 from chunkmem.runtime.runtime import Runtime
@@ -105,7 +105,7 @@ class Manager:
             member.hooks.scores_in_step = member_optimizer is None
         runtime.optimizers = sum(o is not None for o in self.optimizers)
         self.runtime = runtime
-        gc.collect()  # the runtime before, and its device memory, go now
+        collect_garbage()  # the runtime before, and its device memory, go now
         return wrapped if prepared is None else (wrapped, prepared)
 
     def memory_stats(self) -> dict[str, int]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import chunkmem
+from chunkmem.memory.device import collect_garbage
 from chunkmem.memory.gpu_memory import outside_bytes
 
 MiB = 1 << 20
@@ -76,13 +77,18 @@ def budget_for(device: str, nbytes: int | None) -> int | None:
 
     if nbytes is None:
         return None
+    collect_garbage()  # models dropped before, kept by reference cycles, hold device memory no longer
     if device == "cpu":
         memory = simulated_memory()
-        return nbytes if memory is None else nbytes + SEGMENTS + memory.reserved
+        if memory is None:
+            return nbytes
+        memory.allocator.empty_cache()
+        return nbytes + SEGMENTS + memory.reserved
     warm = mlp(64, 2)
     cm, opt = chunkmem.prepare(warm, torch.optim.AdamW(warm.parameters()), chunkmem.Config(device=device))
     train(cm, opt, batches(64, 4, 2), torch.device(device))
     del warm, cm, opt
+    collect_garbage()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return nbytes + SEGMENTS + torch.cuda.memory_reserved(device) + outside_bytes(device)

@@ -134,3 +134,36 @@ def test_a_dropped_model_is_freed_and_its_budget_goes_with_it(sim_memory) -> Non
         pass
     assert runtime() is None
     assert memory.allocator.allowed is None and memory.allocator.allocated == 0
+
+
+def test_a_budgeted_prepare_frees_dropped_models_first(sim_memory) -> None:
+    # A dropped model without a budget set no cap, and its runtime's cycles kept its chunks on the device until the
+    # collector ran: the lent H200's budget check found 258 MB of such a model's memory beside the next model, over
+    # that model's budget. One pass of the collector is not enough (the finalizers it runs let go of more).
+    memory = sim_memory(1)
+    model = mlp(64)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, mlp_batches(2, 64), mlp_loss)
+    dropped, runtime = memory.allocator.allocated, weakref.ref(cm.runtime)
+    del cm, opt, model
+    assert runtime() is not None and memory.allocator.allocated == dropped, "reference cycles keep it"
+    model = mlp(32)
+    chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=8 << 20))
+    assert runtime() is None and memory.allocator.allocated < dropped
+
+
+def test_what_the_device_holds_at_prepare_leaves_less_room_for_chunks(sim_memory) -> None:
+    # A plain twin already on the device (the self-test's overlap check) holds memory the budget counts: the model's
+    # data fits the budget but not beside it, so prepare must not home every group (on the lent H200 it did, the
+    # chunks went up before the allocator's cap, and the first step ran out of memory at 1.09 GiB against 621 MiB).
+    memory = sim_memory(16)  # the allocator's segments scaled down with the model
+    twin = mlp(512, 12)
+    for param in twin.parameters():
+        memory.charge(param.data)
+    model = mlp(512, 4)
+    budget = 4 * param_bytes(model) + (8 << 20)  # fp32 AdamW's model data, and room for activations
+    assert memory.allocator.allocated > 8 << 20
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
+    assert not cm.runtime.placer.all_homed
+    train(cm, opt, mlp_batches(3, 512), mlp_loss)
+    assert cm.memory_stats()["oom_fallbacks"] == 0 and memory.allocator.peak_reserved <= budget

@@ -129,7 +129,9 @@ class Placer:
         self.by_index = {g.index: g for g in self.groups}
         # Disk-backed groups stream through the host optimizer (hostcache's Note on three tiers).
         self.streamed = {g.index for g in store.trainable_groups() if any(c.tier for c in g.chunks.values())}
-        everything_fits = not self.streamed and store.model_data_bytes() <= limit
+        # What the device holds already counts: on CUDA, what the process holds outside the allocator (the context,
+        # libraries) and what the allocator holds for others (a plain twin, another model).
+        everything_fits = not self.streamed and store.model_data_bytes() <= limit - nonmodel()
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
@@ -286,10 +288,13 @@ class Placer:
         what the non-model data on the device now leaves, less the margin, but never below the working
         set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
         to activations as they grow, as the plan's budgets do later. Chunks give way at accesses, but non-model data
-        also grows between them (the loss's logits, the optimizer's temporaries): the margin is at least the most
-        it grew between two readings, and the room a plan leaves (`headroom`), so a step recorded again after an
-        allocation failed leaves room for that allocation."""
-        left = self.limit - nonmodel - max(self.margin, self.headroom(), self.rise())
+        also grows between them (the loss's logits, the optimizer's temporaries): once an allocation has failed,
+        the margin is at least the most it grew between two readings and the room a plan leaves (`headroom`), so
+        a step recorded again leaves room for that allocation (before, each fell back again)."""
+        margin = self.margin
+        if self.residency.stats.oom_fallbacks:
+            margin = max(margin, self.headroom(), self.rise())
+        left = self.limit - nonmodel - margin
         self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
 

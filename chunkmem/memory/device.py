@@ -285,11 +285,24 @@ def _apply_cap(index: int, total: int) -> None:
         torch.cuda.empty_cache()
 
 
-def make_device(name: str, host_memory: int | str | None = None) -> Device:
-    """The device `name` ("cpu" is the simulation) pinning at most `host_memory` bytes of host buffers."""
+def collect_garbage() -> None:
+    """Free dropped prepared models now. A runtime lives in reference cycles, so its device memory goes only when
+    the collector runs; and the finalizers one pass runs let go of more (weakref.finalize callbacks, autograd's
+    hooks), which only the next pass frees: passes go on until one finds nothing (at most 4)."""
+    for _ in range(4):
+        if not gc.collect():
+            return
+
+
+def make_device(name: str, host_memory: int | str | None = None, budgeted: bool = False) -> Device:
+    """The device `name` ("cpu" is the simulation) pinning at most `host_memory` bytes of host buffers. A model
+    dropped earlier, held only by reference cycles, would keep its device memory (which a `budgeted` model's
+    budget counts once it is on the device) and its allocator cap: it goes first."""
+    if budgeted:
+        collect_garbage()
     limit = parse_size("host_memory", host_memory)
     device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
-    if device.capped():  # a model dropped earlier, its runtime held only by reference cycles, would cap this one
-        gc.collect()
+    if device.capped():
+        collect_garbage()
     native.report_missing(cuda=name != "cpu")
     return device

@@ -100,7 +100,7 @@ class Runtime:
     def __init__(self, module: nn.Module, config: Config, families: Families, group: Any = None,
                  fingerprints: dict[str, int] | None = None) -> None:
         self.config = config
-        self.device = make_device(config.device, config.host_memory)
+        self.device = make_device(config.device, config.host_memory, budgeted=config.device_memory is not None)
         self.gpu_memory = DeviceMemory(self.device.torch_device, load_nvml()) \
             if self.device.torch_device.type == "cuda" else None
         self.first_outside: int | None = None  # the first reading of what it holds outside the allocator
