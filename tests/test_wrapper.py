@@ -165,5 +165,6 @@ def test_what_the_device_holds_at_prepare_leaves_less_room_for_chunks(sim_memory
     assert memory.allocator.allocated > 8 << 20
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
     assert not cm.runtime.placer.all_homed
+    assert cm.runtime.largest_rise == 0, "what the device held at the first reading is no rise between two readings"
     train(cm, opt, mlp_batches(3, 512), mlp_loss)
     assert cm.memory_stats()["oom_fallbacks"] == 0 and memory.allocator.peak_reserved <= budget

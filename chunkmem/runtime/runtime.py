@@ -127,9 +127,10 @@ class Runtime:
         # plan leaves room for one more of it (placement's Note on warm-up).
         self.largest_block = 0
         # The most non-model data grew from one reading to the next (the loss's logits and their gradient, the
-        # optimizer's temporaries): a step recorded without a plan leaves room for that, and for one largest block
-        # more, as the rise may not fit the holes there are (placement's _conservative_now).
-        self.largest_rise, self._last_nonmodel = 0, 0
+        # optimizer's temporaries): a step recorded after an allocation failed leaves room for that, and for one
+        # largest block more, as the rise may not fit the holes there are (placement's _conservative_now).
+        self.largest_rise = 0
+        self._last_nonmodel: int | None = None  # the last reading (none yet: the first is no rise)
         self._slots_seen = 0  # the arena's slot allocations at the last memory reading
         self.warmup = True
         # Off: every step takes the full path (the torch-function mode changed an op's arguments in a step, or a
@@ -207,7 +208,8 @@ class Runtime:
         self._slots_seen = arena.allocations
         own = arena.footprint + (self.shards.live if self.shards is not None else 0)  # ZeRO's: apart
         nonmodel = max(0, held - own) + self.outside()
-        self.largest_rise = max(self.largest_rise, nonmodel - self._last_nonmodel)
+        if self._last_nonmodel is not None:
+            self.largest_rise = max(self.largest_rise, nonmodel - self._last_nonmodel)
         self._last_nonmodel = nonmodel
         return nonmodel
 
