@@ -12,7 +12,9 @@
 # Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, SELFTEST_S, TINY_S; at
 # most 520 s in all; a limit of 0 skips the part. A second call can run fewer rows and checks: SHARES (gpu_offload's
 # --shares), SELFTEST_ONLY (check names, comma-separated).
-# Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s.
+# Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s. The lent machine has
+# no pytest-timeout and no network: unpack its wheel into build/gpu-pkgs here (pip download pytest-timeout --no-deps;
+# python -m zipfile -e <wheel> build/gpu-pkgs), carry that folder and put it on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
