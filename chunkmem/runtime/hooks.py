@@ -171,6 +171,7 @@ class Hooks:
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True
+        runtime.metering = not (modeless and runtime.device.reads_memory)  # runtime's Note on lean forwards
         try:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
@@ -184,6 +185,7 @@ class Hooks:
             runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
+            runtime.metering = True
             if runtime.shards is not None and runtime.shards.off_path:
                 # Nor may it leave gathered groups behind: the next step would find them and gather (and
                 # so access chunks) otherwise than the warm-up recorded.

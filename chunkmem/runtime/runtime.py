@@ -39,7 +39,11 @@ the plan and make room as ever, so the plan that inputs ran under does not matte
 needed: a model whose forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode)
 or needed BatchNorm's cast (`resident_allowed`) never runs lean. An out-of-memory error in a lean forward
 is retried as in a resident one: the plan is dropped, chunks not in use leave, and the forward runs again
-under the mode from the same random state. The limit: a parameter used outside its module for the first
+under the mode from the same random state. Where the device reads its allocator, a lean forward also keeps
+the activations autograd saves as they are, unmetered: its non-model bytes are the allocator's, so the meter
+(a Python object and its books per saved tensor) served nothing, and cost the launch-bound LLaMA of
+benchmarks/overhead.py a third of the host time a streaming forward adds (the saved parameters are still
+packed by address, so that their chunks may leave before backward). The limit: a parameter used outside its module for the first
 time in a lean forward (a branch that only some batches of the same shapes take) is neither fetched nor
 waited for, so its op may read a host tensor (an error on CUDA) or an upload still landing (the
 simulation's checker reports it).
@@ -158,6 +162,7 @@ class Runtime:
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
+        self.metering = True  # saved activations pass through the meter (off in a lean forward: its Note)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
                              lambda: 2 * self.largest_block, lambda: self.largest_rise + self.largest_block)
         if self.placer.all_homed:  # everything fits: all of it stays on the device
@@ -290,20 +295,22 @@ class Runtime:
                 record.uses = 1
                 self.release([record])
 
-    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef:
+    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | torch.Tensor:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            return self.activations.wrap(tensor)
+            return self.activations.wrap(tensor) if self.metering else tensor
         ptr = storage.data_ptr()
         source: Chunk | Key | None = self.residency.by_storage.get(ptr)
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
-            return self.activations.wrap(tensor, storage)
+            return self.activations.wrap(tensor, storage) if self.metering else tensor
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
 
-    def unpack(self, saved: Saved | ChunkRef) -> torch.Tensor:
+    def unpack(self, saved: Saved | ChunkRef | torch.Tensor) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):  # kept as it is, unmetered (the Note on lean forwards)
+            return saved
         if not isinstance(saved, ChunkRef):
             return saved.get(self.activations)
         if isinstance(saved.source, Chunk):

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from chunkmem.chunks.placement import Phase
 from tests import zoo
 from tests.chunks.test_placement import FlakyTanh
-from tests.helpers import least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared, train
+from tests.helpers import gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, train
 from tests.runtime.test_resident import watched as resident_watched
 
 pytest.importorskip("transformers")
@@ -104,3 +104,31 @@ def test_out_of_memory_in_a_forward_without_the_mode_runs_it_again_under_it_from
     assert flags == [False, True, lean, False, True, True]
     evictions = cm.memory_stats()["evictions"]
     assert evictions > 1 if lean else evictions == 1, "resident, only the chunk the fallback evicted moves"
+
+
+def test_a_lean_forward_where_the_allocator_is_read_keeps_activations_unmetered(sim_memory) -> None:
+    """Where the device reads its allocator (CUDA; the simulation's memory model), a lean forward passes the
+    activations autograd saves through no meter (runtime's Note on lean forwards): only the parameters it saves are
+    packed, by address, so their chunks may still leave before backward. Plain PyTorch's bits all the same."""
+    sim_memory(1024)  # segments of 2 and 20 KiB
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+                                   for s in range(4)]
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW, device_memory=streaming(model) + 2**20)  # and room for activations
+    assert cm.runtime.device.reads_memory
+    kept: list[tuple[int, str]] = []  # (forward, what pack made of a saved tensor)
+    pack = cm.runtime.pack
+
+    def noted(tensor: torch.Tensor):
+        saved = pack(tensor)
+        kept.append((cm.runtime.lean_forwards, type(saved).__name__))
+        return saved
+    cm.runtime.pack = noted
+    flags: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, gpt2_loss, flags)) == expected
+    assert flags == [False, False, True, True] and cm.memory_stats()["evictions"] > 0
+    first, lean = ({k for n, k in kept if (n > 0) == later} for later in (False, True))
+    assert first == {"Saved", "ChunkRef"}, "the warm-up meters activations and packs parameters by address"
+    assert lean == {"Tensor", "ChunkRef"}, "lean forwards keep activations as they are, parameters by address"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
