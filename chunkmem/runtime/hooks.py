@@ -141,6 +141,8 @@ class Hooks:
             # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
             self.outside = (module, FetchMode(self.runtime))
             self.outside[1].__enter__()
+        if self._bare(module):
+            return
         self.runtime.emit("pre_forward", "fwd", self.names[module])
         self.runtime.enter(module)
 
@@ -148,11 +150,22 @@ class Hooks:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
         if self.runtime.placer.resident:
             return
-        self.runtime.leave(module)
-        self.runtime.emit("post_forward", "fwd", self.names[module])
+        if not self._bare(module):
+            self.runtime.leave(module)
+            self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
             mode, self.outside = self.outside[1], None
             mode.__exit__(None, None, None)
+
+    def _bare(self, module: nn.Module) -> bool:
+        """Where the device reads its allocator, a module without parameters of its own (a container, an activation)
+        brings nothing and marks no moment: a reading gives the most held since the last one, so the next access's
+        sees what it held. Not where activations are metered (the simulation without its memory model), whose
+        readings see only what is alive at them; nor for observers (a trace), which want every module's moments;
+        nor under ZeRO, which pins gathered groups per module."""
+        runtime = self.runtime
+        return runtime.device.reads_memory and not runtime.module_records[module] and runtime.shards is None \
+            and not runtime.observers
 
     @contextlib.contextmanager
     def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:
