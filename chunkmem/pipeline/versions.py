@@ -95,14 +95,14 @@ class WeightVersions:
             self.runtime.residency.copy_on_host(stale, newest)
 
     # -- saved tensors, by version ------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | _Versioned:
+    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | torch.Tensor | _Versioned:
         saved = self.runtime.pack(tensor)
         if isinstance(saved, ChunkRef) and id(saved.source) in self._role:
             _, newest = self._role[id(saved.source)]
             return _Versioned(self.newest if newest else self.newest - 1, saved)
         return saved
 
-    def unpack(self, saved: Saved | ChunkRef | _Versioned) -> torch.Tensor:
+    def unpack(self, saved: Saved | ChunkRef | torch.Tensor | _Versioned) -> torch.Tensor:
         if not isinstance(saved, _Versioned):
             return self.runtime.unpack(saved)
         index, _ = self._role[id(saved.ref.source)]
