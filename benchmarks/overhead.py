@@ -26,6 +26,9 @@ costs next to nothing, "extra ms" is what chunkmem's own work costs a step in ab
 
     python -m benchmarks.overhead --width 64 --vocab 256 --batch 1 --seq 16 --mlp-width 32
 
+On a loaded machine wall time counts waits for other processes too; `--cpu-time` times the CPU the timing
+thread itself spends (torch then computes on that thread alone): the host work of each side's step.
+
 When the model fits, steps after the warm-up run resident (runtime's Note on resident steps); when chunks
 move, forwards after the first step run lean (runtime's Note on lean forwards). `--full-path` adds, fitting and
 at 50%, rows whose chunkmem model takes the full path every step, timed against the same plain step in the same
@@ -87,6 +90,7 @@ Step = Callable[..., None]  # one training step; it takes a Lap, called after ea
 PHASES = ("fwd", "bwd", "opt")  # forward and loss, backward, the optimizer's step and zero_grad
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CLOCK = [time.perf_counter]  # what timed_phases reads: wall time, or with --cpu-time this thread's CPU time
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
@@ -244,7 +248,7 @@ def timed_phases(step: Step, device: object) -> tuple[list[float], list[float], 
     def lap() -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        marks.append((time.perf_counter(), getattr(device, "copy_seconds", 0.0)))
+        marks.append((CLOCK[0](), getattr(device, "copy_seconds", 0.0)))
 
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     lap()
@@ -279,8 +283,16 @@ def main() -> None:
                              "compute thread waits for them (CHUNKMEM_SIM_LANDING=wait), against the same plain step")
     parser.add_argument("--as-cuda", action="store_true",
                         help="resident steps without saved-tensor hooks, as on CUDA (runtime's Note on resident steps)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time the CPU the timing thread spends (time.thread_time), with torch computing on that "
+                             "thread alone: the host work of a step, steady on a loaded machine, where wall time also "
+                             "counts waits for other processes (the simulation's copy thread is not counted: a GPU's copy "
+                             "engines move those bytes)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.thread_time
+        torch.set_num_threads(1)
 
     rows = build(args)
     order = random.Random(0)
