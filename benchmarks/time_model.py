@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="none,0.5,0.25,0.1", help="'none' or shares of model data")
     parser.add_argument("--against", choices=("h100", "h200"), default="h100",
                         help="h200: the lent H200's table, bandwidth and host update, and its 9 parameter chunks")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also predict each budget with the host update of streamed groups overlapping backward "
+                             "(timing.predict's `overlap`: not built yet, what it would buy)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -134,6 +137,8 @@ def main() -> None:
         speed = Speeds(h2d, d2h, host_update, fitted, plain, launch)
         got = predict(recorded, speed)
         rows.append(_row(name, got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
+        if budget is not None and args.overlap:
+            rows.append(_row(f"{name}, overlapped", predict(recorded, speed, overlap=True)) | {"bound s": "-"})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"

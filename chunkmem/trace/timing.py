@@ -130,7 +130,7 @@ class _Replay:
         self.speeds = speeds
         self.sizes = {name: nbytes * recorded.scale for name, nbytes in recorded.sizes.items()}
         self.groups = {g.index: g for g in recorded.groups}
-        self.free = {"host": 0.0, "compute": 0.0, "h2d": 0.0, "d2h": 0.0}
+        self.free = {"host": 0.0, "update": 0.0, "compute": 0.0, "h2d": 0.0, "d2h": 0.0}
         self.busy: dict[str, list[tuple[float, float]]] = {name: [] for name in self.free}
         self.moved = {"h2d": 0.0, "d2h": 0.0}
         self.ready: dict[str, float] = {}  # chunk -> when its last upload lands
@@ -138,6 +138,7 @@ class _Replay:
         self.dirty: set[str] = set()  # changed on the device since it came up
         self.unborn = {g.grad for g in recorded.groups}  # gradient chunks not written yet: they come up as zeros
         self.landed = 0.0  # when the last streamed gradient reached the host
+        self.group_landed: dict[int, float] = {}  # the same per streamed group
         self.host_update_s = 0.0
         self.computed = {stage: sum(self._own(e) for e, x in zip(recorded.events, recorded.stages)
                                     if x == stage and e.kind == "use") for stage in STAGES}
@@ -195,9 +196,14 @@ class _Replay:
         return sum(self.sizes[c] for c in event.chunks)
 
 
-def predict(recorded: Recorded, speeds: Speeds) -> Predicted:
-    """Replay `recorded` at `speeds` (the Note above)."""
+def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False) -> Predicted:
+    """Replay `recorded` at `speeds` (the Note above). `overlap`: a streamed group's host update runs on a thread of
+    its own as soon as its gradients have landed, while backward goes on, into spare buffers that the optimizer's
+    step adopts (issue 36's speculative update, when nothing rolls it back: no clipping that scales, no overflow);
+    it first keeps a copy of the gradients, to tell whether the step may adopt the update, and its parameters go up
+    once the step has adopted it, after backward."""
     replay = _Replay(recorded, speeds)
+    deferred: list[int] = []  # streamed groups updating on their own thread (`overlap`)
     steady = {id(event): chunks for event, chunks in steady_chunks(recorded.events, replay.groups, recorded.homes)}
     per_stage = {stage: sum(1 for x in recorded.stages if x == stage) for stage in STAGES}
     grad_events = {i: sum(1 for e in recorded.events if e.kind == "grad" and e.group == i) for i in replay.groups}
@@ -217,6 +223,9 @@ def predict(recorded: Recorded, speeds: Speeds) -> Predicted:
         elif event.kind == "grad":  # a streamed group's gradient goes down as backward runs
             nbytes = replay.groups[event.group].streamed * recorded.scale / max(1, grad_events[event.group])
             replay.landed = replay.copy("d2h", "", max(issued, replay.free["compute"]), nbytes)
+            replay.group_landed[event.group] = replay.landed
+        elif event.kind == "optim" and overlap:
+            deferred.append(event.group)
         elif event.kind == "optim":  # a streamed group updates on the host, then its parameters go up
             group = replay.groups[event.group]
             seconds = replay.update_bytes(group.index) / speeds.host_update
@@ -224,6 +233,15 @@ def predict(recorded: Recorded, speeds: Speeds) -> Predicted:
             end = replay.run("host", replay.landed, seconds)
             replay.ready[group.param] = replay.copy("h2d", group.param, end)
             ends[stage] = max(ends[stage], replay.ready[group.param])
+    backward_end = ends["bwd"]
+    for index in sorted(deferred, key=lambda i: replay.group_landed.get(i, replay.landed)):
+        group = replay.groups[index]
+        seconds = replay.update_bytes(index) / speeds.host_update
+        replay.host_update_s += seconds
+        kept = 2 * replay.sizes[group.grad] / speeds.host_update  # the copy of its gradients, read and written
+        end = replay.run("update", replay.group_landed.get(index, replay.landed), kept + seconds)
+        replay.ready[group.param] = replay.copy("h2d", group.param, max(end, backward_end))
+        ends["optim"] = max(ends["optim"], replay.ready[group.param])
     step = max(replay.free.values())
     stage_s, before = {}, 0.0
     for stage in STAGES:
