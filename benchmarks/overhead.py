@@ -285,9 +285,9 @@ def main() -> None:
                         help="resident steps without saved-tensor hooks, as on CUDA (runtime's Note on resident steps)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time the CPU the timing thread spends (time.thread_time), with torch computing on that "
-                             "thread alone: the host work of a step, steady on a loaded machine, where wall time also "
-                             "counts waits for other processes (the simulation's copy thread is not counted: a GPU's copy "
-                             "engines move those bytes)")
+                             "thread alone: the host work of a step, steady on a loaded machine, where wall time "
+                             "also counts waits for other processes (the simulation's copy thread is not counted: a "
+                             "GPU's copy engines move those bytes)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:

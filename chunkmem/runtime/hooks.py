@@ -160,7 +160,7 @@ class Hooks:
     def _bare(self, module: nn.Module) -> bool:
         """Where the device reads its allocator, a module without parameters of its own (a container, an activation)
         brings nothing and marks no moment: a reading gives the most held since the last one, so the next access's
-        sees what it held. Not where activations are metered (the simulation without its memory model), whose
+        reading sees what it held. Not where activations are metered (the simulation without its memory model), whose
         readings see only what is alive at them; nor for observers (a trace), which want every module's moments;
         nor under ZeRO, which pins gathered groups per module."""
         runtime = self.runtime

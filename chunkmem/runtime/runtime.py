@@ -42,11 +42,11 @@ is retried as in a resident one: the plan is dropped, chunks not in use leave, a
 under the mode from the same random state. Where the device reads its allocator, a lean forward also keeps
 the activations autograd saves as they are, unmetered: its non-model bytes are the allocator's, so the meter
 (a Python object and its books per saved tensor) served nothing, and cost the launch-bound LLaMA of
-benchmarks/overhead.py a third of the host time a streaming forward adds (the saved parameters are still
-packed by address, so that their chunks may leave before backward). The limit: a parameter used outside its module for the first
-time in a lean forward (a branch that only some batches of the same shapes take) is neither fetched nor
-waited for, so its op may read a host tensor (an error on CUDA) or an upload still landing (the
-simulation's checker reports it).
+benchmarks/overhead.py about a third of the host time a streaming forward adds (the saved parameters are
+still packed by address, so that their chunks may leave before backward). The limit: a parameter used
+outside its module for the first time in a lean forward (a branch that only some batches of the same
+shapes take) is neither fetched nor waited for, so its op may read a host tensor (an error on CUDA) or an
+upload still landing (the simulation's checker reports it).
 """
 
 from __future__ import annotations
