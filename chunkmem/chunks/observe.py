@@ -42,6 +42,14 @@ class Move:
 
 
 class Observer(Protocol):
+    """Told of every moment and every move. One that only counts moves sets `wants_moments = False`: steps may
+    then run resident or lean, which mark fewer moments or none (runtime's Notes on them); without the attribute,
+    an observer is told of every moment, and every step takes the full path."""
+
     def moment(self, moment: Moment) -> None: ...
     def moved(self, move: Move) -> None: ...
+
+
+def wants_moments(observer: Observer) -> bool:
+    return getattr(observer, "wants_moments", True)
 

@@ -24,7 +24,10 @@ log = logging.getLogger("chunkmem")
 
 
 class Traffic:
-    """Observer of chunk copies (chunkmem.chunks.observe): bytes each way and seconds spent, per step."""
+    """Observer of chunk copies (chunkmem.chunks.observe): bytes each way and seconds spent, per step. Moments are
+    nothing to it: steps may run resident or lean."""
+
+    wants_moments = False
 
     def __init__(self) -> None:
         self.h2d = self.d2h = 0

@@ -160,12 +160,12 @@ class Hooks:
     def _bare(self, module: nn.Module) -> bool:
         """Where the device reads its allocator, a module without parameters of its own (a container, an activation)
         brings nothing and marks no moment: a reading gives the most held since the last one, so the next access's
-        reading sees what it held. Not where activations are metered (the simulation without its memory model), whose
-        readings see only what is alive at them; nor for observers (a trace), which want every module's moments;
-        nor under ZeRO, which pins gathered groups per module."""
+        reading sees what it held. Not where activations are metered (the simulation without its memory model),
+        whose readings see only what is alive at them; nor under ZeRO, which pins gathered groups per module. The
+        same with observers (a trace then has moments at modules with parameters only): a step recorded for the
+        time model must make the accesses of the plan it follows."""
         runtime = self.runtime
-        return runtime.device.reads_memory and not runtime.module_records[module] and runtime.shards is None \
-            and not runtime.observers
+        return runtime.device.reads_memory and not runtime.module_records[module] and runtime.shards is None
 
     @contextlib.contextmanager
     def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:

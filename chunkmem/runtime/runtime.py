@@ -64,7 +64,7 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.hostcache import HostCache
 from chunkmem.chunks.layout import search_chunk_size
-from chunkmem.chunks.observe import Moment, Observer
+from chunkmem.chunks.observe import Moment, Observer, wants_moments
 from chunkmem.chunks.placement import Phase, Placer
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState, TensorState
@@ -329,7 +329,8 @@ class Runtime:
         pipeline stage's: its schedule interleaves micro-batches)."""
         placer = self.placer
         fitted = inputs is not None and (not training or inputs in self.fitted_inputs)
-        simple = self.resident_allowed and self.shards is None and self.host_cache is None and not self.observers \
+        simple = self.resident_allowed and self.shards is None and self.host_cache is None \
+            and not any(wants_moments(o) for o in self.observers) \
             and not self.activations.offload
         if placer.resident and not fitted:  # the rest of this step takes the full path
             placer.resident = False

@@ -397,6 +397,7 @@ def test_the_default_streams_chunks_every_step_and_says_so(tmp_path: Path) -> No
     assert stats["device_limit_bytes"] - activations < stats["model_data_bytes"]  # what chunks get: less
     assert all(moved > 0 for moved in result.traffic.per_step[1:]), result.traffic.per_step
     assert stats["device_bytes_peak"] <= stats["device_limit_bytes"]  # and the default keeps its budget
+    assert stats["lean_forwards"] >= 3, "the run's traffic counter (an observer of moves only) keeps forwards lean"
     text = summary(result)
     assert "model data 13.4MiB" in text and "device budget" in text and "per step" in text and "copying" in text
     assert "warning" not in text
@@ -408,6 +409,7 @@ def test_a_users_model_keeps_the_free_memory_default(tmp_path: Path, tiny_config
     stats = result.model.memory_stats()
     assert stats["device_limit_bytes"] >= 2**30 and result.traffic.per_step[1:] == [0, 0, 0]
     assert not result.streaming_default
+    assert stats["resident_steps"] >= 2, "steps after the warm-up run resident, the traffic counter on"
 
 
 def test_a_run_over_its_budget_is_told_so(tmp_path: Path, tiny_config: str, caplog: pytest.LogCaptureFixture) -> None:
