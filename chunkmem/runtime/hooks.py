@@ -141,8 +141,6 @@ class Hooks:
             # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
             self.outside = (module, FetchMode(self.runtime))
             self.outside[1].__enter__()
-        if self._bare(module):
-            return
         self.runtime.emit("pre_forward", "fwd", self.names[module])
         self.runtime.enter(module)
 
@@ -150,22 +148,11 @@ class Hooks:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
         if self.runtime.placer.resident:
             return
-        if not self._bare(module):
-            self.runtime.leave(module)
-            self.runtime.emit("post_forward", "fwd", self.names[module])
+        self.runtime.leave(module)
+        self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
             mode, self.outside = self.outside[1], None
             mode.__exit__(None, None, None)
-
-    def _bare(self, module: nn.Module) -> bool:
-        """Where the device reads its allocator, a module without parameters of its own (a container, an activation)
-        brings nothing and marks no moment: a reading gives the most held since the last one, so the next access's
-        reading sees what it held. Not where activations are metered (the simulation without its memory model),
-        whose readings see only what is alive at them; nor under ZeRO, which pins gathered groups per module. The
-        same with observers (a trace then has moments at modules with parameters only): a step recorded for the
-        time model must make the accesses of the plan it follows."""
-        runtime = self.runtime
-        return runtime.device.reads_memory and not runtime.module_records[module] and runtime.shards is None
 
     @contextlib.contextmanager
     def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:

@@ -132,35 +132,3 @@ def test_a_lean_forward_where_the_allocator_is_read_keeps_activations_unmetered(
     assert first == {"Saved", "ChunkRef"}, "the warm-up meters activations and packs parameters by address"
     assert lean == {"Tensor", "ChunkRef"}, "lean forwards keep activations as they are, parameters by address"
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
-
-
-@pytest.mark.parametrize("reads_allocator", [False, True], ids=["metered", "allocator"])
-def test_modules_without_parameters_mark_no_moment_where_the_allocator_is_read(sim_memory,
-                                                                                reads_allocator: bool) -> None:
-    """Where the device reads its allocator, a module without parameters of its own (a block, an activation) brings
-    nothing and marks no moment (hooks' `_bare`): the next reading gives the most held since this one. Where
-    activations are metered, every module marks its moments: the meter sees only what is alive when read. Plain
-    PyTorch's bits and the budget held either way."""
-    if reads_allocator:
-        sim_memory(1024)
-    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
-                                   for s in range(3)]
-    ref = copy.deepcopy(model)
-    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
-    budget = streaming(model) + 2**20
-    cm, opt = prepared(model, ADAMW, device_memory=budget)
-    assert cm.runtime.device.reads_memory == reads_allocator
-    moments: list[str] = []
-    emit = cm.runtime.emit
-
-    def noted(name: str, stage: str, where: str) -> None:
-        moments.append(where)
-        emit(name, stage, where)
-    cm.runtime.emit = noted
-    assert train(cm, opt, batches, gpt2_loss) == expected
-    bare = {name for name, m in cm.module.named_modules() if next(m.parameters(recurse=False), None) is None}
-    marked = bare & set(moments)
-    assert {"transformer.h.0", "transformer.h.0.mlp.act"} <= bare
-    assert not marked if reads_allocator else {"transformer.h.0", "transformer.h.0.mlp.act"} <= marked
-    stats = cm.memory_stats()
-    assert stats["evictions"] > 0 and stats["device_bytes_peak"] <= budget
