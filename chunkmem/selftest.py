@@ -231,26 +231,6 @@ def check_parity() -> Row:
                "host, within 1e-4 (forwards lean)", figures)
 
 
-class _Reserved:
-    """What the caching allocator reserves: CUDA's, or the simulation's model of it (`simulated`)."""
-
-    def __init__(self, simulated: Any = None) -> None:
-        self.simulated = simulated
-
-    def now(self) -> int:
-        return self.simulated.reserved if self.simulated else torch.cuda.memory_reserved()
-
-    def reset_peak(self) -> None:
-        if self.simulated:
-            self.simulated.peak_reserved = self.simulated.reserved
-        else:
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak(self) -> int:
-        """The most reserved since `reset_peak`."""
-        return self.simulated.peak_reserved if self.simulated else torch.cuda.max_memory_reserved()
-
-
 def budget_worker(fraction: float, device: str = "cuda") -> dict[str, Any]:
     """In a fresh process: train under a budget of `fraction` of the model data (plus activations) and read
     what the process really took from the device (on "cpu", from the simulated allocator: CI's twin)."""
@@ -262,13 +242,17 @@ def budget_worker(fraction: float, device: str = "cuda") -> dict[str, Any]:
     limit = budget_for(device, int(model_data_bytes(model) * fraction) + 64 * MiB)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                chunkmem.Config(device=device, device_memory=limit))
-    reserved = _Reserved(cm.runtime.device.memory.allocator if device == "cpu" else None)  # type: ignore[attr-defined]
-    reserved_at_prepare = reserved.now()
-    reserved.reset_peak()
+    allocator = cm.runtime.device.memory.allocator if device == "cpu" else None  # type: ignore[attr-defined]
+    reserved_at_prepare = allocator.reserved if allocator else torch.cuda.memory_reserved()
+    if allocator:
+        allocator.peak_reserved = allocator.reserved
+    else:
+        torch.cuda.reset_peak_memory_stats()
     steps = []  # per step: the most reserved so far and what the cap took as outside the allocator
     for batch in batches(1024, 64, 6):
         train(cm, opt, [batch], cm.runtime.device.torch_device)
-        steps.append((reserved.peak(), cm.runtime.capped_outside))
+        steps.append((allocator.peak_reserved if allocator else torch.cuda.max_memory_reserved(),
+                      cm.runtime.capped_outside))
     outside = cm.runtime.gpu_memory.outside_allocator() if cm.runtime.gpu_memory is not None else 0
     stats = cm.memory_stats()
     return {"budget": limit, "max_reserved": steps[-1][0], "outside_allocator": outside,
