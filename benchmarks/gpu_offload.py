@@ -81,17 +81,19 @@ def run_plain(device: str, steps: int, shape: str | None) -> dict[str, Any]:
     return {"stages": timed(stages_of(forward, optimizer), steps, device)}
 
 
-def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None) -> dict[str, Any]:
+def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None, ahead: bool = False) -> dict[str, Any]:
     """The speed figures, and the CUDA budgets issue's: what the device held at most (the allocator's reserved
-    bytes, or the simulated allocator's, plus what NVML sees outside it) against the budget."""
+    bytes, or the simulated allocator's, plus what NVML sees outside it) against the budget. `ahead`: host updates
+    made ahead of step() (Config.overlap_update, with the native kernel)."""
     import chunkmem
 
     net = host_model(device, shape)
     size = sum(p.numel() for p in net.parameters()) // 9 + 1  # 9 parameter chunks, as on the H100 (131M there)
     adamw = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device == "cuda")  # as plain's
     try:
+        extra = dict(overlap_update=True, native_optimizer=True) if ahead else {}
         cm, optimizer = chunkmem.prepare(net, adamw, chunkmem.Config(device=device, dtype="bf16", device_memory=budget,
-                                                                     chunk_size=size))
+                                                                     chunk_size=size, **extra))
     except chunkmem.MemoryBudgetError as error:
         return {"refused": str(error)[:300]}
     batch = ids(device, shape).to(cm.runtime.device.torch_device)
@@ -114,7 +116,8 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None)
     return got | {"h2d_per_step": moved["h2d_bytes"], "d2h_per_step": moved["d2h_bytes"],
                   "oom_fallbacks": stats["oom_fallbacks"], "host_update_s": host_update_alone(hosted, size),
                   "max_reserved": reserved, "held": held, "held_over_budget": held / budget if budget else None,
-                  "homes": len(placer.homes), "groups": len(hosted) + len(placer.homes)}
+                  "homes": len(placer.homes), "groups": len(hosted) + len(placer.homes),
+                  "ahead_adopted": stats["ahead_adopted"], "ahead_redone": stats["ahead_redone"]}
 
 
 def host_update_alone(sizes: list[int], chunk: int) -> float:
@@ -174,13 +177,15 @@ def worker(kind: str, device: str, budget: int, steps: int, shape: str | None) -
         return run_plain(device, steps, shape)
     if kind == "fsdp2":
         return run_fsdp2(device, steps, shape)
-    return run_chunkmem(device, budget if budget >= 0 else None, steps, shape)
+    return run_chunkmem(device, budget if budget >= 0 else None, steps, shape, ahead=kind == "chunkmem-ahead")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--simulate", action="store_true", help="the CPU simulation, scaled down 256 times")
-    parser.add_argument("--shares", default="none,0.5,0.25,0.1", help="'none' or shares of the model data")
+    parser.add_argument("--shares", default="none,0.5,0.25,0.1",
+                        help="'none' or shares of the model data; a share ending in '+ahead' runs with host updates "
+                             "made ahead of step() (Config.overlap_update)")
     parser.add_argument("--shape", choices=("tiny",), default=None,
                         help="tiny: a launch-bound LLaMA (20 layers 64 wide, 1 x 16 tokens) instead of the 1.16B one")
     parser.add_argument("--steps", type=int, default=6)
@@ -197,9 +202,10 @@ def main() -> None:
     peak = plain_peak(device, args.shape)
     outside = 0 if args.simulate else held_after_a_step()
     runs = [("plain", "plain", -1)] + [
-        (share if share == "none" else f"{float(share):.0%}", "chunkmem",
-         -1 if share == "none" else int(outside + 1.15 * peak["activations"] + float(share) * peak["model_data"]))
-        for share in args.shares.split(",")] + ([] if args.simulate or args.shape else [("FSDP2 offload", "fsdp2", -1)])
+        (share if share == "none" else f"{float(share.removesuffix('+ahead')):.0%}{' ahead' * ahead}",
+         "chunkmem-ahead" if ahead else "chunkmem", -1 if share == "none" else
+         int(outside + 1.15 * peak["activations"] + float(share.removesuffix("+ahead")) * peak["model_data"]))
+        for share, ahead in ((s, s.endswith("+ahead")) for s in args.shares.split(","))] + ([] if args.simulate or args.shape else [("FSDP2 offload", "fsdp2", -1)])
     speed, rows = bandwidth(device), []
     columns = ["run", "budget GiB", "step s", "vs plain", "fwd / bwd / opt ms", "GB up / down", "oom", "held/budget",
                "bound s", "vs bound", "note"]

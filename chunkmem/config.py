@@ -69,6 +69,12 @@ class Config:
         warning, when the kernel cannot be built. None (the default): on with CUDA, where chunks
         updated on the host and on the device already differ in the last bits; off in the CPU
         simulation, whose results stay bit-identical to torch.optim whatever the budget.
+    overlap_update: with the native kernel and Adam/AdamW, update each host-resident chunk group on a
+        worker thread as soon as backward has written its gradients, into spare host buffers that
+        step() adopts when nothing the update read has changed since (clipping, a new learning rate
+        or an fp16 overflow make step() update it again): the same bits, the host update overlapping
+        backward (chunkmem/runtime/ahead.py). Costs 16 bytes of host memory per parameter updated
+        there. Off by default: not yet measured on a GPU.
     gather_units: under ZeRO, names of module classes whose whole subtree is gathered when they start
         (chunkmem/zero/units.py, Note on units): modules that choose which children run by the data.
         Experts of a mixture of experts are found without it.
@@ -85,6 +91,7 @@ class Config:
     chunk_size: int | None = None
     offload_activations: bool = False
     native_optimizer: bool | None = None
+    overlap_update: bool = False
     gather_units: tuple[str, ...] = ()
     disk: str | os.PathLike | None = None
     disk_memory: int | str | None = None
@@ -112,6 +119,11 @@ class Config:
             raise ValueError(f"Config.offload_activations={self.offload_activations!r}: expected True or False")
         if self.native_optimizer is not None and not isinstance(self.native_optimizer, bool):
             raise ValueError(f"Config.native_optimizer={self.native_optimizer!r}: expected True, False or None (auto)")
+        if not isinstance(self.overlap_update, bool):
+            raise ValueError(f"Config.overlap_update={self.overlap_update!r}: expected True or False")
+        if self.overlap_update and self.native_optimizer is False:
+            raise ValueError("Config.overlap_update=True needs the native optimizer, which native_optimizer=False "
+                             "turns off: set native_optimizer=True (or None on CUDA), or overlap_update=False")
         if isinstance(self.gather_units, str) or not isinstance(self.gather_units, (tuple, list)) or \
                 not all(isinstance(name, str) and name for name in self.gather_units):
             raise ValueError(f"Config.gather_units={self.gather_units!r}: expected a tuple of module class names, "

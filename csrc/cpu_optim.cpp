@@ -42,13 +42,18 @@ enum class Dt { kNone, kF32, kBF16, kF16 };
 constexpr int64_t kBlock = 1 << 15;
 
 // Per-element pointers of one chunk. `state1`/`state2` are exp_avg/exp_avg_sq for Adam; SGD uses only
-// `state1`, its momentum buffer (null without momentum). `out` is null when no copy is written.
+// `state1`, its momentum buffer (null without momentum). `out` is null when no copy is written. The
+// update reads master and states from `from_*` and writes them to `master`, `state1`, `state2`: the same
+// buffers in place, or others (an update made ahead of the step into spare buffers: chunkmem/runtime/ahead.py).
 struct Streams {
   float* master;
   const void* grad;
   float* state1;
   float* state2;
   void* out;
+  const float* from_master;
+  const float* from1;
+  const float* from2;
 };
 
 // Adam scalars, already rounded to fp32 the way ATen rounds a Python float it multiplies a tensor by.
@@ -118,14 +123,14 @@ CHUNKMEM_INLINE typename V::F adam_vec(const AdamArgs& a, const Streams& s, int6
   F g = V::mul(V::template load<G>(s.grad, i), V::set1(a.scale_inv));
   if (a.maximize) g = V::neg(g);
   const F bad = V::sub(g, g);
-  F p = V::template load<Dt::kF32>(s.master, i);
+  F p = V::template load<Dt::kF32>(s.from_master, i);
   if (a.coupled_wd) g = V::fma(p, V::set1(a.weight_decay), g);
   if (a.decoupled_wd) p = V::mul(p, V::set1(a.decay));
-  F m = V::template load<Dt::kF32>(s.state1, i);
+  F m = V::template load<Dt::kF32>(s.from1, i);
   m = a.lerp_small ? V::fma(V::set1(a.lerp_coeff), V::sub(g, m), m)
                    : V::fma(V::set1(a.lerp_coeff), V::sub(g, m), g);
   // ATen's addcmul_ computes self + (value * t1) * t2, which its build contracts into one FMA.
-  F v = V::mul(V::template load<Dt::kF32>(s.state2, i), V::set1(a.beta2));
+  F v = V::mul(V::template load<Dt::kF32>(s.from2, i), V::set1(a.beta2));
   v = V::fma(V::mul(V::set1(a.one_minus_beta2), g), g, v);
   const F denom = V::add(V::div(V::sqrt(v), V::set1(a.bc2_sqrt)), V::set1(a.eps));
   p = V::add(p, V::div(V::mul(V::set1(a.neg_step_size), m), denom));
@@ -142,12 +147,12 @@ CHUNKMEM_INLINE typename V::F sgd_vec(const SgdArgs& a, const Streams& s, int64_
   F g = V::mul(V::template load<G>(s.grad, i), V::set1(a.scale_inv));
   if (a.maximize) g = V::neg(g);
   const F bad = V::sub(g, g);
-  F p = V::template load<Dt::kF32>(s.master, i);
+  F p = V::template load<Dt::kF32>(s.from_master, i);
   if (a.weight_decay != 0.0f) g = V::fma(p, V::set1(a.weight_decay), g);
   if (s.state1 != nullptr) {
     F buf = g;  // torch clones the gradient into a fresh buffer on the first step: no dampening
     if (!a.first_step) {
-      buf = V::mul(V::template load<Dt::kF32>(s.state1, i), V::set1(a.momentum));
+      buf = V::mul(V::template load<Dt::kF32>(s.from1, i), V::set1(a.momentum));
       buf = V::fma(g, V::set1(a.one_minus_dampening), buf);
     }
     V::template store<Dt::kF32>(s.state1, i, buf);
@@ -164,7 +169,8 @@ template <Dt G, Dt O>
 CHUNKMEM_INLINE Streams offset(const Streams& s, int64_t begin) {
   auto shift = [begin](auto* p, size_t size) { return p ? (char*)p + begin * int64_t(size) : nullptr; };
   return {(float*)shift(s.master, 4), shift(s.grad, elem_size(G)), (float*)shift(s.state1, 4),
-          (float*)shift(s.state2, 4), shift(s.out, elem_size(O))};
+          (float*)shift(s.state2, 4), shift(s.out, elem_size(O)), (const float*)shift(s.from_master, 4),
+          (const float*)shift(s.from1, 4), (const float*)shift(s.from2, 4)};
 }
 
 // Software prefetch distance, in elements. With the update's arithmetic between one vector's loads and
@@ -177,9 +183,12 @@ constexpr int64_t kAhead = 768;
 template <Dt G, Dt O>
 CHUNKMEM_INLINE void prefetch(const Streams& s, int64_t i) {
   __builtin_prefetch(s.master + i, 1);
+  if (s.from_master != s.master) __builtin_prefetch(s.from_master + i, 0);
   __builtin_prefetch(static_cast<const char*>(s.grad) + i * int64_t(elem_size(G)), 0);
   if (s.state1) __builtin_prefetch(s.state1 + i, 1);
   if (s.state2) __builtin_prefetch(s.state2 + i, 1);
+  if (s.from1 != s.state1) __builtin_prefetch(s.from1 + i, 0);
+  if (s.from2 != s.state2) __builtin_prefetch(s.from2 + i, 0);
   if constexpr (O != Dt::kNone) __builtin_prefetch(static_cast<char*>(s.out) + i * int64_t(elem_size(O)), 1);
 }
 
@@ -198,11 +207,13 @@ CHUNKMEM_INLINE bool run_range(const Streams& s, int64_t n, Body body) {
   if (rest == 0) return V::nonfinite(bad);
   alignas(64) float master[W] = {}, state1[W] = {}, state2[W] = {}, grad[W] = {}, out[W] = {};
   const Streams t = offset<G, O>(s, full);
-  const Streams pad{master, grad, t.state1 ? state1 : nullptr, t.state2 ? state2 : nullptr, out};
-  std::memcpy(master, t.master, rest * 4);
+  float* const pad1 = t.state1 ? state1 : nullptr;
+  float* const pad2 = t.state2 ? state2 : nullptr;
+  const Streams pad{master, grad, pad1, pad2, out, master, pad1, pad2};
+  std::memcpy(master, t.from_master, rest * 4);
   std::memcpy(grad, t.grad, rest * elem_size(G));
-  if (t.state1) std::memcpy(state1, t.state1, rest * 4);
-  if (t.state2) std::memcpy(state2, t.state2, rest * 4);
+  if (t.state1) std::memcpy(state1, t.from1, rest * 4);
+  if (t.state2) std::memcpy(state2, t.from2, rest * 4);
   bad = V::add(bad, body(pad, 0));  // padded lanes hold zeros: finite
   std::memcpy(t.master, master, rest * 4);
   if (t.state1) std::memcpy(t.state1, state1, rest * 4);
@@ -457,12 +468,21 @@ Dt out_dtype(const c10::optional<torch::Tensor>& out, int64_t n) {
 bool adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                c10::optional<torch::Tensor> param_out, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool decoupled, int64_t step, double grad_scale_inv, bool maximize,
-               const std::string& isa) {
+               const std::string& isa, c10::optional<torch::Tensor> master_to,
+               c10::optional<torch::Tensor> exp_avg_to, c10::optional<torch::Tensor> exp_avg_sq_to) {
   const int64_t n = master.numel();
   check_chunk(master, "master", n, true);
   check_chunk(grad, "grad", n, false);
   check_chunk(exp_avg, "exp_avg", n, true);
   check_chunk(exp_avg_sq, "exp_avg_sq", n, true);
+  const bool into = master_to.has_value();
+  TORCH_CHECK(exp_avg_to.has_value() == into && exp_avg_sq_to.has_value() == into,
+              "master_to, exp_avg_to and exp_avg_sq_to go together: give all three or none");
+  if (into) {
+    check_chunk(*master_to, "master_to", n, true);
+    check_chunk(*exp_avg_to, "exp_avg_to", n, true);
+    check_chunk(*exp_avg_sq_to, "exp_avg_sq_to", n, true);
+  }
   TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this step), got ", step);
   const Dt o = out_dtype(param_out, n);
   // Step scalars in double, as torch.optim computes them in Python, then rounded once to fp32.
@@ -483,8 +503,12 @@ bool adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, 
   a.maximize = maximize;
   a.coupled_wd = weight_decay != 0.0 && !decoupled;
   a.decoupled_wd = weight_decay != 0.0 && decoupled;
-  const Streams s{master.data_ptr<float>(), grad.data_ptr(), exp_avg.data_ptr<float>(),
-                  exp_avg_sq.data_ptr<float>(), param_out ? param_out->data_ptr() : nullptr};
+  float* const m = master.data_ptr<float>();
+  float* const e1 = exp_avg.data_ptr<float>();
+  float* const e2 = exp_avg_sq.data_ptr<float>();
+  const Streams s{into ? master_to->data_ptr<float>() : m, grad.data_ptr(),
+                  into ? exp_avg_to->data_ptr<float>() : e1, into ? exp_avg_sq_to->data_ptr<float>() : e2,
+                  param_out ? param_out->data_ptr() : nullptr, m, e1, e2};
   return parallel_blocks(kernel_for<AdamFn, AdamTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n);
 }
 
@@ -501,9 +525,9 @@ bool sgd_step(torch::Tensor master, torch::Tensor grad, c10::optional<torch::Ten
   const Dt o = out_dtype(param_out, n);
   const SgdArgs a{float(grad_scale_inv), float(weight_decay), float(momentum), float(1.0 - dampening),
                   float(-lr), maximize, nesterov, first_step};
-  const Streams s{master.data_ptr<float>(), grad.data_ptr(),
-                  momentum_buf ? momentum_buf->data_ptr<float>() : nullptr, nullptr,
-                  param_out ? param_out->data_ptr() : nullptr};
+  float* const buf = momentum_buf ? momentum_buf->data_ptr<float>() : nullptr;
+  const Streams s{master.data_ptr<float>(), grad.data_ptr(), buf, nullptr,
+                  param_out ? param_out->data_ptr() : nullptr, master.data_ptr<float>(), buf, nullptr};
   return parallel_blocks(kernel_for<SgdFn, SgdTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n);
 }
 
@@ -513,9 +537,10 @@ bool sgd_step(torch::Tensor master, torch::Tensor grad, c10::optional<torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
   m.doc() = "chunkmem's fused CPU optimizer steps (see chunkmem/native.py for the typed wrappers)";
-  m.def("adam_step", &chunkmem::adam_step, "Adam/AdamW step over one chunk, in place", "master"_a,
-        "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
+  m.def("adam_step", &chunkmem::adam_step, "Adam/AdamW step over one chunk, in place or into other buffers",
+        "master"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "decoupled"_a, "step"_a, "grad_scale_inv"_a, "maximize"_a, "isa"_a,
+        "master_to"_a = pybind11::none(), "exp_avg_to"_a = pybind11::none(), "exp_avg_sq_to"_a = pybind11::none(),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sgd_step", &chunkmem::sgd_step, "SGD step over one chunk, in place", "master"_a, "grad"_a,
         "momentum_buf"_a, "param_out"_a, "lr"_a, "momentum"_a, "dampening"_a, "weight_decay"_a,

@@ -134,6 +134,29 @@ class Chunk:
             self.io.append(read)
         self._host = buffer
 
+    def read_ahead(self) -> object | None:
+        """The host payload made ready for a reader on another thread (runtime/ahead.py): the ranges nobody wrote
+        zeroed now (no copy writes them), and the token of the newest download into it, which that reader waits
+        for (`Device.wait_landed`; None: nothing in flight). The host still waits itself before it reads. Only
+        for a chunk whose host payload is its only copy, none of whose downloads adds into it on landing."""
+        if self.state is not ChunkState.HOST or self.io or any(then is not None for _, then in self.landings):
+            raise ChunkStateError(f"{self!r}: read ahead needs the host payload to be the only copy, written by "
+                                  "plain downloads")
+        self._zero_unwritten(self._host)
+        return self.landings[-1][0] if self.landings else None
+
+    def swap_host(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Make `buffer` ([numel] of dtype, on the host) the host payload and return the old one: an update made
+        into other buffers takes effect (runtime/ahead.py). The host payload must be the only copy, settled, with
+        nothing unwritten and no upload reading it."""
+        if (self.state is not ChunkState.HOST or self.landings or self.io or self.unwritten
+                or self._host_read_by is not None or self._host is None):
+            raise ChunkStateError(f"{self!r}: swap_host needs a settled host payload that is the only copy")
+        if buffer.shape != (self.numel,) or buffer.dtype != self.dtype or buffer.device.type != "cpu":
+            raise ValueError(f"{self!r}: swap_host got {tuple(buffer.shape)} x {buffer.dtype} on {buffer.device}")
+        old, self._host = self._host, buffer
+        return old
+
     def spill(self) -> None:
         """Give the host payload up (HOST -> DISK; a FREE chunk stays FREE). The tier has written it back and
         waited, so nothing is in flight on it."""

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="cuda: keep margins for the CUDA context and host libraries (default); cpu: plan a "
                            "run in the CPU simulation (Config(device='cpu')), as --simulate does")
     run_.add_argument("--optimizer", default="adam", choices=["adam", "sgd", "sgd-momentum"])
+    run_.add_argument("--overlap-update", action="store_true", help="the time model with host updates made ahead of "
+                      "step(), overlapping backward (Config(overlap_update=True))")
     run_.add_argument("--disk", action="store_true", help="with a disk tier (Config(disk=DIR)): master weights and "
                       "optimizer states that host memory cannot hold go to disk")
     run_.add_argument("--attention", choices=["math", "fused"],
@@ -101,6 +103,9 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
+    if args.overlap_update and (args.dtype == "fp32" or args.optimizer != "adam"):
+        return _error(f"--overlap-update with --dtype {args.dtype} --optimizer {args.optimizer}: host updates are made "
+                      "ahead of step() for Adam in bf16 or fp16 only (chunkmem/runtime/ahead.py)")
     try:
         device_memory = _budget("device_memory", args.device_memory)
         host_memory = _budget("host_memory", args.host_memory)
@@ -139,20 +144,20 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         else:
             result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
                                        max(1, measured.activation_peak) - 1)
-            result["time_model"] = _time_model(spec, request, measured.recorded)
+            result["time_model"] = _time_model(spec, request, measured.recorded, args.overlap_update)
     print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
     return 1 if estimate.verdict == "does not fit" or "failure" in result.get("time_model", {}) else 0
 
 
-def _time_model(spec: Any, request: Any, recorded: Any) -> dict[str, Any]:
+def _time_model(spec: Any, request: Any, recorded: Any, overlap: bool) -> dict[str, Any]:
     """The simulated step replayed at typical GPU speeds (trace/timing.py): predicted seconds, by stage, the copies'
     share hidden behind compute, and the step's lower bound (plain's compute and device update, the host update
-    alone, or the bytes moved over PCIe)."""
+    alone, or the bytes moved over PCIe). `overlap`: with host updates made ahead of step()."""
     from chunkmem.trace.search import typical_speeds
     from chunkmem.trace.timing import predict
 
     speeds = typical_speeds(spec, request, recorded)
-    got = predict(recorded, speeds)
+    got = predict(recorded, speeds, overlap)
     plain = sum(speeds.compute.values()) + sum(recorded.sizes.values()) / speeds.device_update
     return {"step_s": got.step_s, "stage_s": got.stage_s, "h2d_bytes": got.h2d_bytes, "d2h_bytes": got.d2h_bytes,
             "overlap": got.overlap, "host_update_s": got.host_update_s, "bound_s": got.bound(plain, speeds)}

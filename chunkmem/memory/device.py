@@ -66,6 +66,11 @@ class Device(Protocol):
         """Block the host until the work behind `token` is done."""
         ...
 
+    def wait_landed(self, token: object) -> None:
+        """Block the calling thread, a worker beside the host's (runtime/ahead.py), until the copy behind `token`
+        has landed. The host learns nothing from it: it waits itself before it reads what the copy wrote."""
+        ...
+
     def discard(self, token: object) -> None:
         """Nothing will read what the copy behind `token` writes (a prefetch dropped unused), so a host write
         into its source races with nothing that matters. Only the simulation's checker cares."""
@@ -222,6 +227,9 @@ class CudaDevice:
             torch.cuda.current_stream(self.torch_device).synchronize()
         else:
             token.synchronize()  # type: ignore[attr-defined]
+
+    def wait_landed(self, token: object) -> None:
+        token.synchronize()  # type: ignore[attr-defined]  # a copy's event (torch's or the engine's)
 
     def discard(self, token: object) -> None:
         pass  # record_stream keeps the dropped buffer from reuse until the copy is done

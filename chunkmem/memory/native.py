@@ -325,11 +325,14 @@ def _check_common(master: torch.Tensor, grad: torch.Tensor, param_out: torch.Ten
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
               param_out: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, decoupled: bool, step: int, grad_scale_inv: float = 1.0,
-              maximize: bool = False, isa: str | None = None) -> bool:
+              maximize: bool = False, isa: str | None = None,
+              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
     """One Adam (decoupled=False) or AdamW (decoupled=True) step over a chunk, in place.
 
     master, exp_avg, exp_avg_sq: fp32; grad: fp32, bf16 or fp16, multiplied by grad_scale_inv first;
     param_out: optional bf16/fp16 copy of the updated master. `step` counts this step (1 on the first).
+    into: fp32 (master, exp_avg, exp_avg_sq) to write the results to instead, leaving the inputs as they were
+    (none of them may overlap an input).
     Returns True if any scaled gradient was inf or nan; the update has been applied regardless, with
     the non-finite values propagated as torch.optim would.
     """
@@ -338,8 +341,15 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     _check("exp_avg_sq", exp_avg_sq, master.numel(), (torch.float32,))
     if step < 1:
         raise ValueError(f"step={step}; it counts steps taken including this one, so it starts at 1")
+    for name, out in zip(("master", "exp_avg", "exp_avg_sq"), into or ()):
+        _check(f"into's {name}", out, master.numel(), (torch.float32,))
+        if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+               for t in (master, grad, exp_avg, exp_avg_sq)):
+            raise ValueError(f"into's {name} shares memory with an input: give buffers of their own, or into=None "
+                             "to update in place")
     return bool(_module().adam_step(master, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps,
-                                    weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa)))
+                                    weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa),
+                                    *(into or (None, None, None))))
 
 
 def sgd_step(master: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,

@@ -55,6 +55,7 @@ from chunkmem.memory.simmemory import SimulatedMemory, simulated_memory
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
+LANDING_POLL_S = 0.0002  # how often a worker waiting for a copy to land looks again (wait_landed)
 Knowledge = dict[str, int]  # stream -> id of the newest copy known to have landed
 
 
@@ -199,6 +200,13 @@ class SimulatedDevice:
         if work is not None:
             with paused():  # gloo may copy results into the outputs as part of the wait
                 work.wait()
+
+    def wait_landed(self, token: object) -> None:
+        """Another thread waits until the copy has landed, teaching nobody (Device.wait_landed). With `wait`
+        landing it lands only once the host or compute learns of it: the host must, before it joins that thread."""
+        copy = _copy(token)
+        while copy.land is not None:
+            time.sleep(LANDING_POLL_S)
 
     def discard(self, token: object) -> None:
         """The copy's result will not be read: it lands whenever it lands, and no access races with it."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,10 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
+from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.runtime import Runtime
+
+_log = logging.getLogger("chunkmem")
 
 SUPPORTED = (Adam, AdamW, SGD)
 _NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
@@ -172,7 +176,23 @@ class ChunkOptimizer(Optimizer):
         self.steps: dict[ParamRecord, torch.Tensor] = {}  # filled by add_param_group, which __init__ calls
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.native = native.load() if runtime.config.uses_native_optimizer else None
-        self.native_steps = 0  # chunk-group updates the native kernel made
+        self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
+        self.steps_adam = rule.update is _adam
+        self._make_ahead()
+
+    def _make_ahead(self) -> None:
+        """Host updates made ahead of step() (ahead.py), where Config.overlap_update asks and they can be."""
+        runtime = self.runtime
+        if not runtime.config.overlap_update:
+            return
+        why = ("the native kernel is unavailable" if self.native is None else
+               "it updates Adam and AdamW only" if not self.steps_adam else
+               "a disk tier updates groups in turn" if runtime.host_cache is not None else
+               "ZeRO shards reduce gradients after backward" if runtime.shards is not None else None)
+        if why is None:
+            runtime.ahead = Ahead(runtime, self)
+        else:
+            _log.warning("chunkmem: Config.overlap_update=True is ignored: %s", why)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch.optim's, before or after prepare: every parameter of the prepared model has its chunks'
@@ -202,6 +222,7 @@ class ChunkOptimizer(Optimizer):
         self.runtime = runtime
         self.steps = {}
         self.group_of()  # a zero step count for each parameter
+        self._make_ahead()
 
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
@@ -304,7 +325,7 @@ class ChunkOptimizer(Optimizer):
                 inv_scale: float, on_device: bool, together: Together) -> bool:
         runtime = self.runtime
         if self.native is not None and not on_device:
-            uniform = self._uniform(chunk_group, members, group_of)
+            uniform = self.uniform(chunk_group, members, group_of)
             if uniform is not None:
                 self._native_step(chunk_group, members, uniform, inv_scale)
                 return False
@@ -333,7 +354,7 @@ class ChunkOptimizer(Optimizer):
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
         return later
 
-    def _uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
+    def uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                  group_of: dict[ParamRecord, dict]) -> dict | None:
         """The one param group of a chunk whose parameters all step now, at one step count; else None."""
         groups = {id(group_of[r]) for r in members}
@@ -342,23 +363,31 @@ class ChunkOptimizer(Optimizer):
             return None
         return group_of[members[0]]
 
+    def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
+        """What the native Adam kernel is given for a chunk group whose `members` all step in param group `group`."""
+        beta1, beta2 = group["betas"]
+        return dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
+                    grad_scale_inv=inv_scale, beta1=beta1, beta2=beta2, eps=group["eps"],
+                    decoupled=group.get("decoupled_weight_decay", False), step=int(self.steps[members[0]].item()) + 1)
+
     def _native_step(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict,
                      inv_scale: float) -> None:
-        """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy."""
+        """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy (or the update
+        made ahead of the step, adopted: ahead.py)."""
         runtime = self.runtime
         grad = runtime.residency.to_host(chunk_group.grad)
         master = runtime.data.writable(chunk_group.master, False)
         states = {k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}
         param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
-        step = int(self.steps[members[0]].item()) + 1
-        common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
-                      grad_scale_inv=inv_scale)
         if self.rule.update is _adam:
-            beta1, beta2 = group["betas"]
-            native.adam_step(master, grad, states["exp_avg"], states["exp_avg_sq"], param_out, beta1=beta1,
-                             beta2=beta2, eps=group["eps"], decoupled=group.get("decoupled_weight_decay", False),
-                             step=step, **common)
+            args = self.adam_args(members, group, inv_scale)
+            ahead = runtime.ahead
+            if ahead is None or param_out is None or not ahead.adopt(chunk_group, args, grad, param_out):
+                native.adam_step(master, grad, states["exp_avg"], states["exp_avg_sq"], param_out, **args)
         else:
+            step = int(self.steps[members[0]].item()) + 1
+            common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
+                          grad_scale_inv=inv_scale)
             # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
             buffer = states.get("momentum_buffer") if group["momentum"] else None
             native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],

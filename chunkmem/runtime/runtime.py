@@ -74,6 +74,7 @@ from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
@@ -156,7 +157,8 @@ class Runtime:
         self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share,
                              config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
-        self._backward_queued = False  # the end of this backward is queued (`_backward_done`)
+        self.backward_queued = False  # the end of this backward is queued (`_backward_done`)
+        self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
@@ -415,6 +417,8 @@ class Runtime:
             if placer.all_homed:  # one homing everything
                 _remember(self.fitted_inputs, self.step_inputs)
         self.step_inputs.clear()
+        if self.ahead is not None:
+            self.ahead.step_done()
         if self.host_cache is not None:
             self.host_cache.step_done()
         self.warmup = self.placer.phase is not Phase.FOLLOW
@@ -429,8 +433,8 @@ class Runtime:
         record.param.grad = None
         if grad is None:
             return
-        if not self._backward_queued and torch._C._current_graph_task_id() != -1:  # not a pipeline's own call
-            self._backward_queued = True
+        if not self.backward_queued and torch._C._current_graph_task_id() != -1:  # not a pipeline's own call
+            self.backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
             self.grads.hide([record])
@@ -439,9 +443,11 @@ class Runtime:
             record.move_grad("write")
             self.shards.reducer.add(record, grad)
             return
-        self._write_grad(record.group, grad, record.view, accumulate=record.grad_state is not TensorState.FREE,
-                         start=record.slot.offset)
+        accumulate = record.grad_state is not TensorState.FREE
+        self._write_grad(record.group, grad, record.view, accumulate=accumulate, start=record.slot.offset)
         record.move_grad("write")
+        if self.ahead is not None and not self.placer.homed(record.group.index):
+            self.ahead.written(record, accumulate)
 
     def _write_grad(self, group: ChunkGroup, grad: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
                     accumulate: bool, start: int | None = None) -> None:
@@ -475,13 +481,15 @@ class Runtime:
     def _backward_done(self) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
         readable by what runs next (`fence_uploads`)."""
-        self._backward_queued = False
+        self.backward_queued = False
         self.placer.backwards += 1
         if self.placer.resident:
             self._note_peak(self.nonmodel_bytes())
         if self.shards is not None:  # reduce-scatters in flight finish now
             self.shards.finish_backward()
         self.fence_uploads()
+        if self.ahead is not None:
+            self.ahead.backward_done()
         if self.shards is None:
             self.grads.show()
 
@@ -528,6 +536,8 @@ class Runtime:
         stats["activation_offload_bytes"] = self.activations.offload_bytes
         stats["resident_steps"] = self.resident_steps
         stats["lean_forwards"] = self.lean_forwards
+        stats["ahead_adopted"] = self.ahead.adopted if self.ahead is not None else 0
+        stats["ahead_redone"] = self.ahead.redone if self.ahead is not None else 0
         stats.update(self.device.host_pool.stats())
         if self.host_cache is not None:
             stats.update(self.host_cache.stats())

@@ -199,9 +199,9 @@ class _Replay:
 def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False) -> Predicted:
     """Replay `recorded` at `speeds` (the Note above). `overlap`: a streamed group's host update runs on a thread of
     its own as soon as its gradients have landed, while backward goes on, into spare buffers that the optimizer's
-    step adopts (issue 36's speculative update, when nothing rolls it back: no clipping that scales, no overflow);
-    it first keeps a copy of the gradients, to tell whether the step may adopt the update, and its parameters go up
-    once the step has adopted it, after backward."""
+    step adopts (Config.overlap_update, runtime/ahead.py, when nothing makes step() redo it: no clipping that scales,
+    no overflow); it first keeps a copy of the gradients, to tell whether the step may adopt the update, and its
+    parameters go up once the step has adopted it, after backward."""
     replay = _Replay(recorded, speeds)
     deferred: list[int] = []  # streamed groups updating on their own thread (`overlap`)
     steady = {id(event): chunks for event, chunks in steady_chunks(recorded.events, replay.groups, recorded.homes)}

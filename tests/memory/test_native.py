@@ -232,6 +232,33 @@ def test_overflow_from_scaling_is_flagged() -> None:
 # ---- Errors and loading ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", SIZES)
+def test_adam_into_other_buffers_gives_the_in_place_bits_and_leaves_its_inputs(isa: str, n: int) -> None:
+    """The update made ahead of the step (runtime/ahead.py) writes spare buffers: the same bits as in place, every
+    block and tail, with master and states read only."""
+    gen = torch.Generator().manual_seed(3)
+    master, exp_avg, exp_avg_sq = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    inputs = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    into = tuple(torch.full((n,), float("nan")) for _ in range(3))
+    out_into, out_in_place = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    kwargs = dict(decoupled=True, step=3, grad_scale_inv=0.5, isa=_isa(isa), **ADAM)
+    native.adam_step(master, grad, exp_avg, exp_avg_sq, out_into, into=into, **kwargs)  # type: ignore[arg-type]
+    for name, kept, before in zip(["master", "exp_avg", "exp_avg_sq"], (master, exp_avg, exp_avg_sq), inputs):
+        assert torch.equal(kept, before), f"{name} changed by an update into other buffers"
+    native.adam_step(master, grad, exp_avg, exp_avg_sq, out_in_place, **kwargs)  # type: ignore[arg-type]
+    for name, ahead, in_place in zip(["master", "exp_avg", "exp_avg_sq"], into, (master, exp_avg, exp_avg_sq)):
+        assert torch.equal(ahead, in_place), f"{name}: into other buffers differs from in place (n={n})"
+    assert torch.equal(out_into, out_in_place)
+
+
+def test_adam_into_refuses_buffers_that_share_an_input() -> None:
+    master, grad = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="into's exp_avg shares memory with an input"):
+        native.adam_step(master, grad, torch.zeros(8), torch.zeros(8), None, decoupled=True, step=1,
+                         into=(torch.zeros(8), master, torch.zeros(8)), **ADAM)
+
 def _adam(master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None = None, step: int = 1) -> bool:
     n = master.numel()
     return native.adam_step(master, grad, torch.zeros(n), torch.zeros(n), out, decoupled=True, step=step,

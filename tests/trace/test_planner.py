@@ -151,6 +151,16 @@ def test_plan_simulate(capsys) -> None:
     assert streamed["h2d_bytes"] > 0 and streamed["host_update_s"] > 0
     assert resident["h2d_bytes"] == resident["d2h_bytes"] == resident["host_update_s"] == 0
     assert streamed["step_s"] > resident["step_s"]
+    # Host updates made ahead of step() are for low precision: refused in fp32, and predicted to shorten a step.
+    assert main(args + ["--device-memory", "2MiB", "--overlap-update"]) == 2
+    assert "for Adam in bf16 or fp16 only" in capsys.readouterr().err
+    low = [*args[:args.index("fp32")], "bf16", *args[args.index("fp32") + 1:], "--device-memory", "2MiB"]
+    predicted = []
+    for extra in ([], ["--overlap-update"]):
+        assert main(low + extra) == 0
+        predicted.append(json.loads(capsys.readouterr().out)["time_model"])
+    apart, ahead = predicted
+    assert apart["host_update_s"] > 0 and apart["bound_s"] <= ahead["step_s"] < apart["step_s"]
 
 
 def test_plan_simulate_with_cudas_allocator_sizes_trains_where_the_plans_slots_do_not_all_fit(capsys, sim_memory) -> None:

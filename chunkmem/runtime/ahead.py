@@ -1,0 +1,189 @@
+"""Host updates made ahead of `step()`, while backward goes on (Config.overlap_update).
+
+[Note: updates made ahead]
+On a GPU the host update of the chunk groups that stream is the longest part of a step (194 of 517 ms at half
+the model data of benchmarks/gpu_offload.py's 1.16B LLaMA on the lent H100), and it waited for backward to end,
+though a group's gradients are complete long before: its last one lands on the host mid-backward. So once
+backward has written every gradient of a host group (each overwritten once: nothing accumulated), a worker
+thread waits for their downloads to land, keeps a copy of them, and runs the native kernel on that copy *into
+spare buffers* (master, states and the low-precision parameter copy), leaving the chunks as they were. The host
+joins the worker when backward ends, so code between backward and `step()` (clipping, logging) runs alone.
+`step()` adopts a group's result (the spare buffers become its payloads, the old payloads the next spares; the
+parameter copy is copied in, since parameters view their chunk) when nothing the update read has changed:
+- the gradients: their chunk's version counter, which every in-place write moves (through `p.grad` too), or,
+  where it moved, their bytes against the copy (clipping by a coefficient of 1 writes the same bytes);
+- the arguments of the kernel: hyperparameters, step count, loss scale (an fp16 overflow skips the step, and
+  adopts nothing).
+Else the group updates as it would have, and `redone` counts it. An adopted update is the same kernel on the
+same bytes, so its results are the bits of the update after backward.
+Only while a plan is followed (the warm-up records what the optimizer touches), for host groups in low precision
+stepped whole by the native Adam, one optimizer per runtime, without a disk tier or ZeRO shards; and only in the
+first backward after a step that had one backward (with accumulation, every group would be redone). The spare
+buffers cost host memory: 16 bytes per parameter of the groups updated ahead (fp32 master and states, and
+a low-precision copy of the gradient and of the parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.placement import Phase
+from chunkmem.chunks.state import ChunkState
+from chunkmem.chunks.store import ChunkGroup, ParamRecord
+from chunkmem.memory import native
+
+if TYPE_CHECKING:
+    from chunkmem.runtime.optim import ChunkOptimizer
+    from chunkmem.runtime.runtime import Runtime
+
+_log = logging.getLogger("chunkmem")
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass
+class Spares:
+    """Buffers an update ahead writes into, for one chunk group."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    param: torch.Tensor
+    grad: torch.Tensor  # the gradients the update read
+
+
+@dataclasses.dataclass
+class Job:
+    group: ChunkGroup
+    args: dict[str, Any]  # what native.adam_step was given
+    spares: Spares
+    done: Future
+    version: int = -1  # the gradient chunk's version counter when backward ended
+
+
+class Ahead:
+    """Updates ahead of `step()` for one runtime and its optimizer (the Note on updates made ahead)."""
+
+    def __init__(self, runtime: Runtime, optimizer: ChunkOptimizer) -> None:
+        self.runtime = runtime
+        self.optimizer = optimizer
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-ahead")
+        self.spares: dict[int, Spares] = {}  # group index -> its spare buffers, kept across steps
+        self.jobs: dict[int, Job] = {}  # group index -> its update ahead in this step
+        self.overwritten: dict[int, int] = {}  # group index -> gradients this backward wrote, none accumulated
+        self.backwards = 0  # since the last step
+        self.group_of: dict[ParamRecord, dict] | None = None  # the optimizer's, read once a backward
+        self.single = False  # the last step had one backward
+        self.adopted = 0  # group updates adopted by step()
+        self.redone = 0  # made ahead, then redone by step() (something they read changed)
+
+    def written(self, record: ParamRecord, accumulated: bool) -> None:
+        """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
+        if self.backwards or not self.single:
+            return
+        index = record.group.index
+        count = self.overwritten.get(index, 0)
+        if accumulated or count < 0:
+            self.overwritten[index] = -1  # this group waits for step()
+            return
+        self.overwritten[index] = count + 1
+        if count + 1 == len(record.group.members):
+            self._start(record.group)
+
+    def _start(self, group: ChunkGroup) -> None:
+        optimizer = self.optimizer
+        if not self._allowed(group):
+            return
+        if self.group_of is None:
+            self.group_of = optimizer.group_of()
+        param_group = optimizer.uniform(group, group.members, self.group_of)
+        if param_group is None or not optimizer.steps_adam:
+            return
+        args = optimizer.adam_args(group.members, param_group, self.inv_scale())
+        chunks = [group.master, *(group.chunks[k] for k in STATES)]
+        if not all(_settled(c) for c in chunks):
+            return
+        token = group.grad.read_ahead()
+        spares = self.spares.get(group.index) or self._spares(group)
+        inputs = [c.host_unfenced for c in chunks]
+        grad = group.grad.host_unfenced
+        self.jobs[group.index] = Job(group, args, spares,
+                                     self.worker.submit(self._update, token, grad, inputs, spares, args))
+
+    def _allowed(self, group: ChunkGroup) -> bool:
+        runtime = self.runtime
+        return (runtime.placer.phase is Phase.FOLLOW and not runtime.placer.homed(group.index)
+                and runtime.backward_queued and runtime.optimizers == 1 and "master" in group.chunks
+                and group.grad.state is ChunkState.HOST)
+
+    def inv_scale(self) -> float:
+        """What step() will unscale the gradients by (the factor backward put into them)."""
+        scaler = self.runtime.scaler
+        return 1.0 / scaler.scale if scaler is not None and self.runtime.grads_scaled else 1.0
+
+    def _spares(self, group: ChunkGroup) -> Spares:
+        alloc = self.runtime.device.host_alloc
+        numel = group.master.numel
+        spares = Spares(alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32),
+                        alloc(numel, group.param.dtype), alloc(numel, group.grad.dtype))
+        self.spares[group.index] = spares
+        return spares
+
+    def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
+                args: dict[str, Any]) -> None:
+        """On the worker: wait for the gradients to land, copy them, update into the spares."""
+        if token is not None:
+            self.runtime.device.wait_landed(token)
+        spares.grad.copy_(grad)
+        master, exp_avg, exp_avg_sq = inputs
+        native.adam_step(master, spares.grad, exp_avg, exp_avg_sq, spares.param,
+                         into=(spares.master, spares.exp_avg, spares.exp_avg_sq), **args)
+
+    def backward_done(self) -> None:
+        """Backward ended: the host learns the gradients' downloads landed, as its own reads would (in the simulation
+        they may land only then), joins the worker, and notes each gradient chunk's version."""
+        self.backwards += 1
+        for job in self.jobs.values():
+            job.version = self.runtime.residency.to_host(job.group.grad)._version
+            job.done.result()
+        self.overwritten.clear()
+        self.group_of = None
+
+    def adopt(self, group: ChunkGroup, args: dict[str, Any], grad: torch.Tensor, param_out: torch.Tensor) -> bool:
+        """step(): make the update made ahead for `group` its update, if nothing it read changed (True); `grad` is
+        the gradient chunk's host payload, `param_out` the parameter chunk's, about to be written."""
+        job = self.jobs.pop(group.index, None)
+        if job is None:
+            return False
+        job.done.result()  # done unless its backward failed before it ended
+        spares = job.spares
+        if job.args != args or (grad._version != job.version and not torch.equal(grad, spares.grad)):
+            self.redone += 1
+            return False
+        spares.master = group.master.swap_host(spares.master)
+        spares.exp_avg = group.chunks["exp_avg"].swap_host(spares.exp_avg)
+        spares.exp_avg_sq = group.chunks["exp_avg_sq"].swap_host(spares.exp_avg_sq)
+        param_out.copy_(spares.param)
+        self.adopted += 1
+        return True
+
+    def step_done(self) -> None:
+        """The step ended: what was not adopted is dropped (the spares stay for the next step)."""
+        for job in self.jobs.values():
+            job.done.result()
+        self.jobs.clear()
+        self.overwritten.clear()
+        self.single, self.backwards = self.backwards == 1, 0
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+
+
+def _settled(chunk: Chunk) -> bool:
+    """The host payload is the only copy, with no copy or disk I/O on it and nothing unwritten."""
+    return chunk.state is ChunkState.HOST and not chunk.landings and not chunk.io and not chunk.unwritten

@@ -1,0 +1,153 @@
+"""Host updates made ahead of step() (runtime/ahead.py's Note): on a worker while backward goes on, adopted by
+step() only when nothing they read changed, so a run with them has the bits of the same run without them; and
+the simulation catches a worker that reads gradients before their downloads land."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from chunkmem.memory import native
+from chunkmem.memory.sim import SimulatedDevice
+from tests import zoo
+from tests.helpers import gpt2_batches, gpt2_loss, least_accepted, param_bytes, prepared, tiny_gpt2, train
+
+pytest.importorskip("transformers")
+if native.load() is None:
+    pytest.skip("the native extension could not be built here", allow_module_level=True)
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+NATIVE = dict(native_optimizer=True, dtype="bf16")
+STEPS = 4
+
+
+def run(model: nn.Module, budget: int, overlap: bool, batches: list, loss_fn: Callable = gpt2_loss,
+        **kwargs) -> tuple[list[float], dict[str, torch.Tensor], nn.Module]:
+    cm, opt = prepared(model, ADAMW, device_memory=budget, overlap_update=overlap, **NATIVE)
+    losses = train(cm, opt, batches, loss_fn, **kwargs)
+    return losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm
+
+
+def streaming(model: nn.Module) -> int:
+    return least_accepted(model, ADAMW, low=param_bytes(model) // 2, **NATIVE)
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    assert a[0] == b[0], "losses differ"
+    assert a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], v) for k, v in b[1].items()), "weights differ"
+
+
+ARCHS = [a for a in zoo.available() if a.name in ("llama", "bert", "t5", "vit")]
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_updates_made_ahead_are_adopted_and_give_the_bits_of_updates_after_backward(arch: zoo.Arch) -> None:
+    model, batches = arch.build(), arch.batches(STEPS)
+    budget = streaming(model)
+    after = run(model, budget, False, batches, zoo.loss)
+    ahead = run(model, budget, True, batches, zoo.loss)
+    assert_same(ahead, after)
+    runtime = ahead[2].runtime
+    assert runtime.memory_stats()["evictions"] > 0, "chunks must stream"
+    # Step 1 is the warm-up and step 2 follows a step with one backward: steps 2-4 update host groups ahead.
+    assert runtime.ahead.adopted > 0 and runtime.ahead.redone == 0
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[nn.Module, list, int]:
+    model = tiny_gpt2()
+    return model, gpt2_batches(STEPS), streaming(model)
+
+
+@pytest.mark.parametrize("clip,adopted", [(1e9, True), (0.05, False)], ids=["clip-changes-nothing", "clip-scales"])
+def test_clipping_is_exact_adopted_where_it_changed_no_byte_redone_where_it_did(gpt2, clip: float,
+                                                                                  adopted: bool) -> None:
+    model, batches, budget = gpt2
+    ahead = run(model, budget, True, batches, clip=clip)
+    assert_same(ahead, run(model, budget, False, batches, clip=clip))
+    counts = ahead[2].runtime.ahead
+    assert (counts.adopted > 0, counts.redone > 0) == (adopted, not adopted)
+
+
+def edited(model: nn.Module, budget: int, overlap: bool, batches: list, edit: Callable[[int, nn.Module, object], None],
+           **config) -> tuple[list[float], dict[str, torch.Tensor], nn.Module]:
+    """A training loop in which `edit(step index, model, optimizer)` runs between backward and step()."""
+    cm, opt = prepared(model, ADAMW, device_memory=budget, overlap_update=overlap, **(NATIVE | config))
+    losses = []
+    for i, ids in enumerate(batches):
+        loss = gpt2_loss(cm, ids)
+        loss.backward()
+        losses.append(loss.item())
+        edit(i, cm, opt)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm
+
+
+def first_grad(model: nn.Module) -> torch.Tensor:
+    return next(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def test_a_new_learning_rate_or_an_edited_gradient_between_backward_and_step_is_redone(gpt2) -> None:
+    def edit(i: int, model: nn.Module, opt) -> None:  # after the updates ahead started, before step() adopts them
+        if i == 2:
+            opt.param_groups[0]["lr"] *= 0.5
+        if i == 3:
+            first_grad(model).mul_(2.0)
+
+    model, batches, budget = gpt2
+    ahead = edited(model, budget, True, batches, edit)
+    assert_same(ahead, edited(model, budget, False, batches, edit))
+    assert ahead[2].runtime.ahead.redone > 0 and ahead[2].runtime.ahead.adopted > 0
+
+
+def test_accumulated_gradients_start_nothing_ahead(gpt2) -> None:
+    model, batches, budget = gpt2
+    ahead = run(model, budget, True, batches * 2, accumulate=2)
+    assert_same(ahead, run(model, budget, False, batches * 2, accumulate=2))
+    assert (ahead[2].runtime.ahead.adopted, ahead[2].runtime.ahead.redone) == (0, 0)
+
+
+def test_an_fp16_step_skipped_for_an_overflow_adopts_nothing_and_keeps_the_bits(gpt2) -> None:
+    def edit(i: int, model: nn.Module, opt) -> None:
+        if i == 2:  # an overflow found by step(), after the updates ahead started
+            first_grad(model)[0] = float("inf")
+
+    model, batches, budget = gpt2
+    ahead = edited(model, budget, True, batches, edit, dtype="fp16")
+    assert_same(ahead, edited(model, budget, False, batches, edit, dtype="fp16"))
+    runtime = ahead[2].runtime
+    assert runtime.scaler.scale == 2.0 ** 15, "step 3 must have been skipped"
+    assert runtime.ahead.adopted > 0 and runtime.ahead.redone == 0
+
+
+def test_a_worker_that_reads_gradients_before_their_downloads_land_gives_other_bits(
+        gpt2, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulation's downloads land only when the host learns of them (CHUNKMEM_SIM_LANDING=wait): a worker that
+    skipped its wait would update from the gradients of the step before. So the suite would catch it."""
+    model, batches, budget = gpt2
+    right = run(model, budget, True, batches)
+    monkeypatch.setattr(SimulatedDevice, "wait_landed", lambda self, token: None)
+    wrong = run(model, budget, True, batches)
+    assert right[0][:2] == wrong[0][:2], "the first steps take no update ahead"
+    assert any(not torch.equal(right[1][k], v) for k, v in wrong[1].items())
+
+
+def test_overlap_update_needs_the_native_adam_and_says_when_it_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    import chunkmem
+
+    with pytest.raises(ValueError, match="overlap_update=True needs the native optimizer"):
+        chunkmem.Config(device="cpu", overlap_update=True, native_optimizer=False)
+    with pytest.raises(ValueError, match="overlap_update=1: expected True or False"):
+        chunkmem.Config(device="cpu", overlap_update=1)  # type: ignore[arg-type]
+    model = tiny_gpt2()
+    cm, _ = prepared(model, functools.partial(torch.optim.SGD, lr=0.1), overlap_update=True, **NATIVE)
+    assert cm.runtime.ahead is None
+    assert "overlap_update=True is ignored: it updates Adam and AdamW only" in caplog.text
+    cm, _ = prepared(copy.deepcopy(model), ADAMW, overlap_update=True, **NATIVE)
+    assert cm.runtime.ahead is not None
