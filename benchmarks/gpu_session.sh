@@ -44,7 +44,7 @@ print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy
       "missing:", native.missing())'
 
 part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 \
-  --shares "${SHARES:-0.5,0.25,1.0,0.1,none}" --json "$logs/gpu_offload.json"
+  --shares "${SHARES:-0.5,0.5+ahead,0.25,1.0,0.1,none}" --json "$logs/gpu_offload.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.

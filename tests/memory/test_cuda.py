@@ -261,7 +261,7 @@ import copy, hashlib, sys, torch, chunkmem
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from chunkmem.selftest import budget_for
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, tiny_gpt2, train
-device = sys.argv[1]
+device, dtype, ahead = sys.argv[1], sys.argv[2], sys.argv[3] == "ahead"
 torch.use_deterministic_algorithms(True, warn_only=True)
 model = tiny_gpt2(layers=12)
 if device == "cuda":
@@ -274,20 +274,23 @@ if device == "cuda":
     del twin, cm, opt
 room = int(param_bytes(model) * 0.4) + (4 << 20 if device == "cuda" else 0)  # CUDA: a third 2 MiB segment and more
 cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), chunkmem.Config(
-    device=device, device_memory=budget_for(device, room), native_optimizer=True))
+    device=device, device_memory=budget_for(device, room), native_optimizer=True, dtype=dtype, overlap_update=ahead))
 with sdpa_kernel(SDPBackend.MATH):  # the memory-efficient attention's backward is not deterministic on CUDA
     losses = train(cm, opt, gpt2_batches(5), gpt2_loss)
 digest = hashlib.sha256(b"".join(v.numpy().tobytes() for v in cm.state_dict().values())).hexdigest()
 engine = getattr(cm.runtime.device, "engine", None) is not None
-print(repr(losses), digest, engine, opt.native_steps > 0, not cm.runtime.placer.all_homed)
+print(repr(losses), digest, engine, opt.native_steps > 0, not cm.runtime.placer.all_homed,
+      cm.memory_stats()["ahead_adopted"] > 0)
 """
 
 
-def _default_setup(tmp_path, device: str, **env: str) -> str:
+def _default_setup(tmp_path, device: str, dtype: str = "fp32", ahead: str = "after", **env: str) -> str:
+    """The last line DEFAULT_SETUP prints; `ahead`: "ahead" for host updates made ahead of step()."""
     script = tmp_path / "default_setup.py"
     script.write_text(DEFAULT_SETUP)
     env = dict(os.environ, **env, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(script), device], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), device, dtype, ahead], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout.strip().splitlines()[-1]
 
@@ -300,7 +303,18 @@ def test_the_default_cuda_setup_gives_the_bits_of_the_same_run_with_every_launch
     # kernel and copy finishes before the host goes on: a missing fence changes the bits.
     overlapped = _default_setup(tmp_path, "cuda", CUDA_LAUNCH_BLOCKING="0")
     assert overlapped == _default_setup(tmp_path, "cuda", CUDA_LAUNCH_BLOCKING="1")
-    assert overlapped.endswith("True True True"), "the copy engine and the native kernel ran, and chunks streamed"
+    assert overlapped.endswith("True True True False"), "the copy engine and the native kernel ran, chunks streamed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_updates_made_ahead_on_cuda_give_the_bits_of_updates_after_backward(tmp_path):
+    # Config.overlap_update on CUDA, in bf16 with the host running ahead of the GPU: the worker waits for each
+    # group's gradient downloads by their events while backward goes on, and step() adopts what it made.
+    ahead = _default_setup(tmp_path, "cuda", "bf16", "ahead")
+    after = _default_setup(tmp_path, "cuda", "bf16", "after")
+    assert ahead.rsplit(" ", 1)[0] == after.rsplit(" ", 1)[0]
+    assert ahead.endswith("True True True True") and after.endswith("False"), (ahead, after)
 
 
 @pytest.mark.slow
@@ -309,7 +323,11 @@ def test_the_default_setup_script_runs_in_the_simulation(tmp_path):
     # landing at random moments against the strictest landing.
     at_random = _default_setup(tmp_path, "cpu", CHUNKMEM_SIM_LANDING="random:3")
     assert at_random == _default_setup(tmp_path, "cpu", CHUNKMEM_SIM_LANDING="wait")
-    assert at_random.endswith("False True True"), at_random
+    assert at_random.endswith("False True True False"), at_random
+    # And the GPU test of host updates made ahead, in the simulation.
+    ahead = _default_setup(tmp_path, "cpu", "bf16", "ahead", CHUNKMEM_SIM_LANDING="random:3")
+    after = _default_setup(tmp_path, "cpu", "bf16", "after", CHUNKMEM_SIM_LANDING="wait")
+    assert ahead.rsplit(" ", 1)[0] == after.rsplit(" ", 1)[0] and ahead.endswith("True"), (ahead, after)
 
 
 @pytest.mark.gpu
