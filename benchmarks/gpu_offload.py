@@ -102,8 +102,12 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
     step, timed_steps, before = stages_of(lambda: cm(batch, labels=batch).loss, optimizer), max(1, steps - 2), None
     try:
         timed(step, 2, device, warmup=0)  # the warm-up and the first step on its plan
-        before = cm.memory_stats()
+        before, worker = cm.memory_stats(), cm.runtime.ahead
+        worked = (worker.busy_s, worker.hidden_s) if worker is not None else (0.0, 0.0)
         got: dict[str, Any] = {"stages": timed(step, timed_steps, device, warmup=0)}
+        if worker is not None:  # the share of the worker's host updates that ran before backward ended
+            busy = worker.busy_s - worked[0]
+            got["ahead_hidden_share"] = (worker.hidden_s - worked[1]) / busy if busy else None
     except torch.OutOfMemoryError as error:  # what the budgets issue saw: accepted, then out of memory
         got = {"error": str(error)[:300], "where": traceback.format_exc(limit=-4)[-1500:]}
     stats, placer, memory = cm.memory_stats(), cm.runtime.placer, getattr(cm.runtime.device, "memory", None)
@@ -247,6 +251,9 @@ def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | No
                 "oom": got["oom_fallbacks"], "bound s": round(bound, 4), "vs bound": f"{step / bound:.2f}x"}
     if "holds" in got:
         row["note"] = f"holds {got['holds'] / 2**30:.1f} GiB"
+    if got.get("ahead_hidden_share") is not None:
+        row["note"] = (f"ahead: {got['ahead_adopted']} adopted, {got['ahead_redone']} redone, "
+                       f"{got['ahead_hidden_share']:.0%} before backward ended")
     return row
 
 

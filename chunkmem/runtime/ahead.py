@@ -26,7 +26,7 @@ a low-precision copy of the gradient and of the parameter).
 from __future__ import annotations
 
 import dataclasses
-import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from chunkmem.runtime.optim import ChunkOptimizer
     from chunkmem.runtime.runtime import Runtime
 
-_log = logging.getLogger("chunkmem")
 STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -81,6 +80,8 @@ class Ahead:
         self.single = False  # the last step had one backward
         self.adopted = 0  # group updates adopted by step()
         self.redone = 0  # made ahead, then redone by step() (something they read changed)
+        self.busy_s = 0.0  # the worker's time on updates (waits for downloads included)
+        self.hidden_s = 0.0  # the part of it before backward ended: what overlapped backward
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
@@ -135,22 +136,28 @@ class Ahead:
         return spares
 
     def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
-                args: dict[str, Any]) -> None:
-        """On the worker: wait for the gradients to land, copy them, update into the spares."""
+                args: dict[str, Any]) -> tuple[float, float]:
+        """On the worker: wait for the gradients to land, copy them, update into the spares. Returns when it
+        started and ended (time.perf_counter)."""
+        start = time.perf_counter()
         if token is not None:
             self.runtime.device.wait_landed(token)
         spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
         native.adam_step(master, spares.grad, exp_avg, exp_avg_sq, spares.param,
                          into=(spares.master, spares.exp_avg, spares.exp_avg_sq), **args)
+        return start, time.perf_counter()
 
     def backward_done(self) -> None:
         """Backward ended: the host learns the gradients' downloads landed, as its own reads would (in the simulation
         they may land only then), joins the worker, and notes each gradient chunk's version."""
         self.backwards += 1
+        end = time.perf_counter()
         for job in self.jobs.values():
             job.version = self.runtime.residency.to_host(job.group.grad)._version
-            job.done.result()
+            start, done = job.done.result()
+            self.busy_s += done - start
+            self.hidden_s += max(0.0, min(done, end) - start)
         self.overwritten.clear()
         self.group_of = None
 
