@@ -434,13 +434,15 @@ CHUNKMEM_TABLES(scalar)
 CHUNKMEM_TABLES(avx2)
 CHUNKMEM_TABLES(avx512)
 
-// Splits [0, n) into kBlock-sized blocks over torch's thread count; true if any block saw a bad grad.
+// Splits [0, n) into kBlock-sized blocks over `threads` threads (0: torch's thread count); true if any block saw a
+// bad grad.
 template <class Fn, class Args>
-bool parallel_blocks(Fn fn, const Args& args, const Streams& s, int64_t n) {
+bool parallel_blocks(Fn fn, const Args& args, const Streams& s, int64_t n, int64_t threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   if (blocks <= 1) return fn(args, s, 0, n);
   int bad = 0;
-#pragma omp parallel for schedule(dynamic) reduction(| : bad) num_threads(at::get_num_threads())
+  const int team = threads > 0 ? int(threads) : at::get_num_threads();
+#pragma omp parallel for schedule(dynamic) reduction(| : bad) num_threads(team)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t begin = b * kBlock;
     bad |= int(fn(args, s, begin, std::min(kBlock, n - begin)));
@@ -469,7 +471,7 @@ bool adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, 
                c10::optional<torch::Tensor> param_out, double lr, double beta1, double beta2, double eps,
                double weight_decay, bool decoupled, int64_t step, double grad_scale_inv, bool maximize,
                const std::string& isa, c10::optional<torch::Tensor> master_to,
-               c10::optional<torch::Tensor> exp_avg_to, c10::optional<torch::Tensor> exp_avg_sq_to) {
+               c10::optional<torch::Tensor> exp_avg_to, c10::optional<torch::Tensor> exp_avg_sq_to, int64_t threads) {
   const int64_t n = master.numel();
   check_chunk(master, "master", n, true);
   check_chunk(grad, "grad", n, false);
@@ -509,7 +511,7 @@ bool adam_step(torch::Tensor master, torch::Tensor grad, torch::Tensor exp_avg, 
   const Streams s{into ? master_to->data_ptr<float>() : m, grad.data_ptr(),
                   into ? exp_avg_to->data_ptr<float>() : e1, into ? exp_avg_sq_to->data_ptr<float>() : e2,
                   param_out ? param_out->data_ptr() : nullptr, m, e1, e2};
-  return parallel_blocks(kernel_for<AdamFn, AdamTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n);
+  return parallel_blocks(kernel_for<AdamFn, AdamTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n, threads);
 }
 
 bool sgd_step(torch::Tensor master, torch::Tensor grad, c10::optional<torch::Tensor> momentum_buf,
@@ -528,7 +530,7 @@ bool sgd_step(torch::Tensor master, torch::Tensor grad, c10::optional<torch::Ten
   float* const buf = momentum_buf ? momentum_buf->data_ptr<float>() : nullptr;
   const Streams s{master.data_ptr<float>(), grad.data_ptr(), buf, nullptr,
                   param_out ? param_out->data_ptr() : nullptr, master.data_ptr<float>(), buf, nullptr};
-  return parallel_blocks(kernel_for<SgdFn, SgdTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n);
+  return parallel_blocks(kernel_for<SgdFn, SgdTable>(resolve_isa(isa), dtype_of(grad), o), a, s, n, 0);
 }
 
 }  // namespace
@@ -541,6 +543,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "master"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "param_out"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "decoupled"_a, "step"_a, "grad_scale_inv"_a, "maximize"_a, "isa"_a,
         "master_to"_a = pybind11::none(), "exp_avg_to"_a = pybind11::none(), "exp_avg_sq_to"_a = pybind11::none(),
+        "threads"_a = 0,
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sgd_step", &chunkmem::sgd_step, "SGD step over one chunk, in place", "master"_a, "grad"_a,
         "momentum_buf"_a, "param_out"_a, "lr"_a, "momentum"_a, "dampening"_a, "weight_decay"_a,

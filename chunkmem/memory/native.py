@@ -326,13 +326,14 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
               param_out: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
               weight_decay: float, decoupled: bool, step: int, grad_scale_inv: float = 1.0,
               maximize: bool = False, isa: str | None = None,
-              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+              into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, threads: int = 0) -> bool:
     """One Adam (decoupled=False) or AdamW (decoupled=True) step over a chunk, in place.
 
     master, exp_avg, exp_avg_sq: fp32; grad: fp32, bf16 or fp16, multiplied by grad_scale_inv first;
     param_out: optional bf16/fp16 copy of the updated master. `step` counts this step (1 on the first).
     into: fp32 (master, exp_avg, exp_avg_sq) to write the results to instead, leaving the inputs as they were
     (none of them may overlap an input).
+    threads: the OpenMP team's size; 0: torch's (torch.get_num_threads()).
     Returns True if any scaled gradient was inf or nan; the update has been applied regardless, with
     the non-finite values propagated as torch.optim would.
     """
@@ -341,6 +342,8 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     _check("exp_avg_sq", exp_avg_sq, master.numel(), (torch.float32,))
     if step < 1:
         raise ValueError(f"step={step}; it counts steps taken including this one, so it starts at 1")
+    if threads < 0:
+        raise ValueError(f"threads={threads}: expected a number of threads, or 0 for torch's")
     for name, out in zip(("master", "exp_avg", "exp_avg_sq"), into or ()):
         _check(f"into's {name}", out, master.numel(), (torch.float32,))
         if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
@@ -349,7 +352,7 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                              "to update in place")
     return bool(_module().adam_step(master, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps,
                                     weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa),
-                                    *(into or (None, None, None))))
+                                    *(into or (None, None, None)), threads))
 
 
 def sgd_step(master: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,

@@ -14,6 +14,8 @@ parameter copy is copied in, since parameters view their chunk) when nothing the
   where it moved, their bytes against the copy (clipping by a coefficient of 1 writes the same bytes);
 - the arguments of the kernel: hyperparameters, step count, loss scale (an fp16 overflow skips the step, and
   adopts nothing).
+The kernel's OpenMP team leaves one of torch's threads to the thread that runs backward (on a GPU it launches the
+kernels the GPU waits for); not yet measured on a GPU machine.
 Else the group updates as it would have, and `redone` counts it. An adopted update is the same kernel on the
 same bytes, so its results are the bits of the update after backward.
 Only while a plan is followed (the warm-up records what the optimizer touches), for host groups in low precision
@@ -106,6 +108,7 @@ class Ahead:
         if param_group is None or not optimizer.steps_adam:
             return
         args = optimizer.adam_args(group.members, param_group, self.inv_scale())
+        threads = max(1, torch.get_num_threads() - 1)  # a core left to the thread that runs backward
         chunks = [group.master, *(group.chunks[k] for k in STATES)]
         if not all(_settled(c) for c in chunks):
             return
@@ -114,7 +117,7 @@ class Ahead:
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
         self.jobs[group.index] = Job(group, args, spares,
-                                     self.worker.submit(self._update, token, grad, inputs, spares, args))
+                                     self.worker.submit(self._update, token, grad, inputs, spares, args, threads))
 
     def _allowed(self, group: ChunkGroup) -> bool:
         runtime = self.runtime
@@ -136,7 +139,7 @@ class Ahead:
         return spares
 
     def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
-                args: dict[str, Any]) -> tuple[float, float]:
+                args: dict[str, Any], threads: int) -> tuple[float, float]:
         """On the worker: wait for the gradients to land, copy them, update into the spares. Returns when it
         started and ended (time.perf_counter)."""
         start = time.perf_counter()
@@ -145,7 +148,7 @@ class Ahead:
         spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
         native.adam_step(master, spares.grad, exp_avg, exp_avg_sq, spares.param,
-                         into=(spares.master, spares.exp_avg, spares.exp_avg_sq), **args)
+                         into=(spares.master, spares.exp_avg, spares.exp_avg_sq), threads=threads, **args)
         return start, time.perf_counter()
 
     def backward_done(self) -> None:
