@@ -190,9 +190,6 @@ class Ahead:
         self.overwritten.clear()
         self.single, self.backwards = self.backwards == 1, 0
 
-    def close(self) -> None:
-        self.worker.shutdown(wait=True)
-
 
 def _settled(chunk: Chunk) -> bool:
     """The host payload is the only copy, with no copy or disk I/O on it and nothing unwritten."""
