@@ -28,8 +28,12 @@ a low-precision copy of the gradient and of the parameter).
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,11 +77,12 @@ class Ahead:
     def __init__(self, runtime: Runtime, optimizer: ChunkOptimizer) -> None:
         self.runtime = runtime
         self.optimizer = optimizer
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-ahead")
+        self.worker = Worker()
         self.spares: dict[int, Spares] = {}  # group index -> its spare buffers, kept across steps
         self.jobs: dict[int, Job] = {}  # group index -> its update ahead in this step
         self.overwritten: dict[int, int] = {}  # group index -> gradients this backward wrote, none accumulated
         self.backwards = 0  # since the last step
+        self.task: int | None = None  # the backward (autograd graph task) `overwritten` counts in, until it ends
         self.group_of: dict[ParamRecord, dict] | None = None  # the optimizer's, read once a backward
         self.single = False  # the last step had one backward
         self.adopted = 0  # group updates adopted by step()
@@ -87,6 +92,13 @@ class Ahead:
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
+        task = self.runtime.backward_task
+        if task != self.task:  # a new backward
+            if self.task is not None:  # the one before did not end: it raised, and what it started is void
+                self.backwards += 1
+                self.jobs.clear()  # (the worker runs them out in turn, before any job that reuses their spares)
+            self.task = task
+            self.overwritten.clear()
         if self.backwards or not self.single:
             return
         index = record.group.index
@@ -122,7 +134,7 @@ class Ahead:
     def _allowed(self, group: ChunkGroup) -> bool:
         runtime = self.runtime
         return (runtime.placer.phase is Phase.FOLLOW and not runtime.placer.homed(group.index)
-                and runtime.backward_queued and runtime.optimizers == 1 and "master" in group.chunks
+                and runtime.backward_task != -1 and runtime.optimizers == 1 and "master" in group.chunks
                 and group.grad.state is ChunkState.HOST)
 
     def inv_scale(self) -> float:
@@ -162,7 +174,7 @@ class Ahead:
             self.busy_s += done - start
             self.hidden_s += max(0.0, min(done, end) - start)
         self.overwritten.clear()
-        self.group_of = None
+        self.group_of, self.task = None, None
 
     def adopt(self, group: ChunkGroup, args: dict[str, Any], grad: torch.Tensor, param_out: torch.Tensor) -> bool:
         """step(): make the update made ahead for `group` its update, if nothing it read changed (True); `grad` is
@@ -183,14 +195,42 @@ class Ahead:
         return True
 
     def step_done(self) -> None:
-        """The step ended: what was not adopted is dropped (the spares stay for the next step)."""
-        for job in self.jobs.values():
-            job.done.result()
+        """The step ended: what was not adopted is dropped (the spares stay for the next step). A job of a backward
+        that failed may still run: the worker runs jobs in turn, so it is done before the next one uses its spares."""
         self.jobs.clear()
         self.overwritten.clear()
-        self.single, self.backwards = self.backwards == 1, 0
+        self.single, self.backwards, self.task = self.backwards == 1, 0, None
 
 
 def _settled(chunk: Chunk) -> bool:
     """The host payload is the only copy, with no copy or disk I/O on it and nothing unwritten."""
     return chunk.state is ChunkState.HOST and not chunk.landings and not chunk.io and not chunk.unwritten
+
+
+class Worker:
+    """One daemon thread running jobs in turn. Daemon: a job left waiting for a download that lands only when the
+    host learns of it (the simulation's `wait` landing, after a backward that failed) must not hold up the
+    interpreter's exit. The thread ends when its Worker is collected."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        weakref.finalize(self, self.jobs.put, None)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if self.thread is None:
+            self.thread = threading.Thread(target=_run, args=(self.jobs,), name="chunkmem-ahead", daemon=True)
+            self.thread.start()
+        done: Future = Future()
+        self.jobs.put((done, fn, args))
+        return done
+
+
+def _run(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        done, fn, args = job
+        try:
+            done.set_result(fn(*args))
+        except BaseException as error:  # noqa: BLE001  the host raises it when it joins
+            done.set_exception(error)
+        del job, done, fn, args  # the job's buffers go before the next job comes

@@ -157,7 +157,7 @@ class Runtime:
         self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share,
                              config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
-        self.backward_queued = False  # the end of this backward is queued (`_backward_done`)
+        self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
@@ -433,8 +433,10 @@ class Runtime:
         record.param.grad = None
         if grad is None:
             return
-        if not self.backward_queued and torch._C._current_graph_task_id() != -1:  # not a pipeline's own call
-            self.backward_queued = True
+        task = torch._C._current_graph_task_id()
+        # -1: a pipeline's own call. A backward that raised never called back: the next one queues its end again.
+        if task != -1 and task != self.backward_task:
+            self.backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
             self.grads.hide([record])
@@ -481,7 +483,7 @@ class Runtime:
     def _backward_done(self) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
         readable by what runs next (`fence_uploads`)."""
-        self.backward_queued = False
+        self.backward_task = -1
         self.placer.backwards += 1
         if self.placer.resident:
             self._note_peak(self.nonmodel_bytes())

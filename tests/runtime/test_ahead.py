@@ -151,3 +151,35 @@ def test_overlap_update_needs_the_native_adam_and_says_when_it_is_ignored(caplog
     assert "overlap_update=True is ignored: it updates Adam and AdamW only" in caplog.text
     cm, _ = prepared(copy.deepcopy(model), ADAMW, overlap_update=True, **NATIVE)
     assert cm.runtime.ahead is not None
+
+
+def test_a_backward_that_fails_after_updates_started_leaves_the_next_steps_bits(gpt2) -> None:
+    class Failure(Exception):
+        pass
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise Failure  # late in backward: the last layers' groups have started their updates
+
+    def fail_later(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(fail)
+
+    results = []
+    for overlap in (False, True):
+        cm, opt = prepared(gpt2[0], ADAMW, device_memory=gpt2[2], overlap_update=overlap, **NATIVE)
+        losses = []
+        for i, ids in enumerate(gpt2[1] * 2):
+            handle = cm.module.transformer.wte.register_forward_hook(fail_later) if i == 2 else None
+            loss = gpt2_loss(cm, ids)
+            if handle is not None:
+                handle.remove()
+                with pytest.raises(Failure):
+                    loss.backward()
+                opt.zero_grad()
+                continue
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        results.append((losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm))
+    assert_same(results[1], results[0])
+    assert results[1][2].runtime.ahead.adopted > 0

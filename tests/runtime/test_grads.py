@@ -132,3 +132,27 @@ def test_accumulation_moves_what_the_plan_says_and_sees_parameters_changed_betwe
             assert placer.homes != {g.index for g in placer.groups}, "some group streams"
             assert moved == step_cost(placer.follower.step, placer.by_index, placer.sizes, passes=2)
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_after_a_backward_that_raised_the_next_backward_shows_its_gradients(fraction):
+    """A backward that raises never reaches its end, where the gradients are shown: the next one must still reach
+    its own (it did not: every later `p.grad` stayed None, so clipping clipped nothing)."""
+    def fail(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: 1 / 0)  # late in backward: the embedding's output
+
+    model, batches = tiny_gpt2(), gpt2_batches(3)
+    for net, opt in twins(model, fraction):
+        core = getattr(net, "module", net)
+        handle = core.transformer.wte.register_forward_hook(fail)
+        with pytest.raises(ZeroDivisionError):
+            gpt2_loss(net, batches[0]).backward()
+        handle.remove()
+        opt.zero_grad()
+        gpt2_loss(net, batches[1]).backward()
+        shown = grads(core)
+        if net is not core:
+            assert shown.keys() == expected.keys()
+            for name, grad in expected.items():
+                assert grad is not None and torch.equal(shown[name], grad), name
+        expected = shown
