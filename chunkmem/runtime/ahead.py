@@ -14,15 +14,16 @@ parameter copy is copied in, since parameters view their chunk) when nothing the
   where it moved, their bytes against the copy (clipping by a coefficient of 1 writes the same bytes);
 - the arguments of the kernel: hyperparameters, step count, loss scale (an fp16 overflow skips the step, and
   adopts nothing).
-The kernel's OpenMP team leaves one of torch's threads to the thread that runs backward (on a GPU it launches the
-kernels the GPU waits for); not yet measured on a GPU machine.
 Else the group updates as it would have, and `redone` counts it. An adopted update is the same kernel on the
-same bytes, so its results are the bits of the update after backward.
+same bytes, so its results are the bits of the update after backward. What a backward that raised started is
+void: the next backward drops it, and starts nothing ahead itself.
 Only while a plan is followed (the warm-up records what the optimizer touches), for host groups in low precision
 stepped whole by the native Adam, one optimizer per runtime, without a disk tier or ZeRO shards; and only in the
 first backward after a step that had one backward (with accumulation, every group would be redone). The spare
 buffers cost host memory: 16 bytes per parameter of the groups updated ahead (fp32 master and states, and
-a low-precision copy of the gradient and of the parameter).
+a low-precision copy of the gradient and of the parameter). The kernel's OpenMP team leaves one of torch's
+threads to the thread that runs backward (on a GPU it launches the kernels the GPU waits for); not yet measured
+on a GPU machine.
 """
 
 from __future__ import annotations
