@@ -63,7 +63,6 @@ def record(model: torch.nn.Module, step: Callable[[torch.nn.Module], torch.Tenso
         opt.step()
         opt.zero_grad()
 
-    keys = ("h2d_bytes", "d2h_bytes", "grad_stream_bytes")
     with recording() as seen:
         train()  # warm-up: recorded, then planned
         train()  # the first steps on the plan settle what is resident at a step's start (and what the

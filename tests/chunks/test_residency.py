@@ -9,7 +9,6 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import MemoryBudgetError
-from chunkmem.memory import sim
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 
 

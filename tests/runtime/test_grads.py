@@ -142,6 +142,7 @@ def test_after_a_backward_that_raised_the_next_backward_shows_its_gradients(frac
         out.register_hook(lambda grad: 1 / 0)  # late in backward: the embedding's output
 
     model, batches = tiny_gpt2(), gpt2_batches(3)
+    shown = []
     for net, opt in twins(model, fraction):
         core = getattr(net, "module", net)
         handle = core.transformer.wte.register_forward_hook(fail)
@@ -150,9 +151,8 @@ def test_after_a_backward_that_raised_the_next_backward_shows_its_gradients(frac
         handle.remove()
         opt.zero_grad()
         gpt2_loss(net, batches[1]).backward()
-        shown = grads(core)
-        if net is not core:
-            assert shown.keys() == expected.keys()
-            for name, grad in expected.items():
-                assert grad is not None and torch.equal(shown[name], grad), name
-        expected = shown
+        shown.append(grads(core))
+    expected, got = shown
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert grad is not None and got[name] is not None and torch.equal(got[name], grad), name

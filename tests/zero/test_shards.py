@@ -299,7 +299,7 @@ def data_dependent_worker(rank: int, world: int, name: str, steps: int) -> dict:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     budget = sum(p.numel() * 4 for p in model.parameters())  # under the model data: chunks move
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
-    losses, experts = [], []
+    losses = []
     for i, batch in enumerate(arch.batches(steps)):
         torch.manual_seed(i)  # layer drop: the same draws on every rank, and in the reference
         loss = zoo.loss(cm, {k: v.chunk(world)[rank] for k, v in batch.items()})
