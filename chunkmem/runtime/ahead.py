@@ -21,7 +21,9 @@ Only while a plan is followed (the warm-up records what the optimizer touches), 
 stepped whole by the native Adam, one optimizer per runtime, without a disk tier or ZeRO shards; and only in the
 first backward after a step that had one backward (with accumulation, every group would be redone). The spare
 buffers cost host memory: 16 bytes per parameter of the groups updated ahead (fp32 master and states, and
-a low-precision copy of the gradient and of the parameter). The kernel's OpenMP team leaves one of torch's
+a low-precision copy of the gradient and of the parameter). They count against Config.host_memory like chunks: a
+group whose spares would take host memory past it is updated in `step()`, as without this option, and one warning
+says so (the pool would otherwise hand them out as pageable memory beyond the budget). The kernel's OpenMP team leaves one of torch's
 threads to the thread that runs backward (on a GPU it launches the kernels the GPU waits for); not yet measured
 on a GPU machine.
 """
@@ -29,6 +31,7 @@ on a GPU machine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -48,6 +51,8 @@ from chunkmem.memory import native
 if TYPE_CHECKING:
     from chunkmem.runtime.optim import ChunkOptimizer
     from chunkmem.runtime.runtime import Runtime
+
+_log = logging.getLogger("chunkmem")
 
 STATES = ("exp_avg", "exp_avg_sq")
 
@@ -90,6 +95,7 @@ class Ahead:
         self.redone = 0  # made ahead, then redone by step() (something they read changed)
         self.busy_s = 0.0  # the worker's time on updates (waits for downloads included)
         self.hidden_s = 0.0  # the part of it before backward ended: what overlapped backward
+        self.over_budget: set[int] = set()  # groups whose spares Config.host_memory cannot hold
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
@@ -125,8 +131,10 @@ class Ahead:
         chunks = [group.master, *(group.chunks[k] for k in STATES)]
         if not all(_settled(c) for c in chunks):
             return
-        token = group.grad.read_ahead()
         spares = self.spares.get(group.index) or self._spares(group)
+        if spares is None:
+            return
+        token = group.grad.read_ahead()
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
         self.jobs[group.index] = Job(group, args, spares,
@@ -143,11 +151,25 @@ class Ahead:
         scaler = self.runtime.scaler
         return 1.0 / scaler.scale if scaler is not None and self.runtime.grads_scaled else 1.0
 
-    def _spares(self, group: ChunkGroup) -> Spares:
-        alloc = self.runtime.device.host_alloc
-        numel = group.master.numel
-        spares = Spares(alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32),
-                        alloc(numel, group.param.dtype), alloc(numel, group.grad.dtype))
+    def _spares(self, group: ChunkGroup) -> Spares | None:
+        """New spare buffers for `group`, or None where Config.host_memory cannot hold them too."""
+        if group.index in self.over_budget:
+            return None
+        numel, device = group.master.numel, self.runtime.device
+        kinds = [torch.float32] * 3 + [group.param.dtype, group.grad.dtype]
+        need = sum(numel * dtype.itemsize for dtype in kinds)
+        allowed = self.runtime.config.host_memory
+        stats = device.host_pool.stats()
+        held = stats["host_pinned_bytes"] - stats["host_cached_bytes"] + stats["host_pageable_bytes"]
+        if allowed is not None and held + need > int(allowed):
+            if not self.over_budget:
+                _log.warning("chunkmem: Config.overlap_update: chunk group %d's spare buffers need %d bytes of host "
+                             "memory, and with the %d held Config.host_memory=%d cannot hold them: it and any other "
+                             "group that does not fit update in step(). Raise host_memory to make them ahead",
+                             group.index, need, held, allowed)
+            self.over_budget.add(group.index)
+            return None
+        spares = Spares(*(device.host_alloc(numel, dtype) for dtype in kinds))
         self.spares[group.index] = spares
         return spares
 

@@ -183,3 +183,22 @@ def test_a_backward_that_fails_after_updates_started_leaves_the_next_steps_bits(
         results.append((losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm))
     assert_same(results[1], results[0])
     assert results[1][2].runtime.ahead.adopted > 0
+
+
+def test_spares_count_against_host_memory_groups_they_would_push_past_it_update_in_step(gpt2, caplog) -> None:
+    def nothing(*_) -> None:
+        pass
+
+    model, batches, budget = gpt2
+    after = edited(model, budget, False, batches, nothing)
+    host = after[2].runtime.memory_stats()["host_pinned_bytes_peak"]  # what the run needs without spares
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        ahead = edited(model, budget, True, batches, nothing, host_memory=host)
+    assert_same(ahead, after)
+    runtime = ahead[2].runtime
+    stats = runtime.memory_stats()
+    assert runtime.ahead.over_budget, "some group's spares must not fit"
+    assert "spare buffers need" in caplog.text and f"host_memory={host}" in caplog.text
+    # Before spares counted, 65 buffers went to pageable memory past the budget.
+    assert stats["host_pool_fallbacks"] == 0 and stats["host_pinned_bytes_peak"] <= host, \
+        "no host buffer may go past Config.host_memory, pinned or pageable"
