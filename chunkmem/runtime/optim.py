@@ -120,16 +120,21 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         step += 1
 
 
-def _widened(grads: list[torch.Tensor], inv_scale: float) -> list[torch.Tensor]:
-    """fp32 copies of low-precision gradients (unscaled by `inv_scale`), as views of one buffer: one allocation
-    and one multi-tensor copy for a chunk group rather than one of each per parameter (kernel launches are what a
-    GPU waits on when tensors are small)."""
+def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """fp32 copies of low-precision gradients (unscaled by `inv_scale`), packed in one buffer in their order: one
+    allocation and one multi-tensor copy for a chunk group rather than one of each per parameter (kernel launches
+    are what a GPU waits on when tensors are small)."""
     flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32, device=grads[0].device)
-    wide = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    wide = _unpacked(flat, grads)
     torch._foreach_copy_(wide, grads)
     if inv_scale != 1.0:
         torch._foreach_mul_(wide, inv_scale)
-    return wide
+    return flat
+
+
+def _unpacked(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat`, packed in order, shaped as `like`."""
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 class Together:
@@ -331,11 +336,18 @@ class ChunkOptimizer(Optimizer):
                 return False
         lowp = "master" in chunk_group.chunks
         grads = runtime.data.grads(members, on_device)
-        if lowp:
-            grads = _widened(grads, inv_scale)
-        grad_of = dict(zip(members, grads))
+        wide = _widened(grads, inv_scale) if lowp else None
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
+        uniform = self.uniform(chunk_group, members, group_of) if wide is not None else None
+        if wide is not None and uniform is not None:
+            # One update of the chunk's packed range (layout.pack: members from offset 0, in order) rather than one
+            # per parameter: Adam and SGD are elementwise, so the bits are the same, for a few launches rather than a few per parameter.
+            self._update_flat(members, uniform, wide, master, states)
+            runtime.data.writable(chunk_group.param, on_device).copy_(master)
+            return False
+        grads = _unpacked(wide, grads) if wide is not None else grads
+        grad_of = dict(zip(members, grads))
         # fp32 groups update together (the Note on updates made together); a low-precision group updates now, so
         # that one fp32 copy of a gradient is alive at a time.
         later = not lowp and runtime.host_cache is None
@@ -353,6 +365,16 @@ class ChunkOptimizer(Optimizer):
         if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
         return later
+
+    def _update_flat(self, members: list[ParamRecord], group: dict, grad: torch.Tensor, master: torch.Tensor,
+                     states: dict[str, torch.Tensor]) -> None:
+        """The update rule once over the packed range of a chunk group whose `members` all step in `group`, at one
+        step count; `grad`: their gradients, packed."""
+        used = grad.numel()
+        counter = self.steps[members[0]]
+        self.rule.update(group, [master[:used]], [grad], {k: [flat[:used]] for k, flat in states.items()}, [counter])
+        for record in members[1:]:
+            self.steps[record].copy_(counter)
 
     def uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                  group_of: dict[ParamRecord, dict]) -> dict | None:
