@@ -80,11 +80,14 @@ def speeds() -> tuple[dict[str, dict[str, float]], float, float, float]:
     return host, copies["engine_h2d_GBps"] * 1e9, copies["engine_d2h_GBps"] * 1e9, host_update
 
 
-def record(model: torch.nn.Module, ids: torch.Tensor, budget: int | None, chunk: int) -> Recorded:
-    """Train three steps; the third is the one replayed, with the homes and the plan chunkmem followed in it."""
+def record(model: torch.nn.Module, ids: torch.Tensor, budget: int | None, chunk: int,
+           host_weight: float = 0.0) -> Recorded:
+    """Train three steps; the third is the one replayed, with the homes and the plan chunkmem followed in it.
+    `host_weight`: the planner's (planning's Note on homes by time); 0: homes by bytes alone."""
     module = copy.deepcopy(model)
     cm, opt = chunkmem.prepare(module, torch.optim.AdamW(module.parameters(), lr=1e-4),
                                chunkmem.Config(device="cpu", dtype="bf16", chunk_size=chunk, device_memory=budget))
+    cm.runtime.placer.host_weight = host_weight
 
     def train_step() -> None:
         cm(ids, labels=ids).loss.backward()
@@ -103,6 +106,9 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="also predict each budget with the host update of streamed groups overlapping backward "
                              "(timing.predict's `overlap`: not built yet, what it would buy)")
+    parser.add_argument("--homes-by-time", action="store_true",
+                        help="also record each budget with homes chosen by time (the planner's host_weight at these "
+                             "speeds: copy bandwidth / host update speed) rather than bytes alone, and predict it")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -126,7 +132,7 @@ def main() -> None:
     update_bytes = data * probe.scale  # every chunk: parameters, gradients, master, states
     fitted = update_bytes / max(1e-9, measured["no budget"][3] - host["fits"]["optim"])
     plain_ms = [plain["fwd"] * 1000, plain["bwd"] * 1000, measured["plain"][3] * 1000]
-    rows = [{"run": "plain", "predicted s": round(sum(plain.values()) + measured["plain"][3], 3),
+    rows = [{"run": "plain", "predicted s": round(sum(plain.values()) + measured["plain"][3], 3), "host update s": "-",
              "fwd / bwd / opt ms": " / ".join(f"{x:.0f}" for x in plain_ms), "GB up / down": "-", "copy s": "-",
              "overlap": "-", "bound s": "-"}]
     for share in args.budgets.split(","):
@@ -139,13 +145,17 @@ def main() -> None:
         rows.append(_row(name, got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
         if budget is not None and args.overlap:
             rows.append(_row(f"{name}, overlapped", predict(recorded, speed, overlap=True)) | {"bound s": "-"})
+        if budget is not None and args.homes_by_time:
+            timed = record(model, ids, budget, small_chunk, host_weight=h2d / host_update)
+            got = predict(timed, speed)
+            rows.append(_row(f"{name}, homes by time", got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"
         row["error"] = f"{row['predicted s'] / seen[0] - 1:+.0%}" if seen else "-"
     print(f"LLaMA 1.16B from its {NARROW}x narrower record; chunk {chunk} elements ({small_chunk} recorded), "
           f"{real_params / 1e9:.2f}B parameters; device update fitted at {fitted / 1e9:.0f} GB/s")
-    print(table(rows, ["run", "predicted s", "measured s", "error", "bound s", "fwd / bwd / opt ms", "GB up / down",
+    print(table(rows, ["run", "predicted s", "measured s", "error", "bound s", "host update s", "fwd / bwd / opt ms", "GB up / down",
                        "copy s", "overlap"]))
     if args.json:
         write_json(args.json, {"benchmark": "time_model", "args": vars(args), "rows": rows, "chunk": chunk,
@@ -154,7 +164,7 @@ def main() -> None:
 
 
 def _row(name: str, got: Predicted) -> dict:
-    return {"run": name, "predicted s": round(got.step_s, 3),
+    return {"run": name, "predicted s": round(got.step_s, 3), "host update s": round(got.host_update_s, 3),
             "fwd / bwd / opt ms": " / ".join(f"{got.stage_s[s] * 1000:.0f}" for s in ("fwd", "bwd", "optim")),
             "GB up / down": f"{got.h2d_bytes / 1e9:.1f} / {got.d2h_bytes / 1e9:.1f}",
             "copy s": round(got.copy_s, 3), "overlap": f"{got.overlap:.0%}"}

@@ -148,6 +148,7 @@ class Placer:
         self.giving_way = False  # this step held more non-model data than its plan recorded
         self.resident = False  # serving a resident step now (the Note on resident steps)
         self.served_resident = False  # some of this step was served resident: its record is partial
+        self.host_weight = 0.0  # decide_homes': what a host update costs in bytes of copying (planning's Note)
         residency.policy = self
         residency.limit = self.conservative
 
@@ -396,7 +397,8 @@ class Placer:
             return
         held = max((e.nonmodel for e in events), default=0) + self.headroom()
         if self.phase is Phase.RECORD:
-            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held, passes)
+            step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held, passes,
+                                self.host_weight)
             self.homes = set(step.homes)
             self._send_home_others()
             self.phase = Phase.FOLLOW

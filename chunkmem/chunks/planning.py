@@ -18,6 +18,14 @@ the best of where they end wins. A near-empty chunk
 (a few parameters in a large chunk) saves little for its room and is left to stream.
 (benchmarks/placement.py measures the result against an exact integer-programming optimum.)
 
+[Note: homes by time]
+On a GPU machine bytes are not the cost: a streamed group's host update (its parameters, gradients, master and
+states read and written by the native kernel) takes longer than its copies. So with `host_weight` w > 0 a set of
+homes is scored by the bytes it moves plus w times the update bytes of every group it leaves to the host: seconds
+of copying and of host updating, in the unit of copy bytes (w = copy speed / host update speed, measured at prepare:
+runtime/speeds.py). Everything else is as above. The time model (trace/timing.py) replays the step each choice
+makes; benchmarks/time_model.py --homes-by-time compares them.
+
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving
 them more where activations are fewer (early in the forward, in the optimizer phase) would move memory
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 from chunkmem.chunks.plan import Access, Plan, build_plan, planned_rule, simulate
@@ -184,10 +192,13 @@ def step_cost(step: Step, groups: Groups, sizes: dict[str, int], passes: int = 1
 
 
 def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: dict[str, int],
-                 limit: int, streamed: Collection[int] = (), peak: int = 0, passes: int = 1) -> Step:
+                 limit: int, streamed: Collection[int] = (), peak: int = 0, passes: int = 1,
+                 host_weight: float = 0.0) -> Step:
     """The homes that move fewest bytes per steady step, among those that fit (see the Note on homes) and leave
     the `streamed` groups (disk-backed ones: chunks/hostcache.py) to stream; budgets leave room for `peak`
-    non-model bytes if that is more than the record's peak. The step runs `passes` backward passes."""
+    non-model bytes if that is more than the record's peak. The step runs `passes` backward passes.
+    `host_weight`: bytes of copying that updating one byte on the host costs as much time as (the Note on homes
+    by time); each group left to the host adds its update's bytes at that weight."""
     by_index = {g.index: g for g in groups}
     steps: dict[frozenset[int], Step] = {}
     costs: dict[frozenset[int], int] = {}
@@ -198,17 +209,21 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
             steps[key] = Step.of(events, by_index, key, sizes, limit, peak)
         return steps[key]
 
-    def score(homes: frozenset[int]) -> tuple[int, int]:  # ties keep more groups home: they step on the device
+    def moved(homes: frozenset[int]) -> int:
         if homes not in costs:  # under the eviction rule that moves least for these homes
             ruled = [dataclasses.replace(step(homes), write_back=factor) for factor in WRITE_BACK_FACTORS]
             costs[homes], steps[homes] = min(((step_cost(s, by_index, sizes, passes), s) for s in ruled),
                                              key=lambda priced: priced[0])
-        return costs[homes], -len(homes)
+        return costs[homes]
+
+    def score(homes: frozenset[int]) -> tuple[float, int]:  # ties keep more groups home: they step on the device
+        hosted = sum(update_bytes(g, sizes) for i, g in by_index.items() if i not in homes) if host_weight else 0
+        return moved(homes) + host_weight * hosted, -len(homes)
 
     feasible: Callable[[frozenset[int]], bool] = \
         lambda homes: homes.isdisjoint(streamed) and fits(step(homes), by_index, sizes)
     everything = frozenset(by_index) - frozenset(streamed)
-    if feasible(everything) and score(everything)[0] == passes * sum(by_index[i].streamed for i in streamed):
+    if feasible(everything) and moved(everything) == passes * sum(by_index[i].streamed for i in streamed):
         return step(everything)  # all home and nothing else moves: no homes do better (nor is a search quick)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]
     for parity in (0, 1):  # every other group: the optimum single moves could not reach on a 16-layer MLP (issue 35)
@@ -224,7 +239,12 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     return step(best)
 
 
-def _descend(homes: frozenset[int], groups: Sequence[GroupChunks], score: Callable[[frozenset[int]], tuple[int, int]],
+def update_bytes(group: GroupChunks, sizes: Mapping[str, float]) -> float:
+    """What the optimizer reads and writes of a group (parameters, gradients, master and states)."""
+    return sum(sizes[c] for c in {group.param, group.grad, *group.updated})
+
+
+def _descend(homes: frozenset[int], groups: Sequence[GroupChunks], score: Callable[[frozenset[int]], tuple[float, int]],
              feasible: Callable[[frozenset[int]], bool], spent_all: Callable[[], bool]) -> frozenset[int]:
     """From `homes`, the first change that lowers the bytes moved (add a group, drop one, swap two; then
     pairs: add or drop two, swap one for two or two for one), again and again, until none does or the search

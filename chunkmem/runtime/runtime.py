@@ -78,6 +78,7 @@ from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
+from chunkmem.runtime.speeds import host_weight
 from chunkmem.runtime.values import ModelData
 from chunkmem.zero.agreement import as_agreed, check_agreed
 from chunkmem.zero.collectives import agree
@@ -170,6 +171,8 @@ class Runtime:
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
+        else:  # homes are chosen by time (planning's Note on homes by time)
+            self.placer.host_weight = host_weight(config, self.device)
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
         self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from chunkmem.chunks.observe import Moment, Move
 from chunkmem.chunks.placement import Placer
 from chunkmem.chunks.plan import Plan
-from chunkmem.chunks.planning import Event, GroupChunks, Step, steady_chunks
+from chunkmem.chunks.planning import Event, GroupChunks, Step, steady_chunks, update_bytes
 
 if TYPE_CHECKING:
     from chunkmem.runtime.runtime import Runtime
@@ -189,8 +189,7 @@ class _Replay:
         return 0.0  # a gradient lands in its chunk: autograd's kernels are the backward's
 
     def update_bytes(self, index: int) -> float:
-        group = self.groups[index]
-        return sum(self.sizes[c] for c in {group.param, group.grad, *group.updated})
+        return update_bytes(self.groups[index], self.sizes)
 
     def _own(self, event: Event) -> float:
         return sum(self.sizes[c] for c in event.chunks)
