@@ -123,6 +123,7 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
                   "oom_fallbacks": stats["oom_fallbacks"], "host_update_s": host_update_alone(hosted, size),
                   "max_reserved": reserved, "held": held, "held_over_budget": held / budget if budget else None,
                   "homes": len(placer.homes), "groups": len(hosted) + len(placer.homes),
+                  "host_weight": placer.host_weight,  # the planner's (planning's Note on homes by time)
                   "ahead_adopted": stats["ahead_adopted"], "ahead_redone": stats["ahead_redone"]}
 
 
