@@ -22,8 +22,9 @@ from chunkmem.config import Config
 from chunkmem.memory import native
 from chunkmem.memory.device import Device
 
-SIM_WEIGHT = 52.9 / 95.9  # the H200's pinned uploads and native updates, GB/s (gpu_session_h200.json, run 2)
-ELEMENTS = 1 << 21  # a measured update's: 32 MiB of update bytes (16 per element), 4 MiB uploaded
+SIM_WEIGHT = 52.9 / 95.9  # GB/s on the H200 (gpu_session_h200.json): run 2's pinned uploads, the 10% row's native updates
+ELEMENTS = 1 << 21  # a measured update's: 32 MiB of update bytes (16 per element)
+COPY_BYTES = 16 << 20  # a measured copy's: 0.3 ms at 50 GB/s, long beside the ~10 us of issuing and waiting
 UPDATE_BYTES = 16  # per element: bf16 parameter and gradient, fp32 master and two states (planning.update_bytes)
 TRIES = 3
 
@@ -47,13 +48,13 @@ def update_speed(threads: int = 0) -> float:
 
 
 def copy_speed(device: Device) -> float:
-    """Bytes a second of a pinned host-to-device copy of ELEMENTS bf16 elements, best of TRIES."""
-    host = device.host_alloc(ELEMENTS, torch.bfloat16)
-    target = torch.empty(ELEMENTS, dtype=torch.bfloat16, device=device.torch_device)
+    """Bytes a second of a pinned host-to-device copy of COPY_BYTES, best of TRIES."""
+    host = device.host_alloc(COPY_BYTES, torch.uint8)
+    target = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device.torch_device)
     seconds = _best(functools.partial(_upload, device, host, target))
     del target
     device.empty_cache()  # not left cached in the allocator, where the budget would count it
-    return ELEMENTS * 2 / seconds
+    return COPY_BYTES / seconds
 
 
 def _upload(device: Device, host: torch.Tensor, target: torch.Tensor, _: int) -> None:
