@@ -148,15 +148,16 @@ def main() -> None:
         if budget is not None and args.homes_by_time:
             timed = record(model, ids, budget, small_chunk, host_weight=h2d / host_update)
             got = predict(timed, speed)
-            rows.append(_row(f"{name}, homes by time", got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
+            bound = round(got.bound(measured["plain"][0], speed), 3)
+            rows.append(_row(f"{name}, homes by time", got) | {"bound s": bound})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"
         row["error"] = f"{row['predicted s'] / seen[0] - 1:+.0%}" if seen else "-"
     print(f"LLaMA 1.16B from its {NARROW}x narrower record; chunk {chunk} elements ({small_chunk} recorded), "
           f"{real_params / 1e9:.2f}B parameters; device update fitted at {fitted / 1e9:.0f} GB/s")
-    print(table(rows, ["run", "predicted s", "measured s", "error", "bound s", "host update s", "fwd / bwd / opt ms", "GB up / down",
-                       "copy s", "overlap"]))
+    print(table(rows, ["run", "predicted s", "measured s", "error", "bound s", "host update s", "fwd / bwd / opt ms",
+                       "GB up / down", "copy s", "overlap"]))
     if args.json:
         write_json(args.json, {"benchmark": "time_model", "args": vars(args), "rows": rows, "chunk": chunk,
                                "speeds": {"h2d": h2d, "d2h": d2h, "host_update": host_update,

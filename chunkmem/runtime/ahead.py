@@ -22,10 +22,10 @@ stepped whole by the native Adam, one optimizer per runtime, without a disk tier
 first backward after a step that had one backward (with accumulation, every group would be redone). The spare
 buffers cost host memory: 16 bytes per parameter of the groups updated ahead (fp32 master and states, and
 a low-precision copy of the gradient and of the parameter). They count against Config.host_memory like chunks: a
-group whose spares would take host memory past it is updated in `step()`, as without this option, and one warning
-says so (the pool would otherwise hand them out as pageable memory beyond the budget). The kernel's OpenMP team leaves one of torch's
-threads to the thread that runs backward (on a GPU it launches the kernels the GPU waits for); not yet measured
-on a GPU machine.
+group whose spares would take host memory past it is updated in `step()`, as without this option, and one
+warning says so (the pool would otherwise hand them out as pageable memory beyond the budget). The kernel's
+OpenMP team leaves one of torch's threads to the thread that runs backward (on a GPU it launches the kernels the
+GPU waits for); not yet measured on a GPU machine.
 """
 
 from __future__ import annotations

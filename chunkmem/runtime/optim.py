@@ -342,7 +342,8 @@ class ChunkOptimizer(Optimizer):
         uniform = self.uniform(chunk_group, members, group_of) if wide is not None else None
         if wide is not None and uniform is not None:
             # One update of the chunk's packed range (layout.pack: members from offset 0, in order) rather than one
-            # per parameter: Adam and SGD are elementwise, so the bits are the same, for a few launches rather than a few per parameter.
+            # per parameter: Adam and SGD are elementwise, so the bits are the same, for a few launches a group
+            # rather than a few a parameter.
             self._update_flat(members, uniform, wide, master, states)
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
             return False

@@ -22,7 +22,8 @@ from chunkmem.config import Config
 from chunkmem.memory import native
 from chunkmem.memory.device import Device
 
-SIM_WEIGHT = 52.9 / 95.9  # GB/s on the H200 (gpu_session_h200.json): run 2's pinned uploads, the 10% row's native updates
+# GB/s on the lent H200 (gpu_session_h200.json): run 2's pinned uploads, and the 10% row's native updates
+SIM_WEIGHT = 52.9 / 95.9
 ELEMENTS = 1 << 21  # a measured update's: 32 MiB of update bytes (16 per element)
 COPY_BYTES = 16 << 20  # a measured copy's: 0.3 ms at 50 GB/s, long beside the ~10 us of issuing and waiting
 UPDATE_BYTES = 16  # per element: bf16 parameter and gradient, fp32 master and two states (planning.update_bytes)
