@@ -244,9 +244,10 @@ def update_bytes(group: GroupChunks, sizes: Mapping[str, float]) -> float:
     return sum(sizes[c] for c in {group.param, group.grad, *group.updated})
 
 
-def _descend(homes: frozenset[int], groups: Sequence[GroupChunks], score: Callable[[frozenset[int]], tuple[float, int]],
-             feasible: Callable[[frozenset[int]], bool], spent_all: Callable[[], bool]) -> frozenset[int]:
-    """From `homes`, the first change that lowers the bytes moved (add a group, drop one, swap two; then
+def _descend(homes: frozenset[int], groups: Sequence[GroupChunks],
+             score: Callable[[frozenset[int]], tuple[float, int]], feasible: Callable[[frozenset[int]], bool],
+             spent_all: Callable[[], bool]) -> frozenset[int]:
+    """From `homes`, the first change that lowers the score (add a group, drop one, swap two; then
     pairs: add or drop two, swap one for two or two for one), again and again, until none does or the search
     has spent its evaluations, or all seeds' (`spent_all`)."""
     spent = 0
