@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
     from chunkmem.finetune.hf import InputError
     from chunkmem.trace.planner import Request, fixes, plan, spec_from_config
-    from chunkmem.trace.search import options, step_seconds
+    from chunkmem.trace.search import HOST_UPDATE, PCIE, options, step_seconds
 
     for name in ("batch_size", "seq_len", "world_size", "ranks_per_host", "layers", "hidden", "vocab", "gpus"):
         value = getattr(args, name)
@@ -136,7 +136,9 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         from chunkmem.errors import MemoryBudgetError
 
         try:
-            measured = simulate(config, request, estimate, record=True)
+            # Homes as a GPU machine at the time model's typical speeds would choose them (the native kernel is on
+            # with CUDA): by time (chunks/planning.py's Note on homes by time).
+            measured = simulate(config, request, estimate, record=True, host_weight=PCIE / HOST_UPDATE)
         except MemoryError as error:
             return _error(str(error))
         except MemoryBudgetError as error:  # a budget the estimate accepted that a simulated step outgrew

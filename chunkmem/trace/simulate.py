@@ -44,8 +44,11 @@ class Measured:
 
 
 def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, use_cache: bool = True,
-             record: bool = False) -> Measured:
+             record: bool = False, host_weight: float = 0.0) -> Measured:
     """Run one training step of `config`'s model under `request` in the CPU simulation.
+
+    host_weight: the planner's (chunks/planning.py's Note on homes by time), as the GPU machine predicted would
+    plan: the simulation's own says how CI plans, not how that machine does.
 
     use_cache: Hugging Face's default forward keeps the key/value cache (True: what a plain loop
     calling `model(ids, labels=ids)` runs, and what the activation model counts); `chunkmem
@@ -74,6 +77,7 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, u
     prepared, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(
         device="cpu", device_memory=request.device_memory, dtype=request.dtype,
         offload_activations=request.offload_activations))
+    prepared.runtime.placer.host_weight = host_weight
     ids = torch.randint(0, config.vocab_size, (request.batch_size, request.seq_len),
                         generator=torch.Generator().manual_seed(seed))
 

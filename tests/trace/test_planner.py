@@ -315,3 +315,18 @@ def test_plan_searches_combinations_of_fixes_and_names_the_fastest_that_fits(tmp
     result = json.loads(capsys.readouterr().out)
     assert result["combinations"][0]["changes"] == list(best.changes)
     assert result["combinations"][0]["seconds"] == pytest.approx(best.seconds)
+
+
+def test_plan_simulate_chooses_homes_as_the_gpu_machine_it_predicts_would(capsys, monkeypatch) -> None:
+    """The simulated step is replayed at typical GPU speeds, where the native kernel is on and homes are chosen by
+    time: its planner weighs host updates at those speeds too (chunks/planning.py's Note on homes by time)."""
+    from chunkmem.chunks import placement
+    from chunkmem.trace.search import HOST_UPDATE, PCIE
+
+    weights = []
+    decide = placement.decide_homes
+    monkeypatch.setattr(placement, "decide_homes", lambda *args: weights.append(args[-1]) or decide(*args))
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
+            "--dtype", "bf16", "--device-memory", "2MiB", "--simulate", "--json"]
+    assert main(args) == 0 and json.loads(capsys.readouterr().out)["time_model"]["host_update_s"] > 0
+    assert weights and set(weights) == {PCIE / HOST_UPDATE}
