@@ -81,10 +81,12 @@ def run_plain(device: str, steps: int, shape: str | None) -> dict[str, Any]:
     return {"stages": timed(stages_of(forward, optimizer), steps, device)}
 
 
-def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None, ahead: bool = False) -> dict[str, Any]:
+def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None, ahead: bool = False,
+                 by_bytes: bool = False) -> dict[str, Any]:
     """The speed figures, and the CUDA budgets issue's: what the device held at most (the allocator's reserved
     bytes, or the simulated allocator's, plus what NVML sees outside it) against the budget. `ahead`: host updates
-    made ahead of step() (Config.overlap_update, with the native kernel)."""
+    made ahead of step() (Config.overlap_update, with the native kernel). `by_bytes`: homes chosen by bytes moved
+    alone, as before they were chosen by time (chunks/planning.py's Note on homes by time)."""
     import chunkmem
 
     net = host_model(device, shape)
@@ -98,6 +100,8 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
                                                                      overlap_update=ahead))
     except chunkmem.MemoryBudgetError as error:
         return {"refused": str(error)[:300]}
+    if by_bytes:
+        cm.runtime.placer.host_weight = 0.0
     batch = ids(device, shape).to(cm.runtime.device.torch_device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -184,7 +188,22 @@ def worker(kind: str, device: str, budget: int, steps: int, shape: str | None) -
         return run_plain(device, steps, shape)
     if kind == "fsdp2":
         return run_fsdp2(device, steps, shape)
-    return run_chunkmem(device, budget if budget >= 0 else None, steps, shape, ahead=kind == "chunkmem-ahead")
+    return run_chunkmem(device, budget if budget >= 0 else None, steps, shape, ahead=kind == "chunkmem-ahead",
+                        by_bytes=kind == "chunkmem-bytes")
+
+
+VARIANTS = {"": "chunkmem", "ahead": "chunkmem-ahead", "bytes": "chunkmem-bytes"}  # a share's suffix after '+'
+
+
+def chunkmem_run(share: str, outside: int, peak: dict[str, int]) -> tuple[str, str, int]:
+    """The row a --shares entry asks for: its name, its worker's kind and its budget (-1: none)."""
+    base, _, variant = share.partition("+")
+    if variant not in VARIANTS:
+        raise SystemExit(f"--shares entry {share!r}: expected a share, optionally followed by +ahead or +bytes")
+    if base == "none":
+        return "none", VARIANTS[variant], -1
+    budget = int(outside + 1.15 * peak["activations"] + float(base) * peak["model_data"])
+    return f"{float(base):.0%}{' ' * bool(variant)}{variant}", VARIANTS[variant], budget
 
 
 def main() -> None:
@@ -192,7 +211,8 @@ def main() -> None:
     parser.add_argument("--simulate", action="store_true", help="the CPU simulation, scaled down 256 times")
     parser.add_argument("--shares", default="none,0.5,0.25,0.1",
                         help="'none' or shares of the model data; a share ending in '+ahead' runs with host updates "
-                             "made ahead of step() (Config.overlap_update)")
+                             "made ahead of step() (Config.overlap_update), one ending in '+bytes' with homes chosen "
+                             "by bytes alone rather than by time")
     parser.add_argument("--shape", choices=("tiny",), default=None,
                         help="tiny: a launch-bound LLaMA (20 layers 64 wide, 1 x 16 tokens) instead of the 1.16B one")
     parser.add_argument("--steps", type=int, default=6)
@@ -208,11 +228,8 @@ def main() -> None:
     env = dict(os.environ, CHUNKMEM_SIM_MEMORY=f"scale:{DIVISOR}") if args.simulate else dict(os.environ)
     peak = plain_peak(device, args.shape)
     outside = 0 if args.simulate else held_after_a_step()
-    runs = [("plain", "plain", -1)] + [
-        (share if share == "none" else f"{float(share.removesuffix('+ahead')):.0%}{' ahead' * ahead}",
-         "chunkmem-ahead" if ahead else "chunkmem", -1 if share == "none" else
-         int(outside + 1.15 * peak["activations"] + float(share.removesuffix("+ahead")) * peak["model_data"]))
-        for share, ahead in ((s, s.endswith("+ahead")) for s in args.shares.split(","))] + ([] if args.simulate or args.shape else [("FSDP2 offload", "fsdp2", -1)])
+    runs = [("plain", "plain", -1)] + [chunkmem_run(share, outside, peak) for share in args.shares.split(",")] + \
+        ([] if args.simulate or args.shape else [("FSDP2 offload", "fsdp2", -1)])
     speed, rows = bandwidth(device), []
     columns = ["run", "budget GiB", "step s", "vs plain", "fwd / bwd / opt ms", "GB up / down", "oom", "held/budget",
                "bound s", "vs bound", "note"]

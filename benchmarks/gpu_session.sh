@@ -2,7 +2,8 @@
 # One pass of everything the CUDA issues ask a lent GPU for, in one call of at most 8 minutes, on a machine whose
 # python3 has a CUDA build of torch and transformers: the machine's facts, the native parts' build, the speed and
 # budgets table of the 1.16B LLaMA (benchmarks/gpu_offload.py: plain, chunkmem at 50/25/100/10% of the model data
-# and without a budget, FSDP2's CPU offload and chunkmem in the memory FSDP2 held; each chunkmem row with its
+# and without a budget, at 50% with host updates made ahead, at 25% with homes chosen by bytes alone against the
+# default's by time, FSDP2's CPU offload and chunkmem in the memory FSDP2 held; each chunkmem row with its
 # out-of-memory fallbacks and the bytes the device held against its budget), the same for a launch-bound LLaMA,
 # the gpu-marked tests and `chunkmem selftest`, the parts that matter most first. Each part runs in processes of its
 # own under its own time limit, so a crash or a hang ends that part only: a test that kills pytest is noted and the
@@ -44,7 +45,7 @@ print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy
       "missing:", native.missing())'
 
 part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 \
-  --shares "${SHARES:-0.5,0.5+ahead,0.25,1.0,0.1,none}" --json "$logs/gpu_offload.json"
+  --shares "${SHARES:-0.5,0.5+ahead,0.25,0.25+bytes,1.0,0.1,none}" --json "$logs/gpu_offload.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
