@@ -5,13 +5,14 @@
 # and without a budget, at 50% with host updates made ahead, at 25% with homes chosen by bytes alone against the
 # default's by time, FSDP2's CPU offload and chunkmem in the memory FSDP2 held; each chunkmem row with its
 # out-of-memory fallbacks and the bytes the device held against its budget), the same for a launch-bound LLaMA,
-# the gpu-marked tests and `chunkmem selftest`, the parts that matter most first. Each part runs in processes of its
+# the gpu-marked tests, the host update's speed by thread count (benchmarks/host_threads.py) and `chunkmem selftest`,
+# the parts that matter most first. Each part runs in processes of its
 # own under its own time limit, so a crash or a hang ends that part only: a test that kills pytest is noted and the
 # tests after it run in a fresh pytest. status.txt (each part's exit status) and parts.tgz (each part's log and
 # JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the parts
 # done) go to $OUT.
-# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, SELFTEST_S, TINY_S; at
-# most 520 s in all; a limit of 0 skips the part. A second call can run fewer rows and checks: SHARES (gpu_offload's
+# Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, THREADS_S, SELFTEST_S,
+# TINY_S; at most 520 s in all; a limit of 0 skips the part. A second call can run fewer rows and checks: SHARES (gpu_offload's
 # --shares), SELFTEST_ONLY (check names, comma-separated).
 # Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s. The lent machine has
 # no pytest-timeout and no network: unpack its wheel into build/gpu-pkgs here (pip download pytest-timeout --no-deps;
@@ -40,7 +41,7 @@ part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version
   python3 -c "import os, sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"cuda\",
   torch.version.cuda, \"transformers\", transformers.__version__, torch.cuda.get_device_name(), os.cpu_count(),
   \"cpus\")"'
-part build "${BUILD_S:-120}" python3 -c 'from chunkmem.memory import native
+part build "${BUILD_S:-100}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
@@ -65,6 +66,9 @@ for round in 1 2 3 4; do
   while read -r test; do deselect+=(--deselect "$test"); done <<<"$named"
   echo "crashed in: $(tail -n 1 <<<"$named")" | tee -a "$out/status.txt"
 done
+
+# Issue 36's host threads: the native update's speed by OpenMP team size, alone and beside a launching thread.
+part host_threads "${THREADS_S:-20}" python3 -m benchmarks.host_threads --json "$logs/host_threads.json"
 
 IFS=, read -ra only <<<"${SELFTEST_ONLY:-}"  # check names, comma-separated; none: every check
 part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \

@@ -39,11 +39,12 @@ def host_weight(config: Config, device: Device) -> float:
     return copy_speed(device) / update_speed()
 
 
-def update_speed(threads: int = 0) -> float:
-    """Bytes of chunk data (UPDATE_BYTES an element) the native Adam kernel updates a second, best of TRIES."""
-    master, exp_avg, exp_avg_sq = (torch.zeros(ELEMENTS) for _ in range(3))
-    grad, param = torch.ones(ELEMENTS, dtype=torch.bfloat16), torch.empty(ELEMENTS, dtype=torch.bfloat16)
-    return ELEMENTS * UPDATE_BYTES / _best(lambda step: native.adam_step(
+def update_speed(threads: int = 0, elements: int = ELEMENTS) -> float:
+    """Bytes of chunk data (UPDATE_BYTES an element) the native Adam kernel updates a second on `threads` (0:
+    torch's), best of TRIES."""
+    master, exp_avg, exp_avg_sq = (torch.zeros(elements) for _ in range(3))
+    grad, param = torch.ones(elements, dtype=torch.bfloat16), torch.empty(elements, dtype=torch.bfloat16)
+    return elements * UPDATE_BYTES / _best(lambda step: native.adam_step(
         master, grad, exp_avg, exp_avg_sq, param, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
         decoupled=True, step=step, threads=threads))
 
