@@ -128,7 +128,8 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
                   "max_reserved": reserved, "held": held, "held_over_budget": held / budget if budget else None,
                   "homes": len(placer.homes), "groups": len(hosted) + len(placer.homes),
                   "host_weight": placer.host_weight,  # the planner's (planning's Note on homes by time)
-                  "ahead_adopted": stats["ahead_adopted"], "ahead_redone": stats["ahead_redone"]}
+                  "ahead_adopted": stats["ahead_adopted"], "ahead_redone": stats["ahead_redone"],
+                  "ahead_rested": stats["ahead_rested"]}
 
 
 def host_update_alone(sizes: list[int], chunk: int) -> float:
@@ -273,7 +274,7 @@ def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | No
         row["note"] = f"holds {got['holds'] / 2**30:.1f} GiB"
     if got.get("ahead_hidden_share") is not None:
         row["note"] = (f"ahead: {got['ahead_adopted']} adopted, {got['ahead_redone']} redone, "
-                       f"{got['ahead_hidden_share']:.0%} before backward ended")
+                       f"{got['ahead_rested']} steps rested, {got['ahead_hidden_share']:.0%} before backward ended")
     return row
 
 

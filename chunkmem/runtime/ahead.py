@@ -17,6 +17,9 @@ parameter copy is copied in, since parameters view their chunk) when nothing the
 Else the group updates as it would have, and `redone` counts it. An adopted update is the same kernel on the
 same bytes, so its results are the bits of the update after backward. What a backward that raised started is
 void: the next backward drops it, and starts nothing ahead itself.
+A step whose updates made ahead were all redone (clipping that scales every step, say) makes none for the next step,
+then for 2, 4, ... up to MAX_REST steps while that goes on (`rested` counts them); a step that adopts one ends it.
+Redone work is not free: it takes the host's memory bandwidth from the copies beside it.
 Only while a plan is followed (the warm-up records what the optimizer touches), for host groups in low precision
 stepped whole by the native Adam, one optimizer per runtime, without a disk tier or ZeRO shards; and only in the
 first backward after a step that had one backward (with accumulation, every group would be redone). The spare
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 _log = logging.getLogger("chunkmem")
 
 STATES = ("exp_avg", "exp_avg_sq")
+MAX_REST = 16  # steps without updates made ahead, at most, after steps whose updates were all redone
 
 
 @dataclasses.dataclass
@@ -96,6 +100,10 @@ class Ahead:
         self.busy_s = 0.0  # the worker's time on updates (waits for downloads included)
         self.hidden_s = 0.0  # the part of it before backward ended: what overlapped backward
         self.over_budget: set[int] = set()  # groups whose spares Config.host_memory cannot hold
+        self.resting = 0  # steps left that make nothing ahead (the Note: after a step whose updates were all redone)
+        self.rest = 1  # how many the next rest lasts
+        self.rested = 0  # steps that made nothing ahead, resting
+        self.counted = (0, 0)  # (adopted, redone) when this step began
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
@@ -106,7 +114,7 @@ class Ahead:
                 self.jobs.clear()  # (the worker runs them out in turn, before any job that reuses their spares)
             self.task = task
             self.overwritten.clear()
-        if self.backwards or not self.single:
+        if self.backwards or not self.single or self.resting:
             return
         index = record.group.index
         count = self.overwritten.get(index, 0)
@@ -223,6 +231,15 @@ class Ahead:
         self.jobs.clear()
         self.overwritten.clear()
         self.single, self.backwards, self.task = self.backwards == 1, 0, None
+        adopted, redone = self.adopted - self.counted[0], self.redone - self.counted[1]
+        self.counted = (self.adopted, self.redone)
+        if self.resting:
+            self.resting -= 1
+            self.rested += 1
+        elif redone and not adopted:  # all it made was redone
+            self.resting, self.rest = self.rest, min(2 * self.rest, MAX_REST)
+        elif adopted:
+            self.rest = 1
 
 
 def _settled(chunk: Chunk) -> bool:

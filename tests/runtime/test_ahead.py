@@ -72,6 +72,24 @@ def test_clipping_is_exact_adopted_where_it_changed_no_byte_redone_where_it_did(
     assert_same(ahead, run(model, budget, False, batches, clip=clip))
     counts = ahead[2].runtime.ahead
     assert (counts.adopted > 0, counts.redone > 0) == (adopted, not adopted)
+    # A step whose updates made ahead were all redone makes none in the next (step 3 of 4 here).
+    assert counts.rested == (0 if adopted else 1)
+
+
+def test_after_a_step_whose_updates_were_all_redone_the_next_makes_none_and_then_they_are_adopted_again(gpt2) -> None:
+    def edit(i: int, model: nn.Module, opt) -> None:
+        if i == 1:  # the first step with updates made ahead: all of them are redone
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(0.5)
+
+    model, _, budget = gpt2
+    batches = gpt2_batches(6)
+    ahead = edited(model, budget, True, batches, edit)
+    assert_same(ahead, edited(model, budget, False, batches, edit))
+    counts = ahead[2].runtime.ahead
+    assert counts.rested == 1 and counts.redone > 0 and counts.adopted > 0, "steps 4-6 adopt theirs again"
+    assert ahead[2].runtime.memory_stats()["ahead_rested"] == 1
 
 
 def edited(model: nn.Module, budget: int, overlap: bool, batches: list, edit: Callable[[int, nn.Module, object], None],
