@@ -329,32 +329,41 @@ class ChunkOptimizer(Optimizer):
     def _update(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
                 inv_scale: float, on_device: bool, together: Together) -> bool:
         runtime = self.runtime
-        if self.native is not None and not on_device:
-            uniform = self.uniform(chunk_group, members, group_of)
-            if uniform is not None:
-                self._native_step(chunk_group, members, uniform, inv_scale)
-                return False
         lowp = "master" in chunk_group.chunks
+        host_native = self.native is not None and not on_device
+        # One param group at one step count: one pass of the native kernel, or one update of the packed range.
+        uniform = self.uniform(chunk_group, members, group_of) if lowp or host_native else None
+        if host_native and uniform is not None:
+            self._native_step(chunk_group, members, uniform, inv_scale)
+            return False
         grads = runtime.data.grads(members, on_device)
         wide = _widened(grads, inv_scale) if lowp else None
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
-        uniform = self.uniform(chunk_group, members, group_of) if wide is not None else None
+        later = False
         if wide is not None and uniform is not None:
             # One update of the chunk's packed range (layout.pack: members from offset 0, in order) rather than one
             # per parameter: Adam and SGD are elementwise, so the bits are the same, for a few launches a group
             # rather than a few a parameter.
             self._update_flat(members, uniform, wide, master, states)
+        else:
+            grads = _unpacked(wide, grads) if wide is not None else grads
+            later = self._update_each(chunk_group, members, group_of, grads, master, states, on_device, together)
+        if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
-            return False
-        grads = _unpacked(wide, grads) if wide is not None else grads
-        grad_of = dict(zip(members, grads))
-        # fp32 groups update together (the Note on updates made together); a low-precision group updates now, so
-        # that one fp32 copy of a gradient is alive at a time.
-        later = not lowp and runtime.host_cache is None
+        return later
+
+    def _update_each(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
+                     grads: list[torch.Tensor], master: torch.Tensor, states: dict[str, torch.Tensor],
+                     on_device: bool, together: Together) -> bool:
+        """The update rule over each param group's parameters, as views; added to `together` instead (True) for
+        an fp32 group (the Note on updates made together)."""
+        # A low-precision group updates now, so that one fp32 copy of a gradient is alive at a time.
+        later = "master" not in chunk_group.chunks and self.runtime.host_cache is None
         if later and on_device:
             together.chunks.update([chunk_group.grad, chunk_group.master,
                                     *(chunk_group.chunks[k] for k in self.rule.states)])
+        grad_of = dict(zip(members, grads))
         for group in {id(group_of[r]): group_of[r] for r in members}.values():
             subset = [r for r in members if group_of[r] is group]
             lists = ([r.view(master) for r in subset], [grad_of[r] for r in subset],
@@ -363,8 +372,6 @@ class ChunkOptimizer(Optimizer):
                 together.add(group, *lists)
             else:
                 self.rule.update(group, *lists)
-        if lowp:
-            runtime.data.writable(chunk_group.param, on_device).copy_(master)
         return later
 
     def _update_flat(self, members: list[ParamRecord], group: dict, grad: torch.Tensor, master: torch.Tensor,
