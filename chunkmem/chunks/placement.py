@@ -43,7 +43,7 @@ from chunkmem.chunks.plan import INFINITY, Action, Plan, next_uses, victim
 from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_chunks
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
-from chunkmem.chunks.store import ParamStore
+from chunkmem.chunks.store import ChunkGroup, ParamStore
 from chunkmem.errors import MemoryBudgetError
 
 log = logging.getLogger("chunkmem")
@@ -124,7 +124,8 @@ class Placer:
         self.groups = [GroupChunks(g.index, g.param.name, g.grad.name,
                                    tuple(dict.fromkeys([g.master.name, *(c.name for c in store.states(g))])),
                                    sum(c.nbytes for c in g.chunks.values()),
-                                   sum(r.slot.numel for r in g.members) * g.grad.dtype.itemsize)
+                                   sum(r.slot.numel for r in g.members) * g.grad.dtype.itemsize,
+                                   _update_scratch(g))
                        for g in store.trainable_groups()]
         self.by_index = {g.index: g for g in self.groups}
         # Disk-backed groups stream through the host optimizer (hostcache's Note on three tiers).
@@ -471,6 +472,12 @@ def _spare_room(step: Step, plan: Plan, sizes: dict[str, int], start: Collection
     for value in spare:
         before.append(min(before[-1], value))
     return after, before, first, held
+
+
+def _update_scratch(group: ChunkGroup) -> int:
+    """What the group's update allocates on the device beside its chunks (planning's Note on update scratch): fp32
+    copies of low-precision gradients and two fp32 temporaries, each the size of its parameters' packed range."""
+    return sum(r.slot.numel for r in group.members) * 4 * (3 if "master" in group.chunks else 2)
 
 
 def _mib(nbytes: int) -> str:

@@ -26,6 +26,16 @@ of copying and of host updating, in the unit of copy bytes (w = copy speed / hos
 runtime/speeds.py). Everything else is as above. The time model (trace/timing.py) replays the step each choice
 makes; benchmarks/time_model.py --homes-by-time compares them.
 
+[Note: update scratch]
+A group homed on the device updates there, and the update allocates beside its chunks: fp32 copies of low-precision
+gradients, and the update rule's temporaries (torch.optim's single-tensor Adam holds two fp32 copies of the range at
+once; foreach one; SGD at most one). A step recorded before the group was homed updated it on the host and saw none
+of that, so its update's non-model bytes are what was recorded plus its `scratch`, and a set of homes whose
+updates do not fit beside the step's peak lowers the budget (or is not chosen): an allocation failing inside an
+update has no fallback, for a half-made update cannot be redone. Steps recorded later read the temporaries of the
+update before: counted twice there, on the safe side. Not covered: fp32 groups updated together (the Note on updates
+made together in runtime/optim.py) allocate temporaries for the whole run at once.
+
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving
 them more where activations are fewer (early in the forward, in the optimizer phase) would move memory
@@ -81,6 +91,7 @@ class GroupChunks:
     updated: tuple[str, ...]  # what the optimizer writes: master (or param in fp32) and states
     nbytes: int  # every family's chunk
     streamed: int = 0  # bytes its parameters' gradients write in one backward (what streaming sends)
+    scratch: int = 0  # device bytes its update allocates beside its chunks when homed (the Note on update scratch)
 
     @property
     def kept(self) -> tuple[str, ...]:
@@ -113,7 +124,7 @@ def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[i
         writes = frozenset() if event.kind == "use" else \
             frozenset([chunks[0]]) if event.kind == "grad" else frozenset(groups[event.group].kept)
         accesses.append(Access(chunks, writes))
-        nonmodel.append(event.nonmodel)
+        nonmodel.append(event.nonmodel + (groups[event.group].scratch if event.kind == "optim" else 0))
     return accesses, nonmodel
 
 

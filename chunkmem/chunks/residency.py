@@ -56,6 +56,7 @@ class TrafficStats:
     prefetch_bytes: int = 0  # of h2d_bytes, sent up ahead of the access that needs them (the copy overlaps compute)
     grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
     oom_fallbacks: int = 0
+    prefetches_dropped: int = 0  # prefetches the allocator had no room for: left to come when needed
 
 
 class Residency:
@@ -104,6 +105,9 @@ class Residency:
             try:
                 self._bring(chunk, reason)
             except torch.OutOfMemoryError as error:
+                if reason == "prefetch":  # a chunk ahead of need is not worth one the access now needs: it comes
+                    self.stats.prefetches_dropped += 1  # when needed (the fallback below evicts what is not pinned)
+                    return
                 # The budget was right for chunks but the device is full (non-model data grew beyond the
                 # warm-up's record).
                 log.warning("device out of memory bringing %s (%s): evicting chunks not in use until it fits; "

@@ -3,6 +3,8 @@ records whose best answers are worked out here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from chunkmem.chunks.plan import Access, build_plan, planned_rule, simulate, validate
@@ -33,6 +35,15 @@ def test_budget_is_what_the_steps_non_model_peak_leaves_less_the_margin_at_every
     assert budgets == [1000 - 500 - 50] * 3, "one budget a step: chunk memory does not flow to activations"
     assert chunk_budgets(accesses, [0, 500, 100], {"a": 10, "b": 10, "c": 10}, limit=1000, peak=700) == [250] * 3
     assert chunk_budgets([Access(("a",))], [2000], {"a": 10}, 1000) == [10], "never below the access's own need"
+
+
+def test_a_homed_groups_update_counts_its_scratch_beside_what_was_recorded():
+    groups = [dataclasses.replace(group(0), scratch=25), group(1)]
+    events = training_step(groups, nonmodel=5, peak=20)
+    _, nonmodel = steady_sequence(events, {g.index: g for g in groups}, {0, 1})
+    assert nonmodel[-2:] == [5 + 25, 5], "the warm-up updated on the host: its record has none of the temporaries"
+    step = Step.of(events, {g.index: g for g in groups}, {0, 1}, sizes_of(groups), limit=1000)
+    assert step.budgets[0] == 1000 - 30 - 50, "one budget a step: the update's peak is above the forward's"
 
 
 def test_everything_that_fits_is_homed_and_nothing_when_there_is_no_room():

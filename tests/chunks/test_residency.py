@@ -83,3 +83,24 @@ def test_reset_frees_device_memory_and_reads_as_zeros():
     assert a.state is ChunkState.FREE and res.stats.device_chunk_bytes == 0
     assert torch.equal(res.to_device(a), torch.zeros(16)), "a FREE chunk comes back as zeros, without a copy"
     assert res.stats.h2d_bytes == 64
+
+
+def test_a_prefetch_the_allocator_has_no_room_for_is_dropped_and_evicts_nothing(monkeypatch):
+    """An access fetched `a` (single chunks are fetched unpinned: nothing else comes meanwhile), then the plan
+    prefetches `b` and the allocator refuses it. The out-of-memory fallback would evict `a`, which the access is
+    about to read; the prefetch is dropped instead and `b` comes when needed (which may fall back: it needs it)."""
+    res, (a, b), _ = setup(2, limit_chunks=2)
+    res.to_device(a)
+    upload = b.upload
+    refusals = iter([True, True, False])
+
+    def refused(device):
+        if next(refusals):
+            raise torch.OutOfMemoryError("no room for c1")
+        upload(device)
+    monkeypatch.setattr(b, "upload", refused)
+    res.bring(b, "prefetch")
+    assert a.state.on_device and not b.state.on_device
+    assert (res.stats.prefetches_dropped, res.stats.oom_fallbacks, res.stats.evictions) == (1, 0, 0)
+    res.to_device(b)  # needed now: the fallback frees what is not pinned, a, and b comes
+    assert b.state.on_device and not a.state.on_device and res.stats.oom_fallbacks == 1
