@@ -109,6 +109,30 @@ def test_below_a_tenth_the_loss_transients_fall_back_once_in_the_warm_up_and_nev
 
 
 @pytest.mark.slow
+def test_a_plan_leaves_room_for_the_segment_its_largest_block_reserves(sim_memory):
+    """At CUDA's own sizes a small budget meets the allocator's segments: GPT-2's fp32 logits gradient (7.8 MiB) takes
+    a fresh 20 MiB segment when the holes of this step's activations do not hold it. Two steps fell into holes that
+    did, and the third, with room for two 7.8 MiB blocks beyond its record, died inside backward; room for the
+    segments those blocks reserve trains every step (runtime's `_headroom`)."""
+    from chunkmem.trace.planner import gpt2_config
+    from transformers import AutoModelForCausalLM
+
+    memory = sim_memory(1.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gpt2_config(8, 256, 8000, 1024))
+    budget = 100 * 2**20
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                               chunkmem.Config(device="cpu", dtype="bf16", device_memory=budget))
+    ids = torch.randint(0, 8000, (2, 128), generator=torch.Generator().manual_seed(0))
+    for _ in range(STEPS):
+        cm(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert cm.memory_stats()["oom_fallbacks"] == 0 and cm.memory_stats()["grad_stream_bytes"] > 0
+    assert memory.allocator.peak_reserved <= budget
+
+
+@pytest.mark.slow
 def test_with_chunk_memory_handed_back_at_every_eviction_the_same_budget_runs_out(sim_memory, monkeypatch):
     # What chunkmem did before its arena (arena.py's Note on chunk memory): a chunk leaving the device gave its
     # memory back to the allocator, and non-model data was counted as allocated bytes, holes left out. The

@@ -475,9 +475,9 @@ def _spare_room(step: Step, plan: Plan, sizes: dict[str, int], start: Collection
 
 
 def _update_scratch(group: ChunkGroup) -> int:
-    """What the group's update allocates on the device beside its chunks (planning's Note on update scratch): fp32
-    copies of low-precision gradients and two fp32 temporaries, each the size of its parameters' packed range."""
-    return sum(r.slot.numel for r in group.members) * 4 * (3 if "master" in group.chunks else 2)
+    """What a low-precision group's update allocates on the device beside its chunks (planning's Note on update
+    scratch): fp32 copies of its gradients and two fp32 temporaries, each the size of its parameters' packed range."""
+    return sum(r.slot.numel for r in group.members) * 4 * 3 if "master" in group.chunks else 0
 
 
 def _mib(nbytes: int) -> str:

@@ -27,14 +27,16 @@ runtime/speeds.py). Everything else is as above. The time model (trace/timing.py
 makes; benchmarks/time_model.py --homes-by-time compares them.
 
 [Note: update scratch]
-A group homed on the device updates there, and the update allocates beside its chunks: fp32 copies of low-precision
-gradients, and the update rule's temporaries (torch.optim's single-tensor Adam holds two fp32 copies of the range at
-once; foreach one; SGD at most one). A step recorded before the group was homed updated it on the host and saw none
-of that, so its update's non-model bytes are what was recorded plus its `scratch`, and a set of homes whose
-updates do not fit beside the step's peak lowers the budget (or is not chosen): an allocation failing inside an
-update has no fallback, for a half-made update cannot be redone. Steps recorded later read the temporaries of the
-update before: counted twice there, on the safe side. Not covered: fp32 groups updated together (the Note on updates
-made together in runtime/optim.py) allocate temporaries for the whole run at once.
+A low-precision group homed on the device updates there, over its packed range at once, and the update allocates
+beside its chunks: fp32 copies of its gradients, and the update rule's temporaries (torch.optim's single-tensor Adam
+holds two fp32 copies of the range at once; foreach one; SGD at most one). A step recorded before the group was
+homed updated it on the host and saw none of that, so its update's non-model bytes are what was recorded plus its
+`scratch`, and a set of homes whose updates do not fit beside the step's peak lowers the budget (or is not chosen):
+an allocation failing inside an update has no fallback, for a half-made update cannot be redone. Steps recorded
+later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32 groups,
+updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by parameter
+(temporaries of one at a time) or, with foreach, all of the run's at once: a budget that ran out there would need
+the run split.
 
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving

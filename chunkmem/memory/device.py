@@ -25,6 +25,7 @@ import torch
 
 from chunkmem.config import parse_size
 from chunkmem.memory import native
+from chunkmem.memory.allocator import Sizes
 from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.gpu_memory import allocator_fraction, held_bytes
 from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
@@ -32,6 +33,7 @@ from chunkmem.memory.sim import SimulatedDevice
 
 
 LARGE_SEGMENT = 20 << 20  # CUDACachingAllocator's kLargeBuffer: the segment a request of 1-10 MiB reserves
+CUDA_SIZES = Sizes()  # its rounding and segments (the simulation's model of them: allocator.py)
 
 
 class Device(Protocol):
@@ -40,6 +42,10 @@ class Device(Protocol):
     arena: SlotArena  # where chunk payloads live on the device (arena.py's Note on chunk memory)
     segment_bytes: int  # the caching allocator's large segment: what one non-model allocation may reserve anew
     reads_memory: bool  # memory_reading() measures the allocator (else non-model bytes are the saved activations)
+
+    def segment_for(self, nbytes: int) -> int:
+        """What a request of `nbytes` reserves when no cached block holds it (0 where memory is not modelled)."""
+        ...
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
     def host_alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -164,6 +170,9 @@ class CudaDevice:
         self.arena = SlotArena(self)
         self.segment_bytes = LARGE_SEGMENT
         self.reads_memory = True
+
+    def segment_for(self, nbytes: int) -> int:
+        return CUDA_SIZES.segment(CUDA_SIZES.round(nbytes))
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)

@@ -155,6 +155,12 @@ class SimulatedDevice:
         block it handed out since (None: memory not modelled, CHUNKMEM_SIM_MEMORY=0)."""
         return self.memory.allocator.take_reading() if self.memory is not None else None
 
+    def segment_for(self, nbytes: int) -> int:
+        if self.memory is None:
+            return 0
+        sizes = self.memory.allocator.sizes
+        return sizes.segment(sizes.round(nbytes))
+
     def empty_cache(self) -> None:
         if self.memory is not None:
             self.memory.allocator.empty_cache()

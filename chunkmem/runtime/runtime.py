@@ -167,7 +167,7 @@ class Runtime:
         self.activations = ActivationMeter(config.offload_activations, self._host_like)
         self.metering = True  # saved activations pass through the meter (off in a lean forward: its Note)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
-                             lambda: 2 * self.largest_block, lambda: self.largest_rise + self.largest_block)
+                             self._headroom, lambda: self.largest_rise + self.largest_block)
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
@@ -222,6 +222,13 @@ class Runtime:
             self.largest_rise = max(self.largest_rise, nonmodel - self._last_nonmodel)
         self._last_nonmodel = nonmodel
         return nonmodel
+
+    def _headroom(self) -> int:
+        """Non-model bytes a plan leaves room for beyond its record: two of the largest block non-model data took,
+        each as the segment it reserves when no cached block holds it (a block of 1-10 MiB takes a 20 MiB one on
+        CUDA): a step whose blocks fall into other holes than its record's may need that much more."""
+        largest = self.largest_block
+        return 2 * max(largest, self.device.segment_for(largest)) if largest else 0
 
     def outside(self, fresh: bool = False) -> int:
         """What the process holds on the device outside the allocator (gpu_memory.py), or will hold: kernels and
