@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import chunkmem
 from benchmarks.common import table, write_json
-from chunkmem.chunks.layout import search_chunk_size
+from chunkmem.chunks.layout import chunk_size_bands, search_chunk_size
 from chunkmem.trace import timing
 from chunkmem.trace.timing import Predicted, Recorded, Speeds, predict
 
@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--homes-by-time", action="store_true",
                         help="also record each budget with homes chosen by time (the planner's host_weight at these "
                              "speeds: copy bandwidth / host update speed) rather than bytes alone, and predict it")
+    parser.add_argument("--chunk-sizes", action="store_true",
+                        help="also record each budget at the other chunk sizes `chunkmem plan --chunk-sizes` tries "
+                             "(chunks/layout.py's chunk_size_bands) and predict each")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -116,7 +119,8 @@ def main() -> None:
     with torch.device("meta"):
         real = LlamaForCausalLM(config(1))
     real_params = sum(p.numel() for p in real.parameters())
-    chunk = search_chunk_size([(n, p.numel()) for n, p in real.named_parameters()]) if args.against == "h100" \
+    named = [(n, p.numel()) for n, p in real.named_parameters()]
+    chunk = search_chunk_size(named) if args.against == "h100" \
         else real_params // 9 + 1  # benchmarks/gpu_offload.py's
     small_chunk = chunk // NARROW ** 2
     ids = torch.randint(0, 32000 // NARROW, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -150,6 +154,11 @@ def main() -> None:
             got = predict(timed, speed)
             bound = round(got.bound(measured["plain"][0], speed), 3)
             rows.append(_row(f"{name}, homes by time", got) | {"bound s": bound})
+        if budget is not None and args.chunk_sizes:
+            for size in chunk_size_bands(named, besides=chunk):
+                got = predict(record(model, ids, budget, size // NARROW ** 2 + 1), speed)
+                bound = round(got.bound(measured["plain"][0], speed), 3)
+                rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M", got) | {"bound s": bound})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"

@@ -12,6 +12,9 @@ import math
 from collections.abc import Callable, Sequence
 
 ALIGN = 64  # elements: a multiple of every vector width, fine-grained enough for small models
+# Multiples of the largest parameter between which `chunkmem plan --chunk-sizes` takes a size each: finer chunks let a
+# budget hold just what it needs, coarser ones make fewer groups to step and move.
+CHUNK_BANDS = ((1.0, 1.5), (1.5, 2.0), (2.0, 3.0), (3.0, 4.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +63,28 @@ def pack(params: Sequence[tuple[str, int]], chunk_size: int, multiple_of: int = 
 
 
 def search_chunk_size(params: Sequence[tuple[str, int]], multiple_of: int = 1, steps: int = 32,
-                      fits: Callable[[int], bool] = lambda size: True) -> int:
+                      fits: Callable[[int], bool] = lambda size: True, span: tuple[float, float] = (1.0, 2.0)) -> int:
     """The chunk size in [largest, 2 x largest] (aligned) that wastes the fewest elements.
 
     Never below the largest parameter; capped at twice it so that chunks stay fine-grained enough
     for a budget to hold a few of them. Sizes for which `fits` is false are taken only when no
-    size fits (the budget check then explains why). Ties go to the smaller size.
+    size fits (the budget check then explains why). Ties go to the smaller size. `span`: other multiples of the
+    largest parameter to search between (`chunk_size_bands`).
     """
-    largest = max((numel for _, numel in params), default=1)
-    low = _align(largest)
-    candidates = sorted({_align(low + (low * k) // steps) for k in range(steps + 1)})
+    largest = _align(max((numel for _, numel in params), default=1))
+    low, high = _align(int(largest * span[0])), _align(int(largest * span[1]))
+    candidates = sorted({_align(low + ((high - low) * k) // steps) for k in range(steps + 1)})
     return min(candidates, key=lambda size: (not fits(size), pack(params, size, multiple_of).wasted, size))
+
+
+def chunk_size_bands(params: Sequence[tuple[str, int]], multiple_of: int = 1, besides: int | None = None) -> list[int]:
+    """The least wasteful size in each band of CHUNK_BANDS, but those within 5% of `besides` or of a smaller one:
+    the sizes `chunkmem plan --chunk-sizes` predicts a step for besides the default (search_chunk_size's)."""
+    sizes = [besides] if besides is not None else []
+    for size in sorted({search_chunk_size(params, multiple_of, span=band) for band in CHUNK_BANDS}):
+        if all(abs(size - other) > other * 0.05 for other in sizes):
+            sizes.append(size)
+    return [size for size in sizes if size != besides]
 
 
 def _align(n: int) -> int:

@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "micro-batch size x schedule) of this many GPUs on one machine; --batch-size is the mini-batch")
     parser.add_argument("--simulate", action="store_true", help="also run one real step in the CPU simulation "
                         "with this budget and compare")
+    parser.add_argument("--chunk-sizes", action="store_true", help="with --simulate: also simulate a few other chunk "
+                        "sizes (finer and coarser than the default) and rank them all by the time model's predicted "
+                        "step, for Config(chunk_size=...) or `chunkmem finetune --chunk-size`; each takes as long as "
+                        "the first simulation")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -103,6 +107,8 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
+    if args.chunk_sizes and not args.simulate:
+        return _error("--chunk-sizes ranks chunk sizes by simulating each: add --simulate")
     if args.overlap_update and (args.dtype == "fp32" or args.optimizer != "adam"):
         return _error(f"--overlap-update with --dtype {args.dtype} --optimizer {args.optimizer}: host updates are made "
                       "ahead of step() for Adam in bf16 or fp16 only (chunkmem/runtime/ahead.py)")
@@ -131,9 +137,10 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
                                          "disk_bytes": e.disk_bytes,
                                          "request": e.request.to_json()} for label, e in fixes(spec, request)]}
     if args.simulate:
-        from chunkmem.trace.simulate import simulate
+        import torch
 
         from chunkmem.errors import MemoryBudgetError
+        from chunkmem.trace.simulate import simulate
 
         try:
             # Homes as a GPU machine at the time model's typical speeds would choose them (the native kernel is on
@@ -141,12 +148,15 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
             measured = simulate(config, request, estimate, record=True, host_weight=PCIE / HOST_UPDATE)
         except MemoryError as error:
             return _error(str(error))
-        except MemoryBudgetError as error:  # a budget the estimate accepted that a simulated step outgrew
+        except (MemoryBudgetError, torch.OutOfMemoryError) as error:
+            # A budget the estimate accepted that a simulated step outgrew (CUDA's own error where nothing falls back).
             result["time_model"] = {"failure": str(error)}
         else:
             result["simulated"] = dict(measured.to_json(), estimate_error=estimate.activation_forward_bytes /
                                        max(1, measured.activation_peak) - 1)
             result["time_model"] = _time_model(spec, request, measured.recorded, args.overlap_update)
+            if args.chunk_sizes:
+                result["chunk_sizes"] = _chunk_sizes(config, spec, request, estimate, measured, args.overlap_update)
     print(json.dumps(result, indent=1) if args.json else _text(result), file=stdout)
     return 1 if estimate.verdict == "does not fit" or "failure" in result.get("time_model", {}) else 0
 
@@ -163,6 +173,34 @@ def _time_model(spec: Any, request: Any, recorded: Any, overlap: bool) -> dict[s
     plain = sum(speeds.compute.values()) + sum(recorded.sizes.values()) / speeds.device_update
     return {"step_s": got.step_s, "stage_s": got.stage_s, "h2d_bytes": got.h2d_bytes, "d2h_bytes": got.d2h_bytes,
             "overlap": got.overlap, "host_update_s": got.host_update_s, "bound_s": got.bound(plain, speeds)}
+
+
+def _chunk_sizes(config: Any, spec: Any, request: Any, estimate: Any, measured: Any,
+                 overlap: bool) -> list[dict[str, Any]]:
+    """The default chunk size (`measured`'s) and each band's (chunks/layout.py's chunk_size_bands) simulated and
+    replayed by the time model, fastest first; a size whose budget did not hold, last, with why."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from chunkmem.chunks.layout import chunk_size_bands
+    from chunkmem.errors import MemoryBudgetError
+    from chunkmem.trace.search import HOST_UPDATE, PCIE
+    from chunkmem.trace.simulate import simulate
+
+    with torch.device("meta"):
+        named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+    def row(run: Any, default: bool) -> dict[str, Any]:
+        return {"chunk_size": run.chunk_size, "default": default, "model_data_bytes": run.model_data_bytes,
+                **_time_model(spec, request, run.recorded, overlap)}
+
+    rows = [row(measured, True)]
+    for size in chunk_size_bands(named, besides=measured.chunk_size):
+        try:
+            rows.append(row(simulate(config, request, estimate, record=True, host_weight=PCIE / HOST_UPDATE,
+                                     chunk_size=size), False))
+        except (MemoryBudgetError, torch.OutOfMemoryError) as error:
+            rows.append({"chunk_size": size, "default": False, "failure": str(error)})
+    return sorted(rows, key=lambda r: r.get("step_s", math.inf))
 
 
 def _layouts(config: Any, gpus: int, request: Any, as_json: bool, stdout: Any, shown: int = 10) -> int:
@@ -242,4 +280,15 @@ def _text(r: dict[str, Any]) -> str:
                      + " / ".join(f"{t['stage_s'][k] * 1000:.3g}" for k in ("fwd", "bwd", "optim"))
                      + f" ms), {_gib(t['h2d_bytes']).strip()} up and {_gib(t['d2h_bytes']).strip()} down, "
                      f"{t['overlap']:.0%} of copy time hidden, bound {t['bound_s']:.3g} s (chunkmem/trace/timing.py)")
+    if "chunk_sizes" in r:
+        lines.append("chunk sizes by the time model's predicted step:")
+        lines += [f"  {c['chunk_size']:>12} elements{' (default)' if c['default'] else '          '}  "
+                  + (f"{c['step_s']:.3g} s, {_gib(c['h2d_bytes']).strip()} up, {_gib(c['d2h_bytes']).strip()} down"
+                     if "step_s" in c else f"the budget did not hold: {c['failure']}") for c in r["chunk_sizes"]]
+        best, default = r["chunk_sizes"][0], next(c for c in r["chunk_sizes"] if c["default"])
+        if not best["default"] and "step_s" in best:
+            lines.append(f"fastest: Config(chunk_size={best['chunk_size']}) or --chunk-size {best['chunk_size']}, "
+                         f"{1 - best['step_s'] / default['step_s']:.0%} shorter than the default's predicted step")
+        elif best["default"]:
+            lines.append("fastest: the default")
     return "\n".join(lines)

@@ -44,11 +44,11 @@ class Measured:
 
 
 def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, use_cache: bool = True,
-             record: bool = False, host_weight: float = 0.0) -> Measured:
+             record: bool = False, host_weight: float = 0.0, chunk_size: int | None = None) -> Measured:
     """Run one training step of `config`'s model under `request` in the CPU simulation.
 
     host_weight: the planner's (chunks/planning.py's Note on homes by time), as the GPU machine predicted would
-    plan: the simulation's own says how CI plans, not how that machine does.
+    plan: the simulation's own says how CI plans, not how that machine does. chunk_size: Config.chunk_size.
 
     use_cache: Hugging Face's default forward keeps the key/value cache (True: what a plain loop
     calling `model(ids, labels=ids)` runs, and what the activation model counts); `chunkmem
@@ -75,7 +75,7 @@ def simulate(config: Any, request: Request, estimate: Estimate, seed: int = 0, u
         torch.optim.AdamW(model.parameters(), lr=1e-4) if request.optimizer == "adam" else
         torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9 if request.optimizer == "sgd-momentum" else 0))
     prepared, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(
-        device="cpu", device_memory=request.device_memory, dtype=request.dtype,
+        device="cpu", device_memory=request.device_memory, dtype=request.dtype, chunk_size=chunk_size,
         offload_activations=request.offload_activations))
     prepared.runtime.placer.host_weight = host_weight
     ids = torch.randint(0, config.vocab_size, (request.batch_size, request.seq_len),

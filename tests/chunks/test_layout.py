@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunkmem.chunks.layout import ALIGN, pack, search_chunk_size
+from chunkmem.chunks.layout import ALIGN, CHUNK_BANDS, chunk_size_bands, pack, search_chunk_size
 
 
 def test_pack_fills_chunks_in_order_and_opens_a_new_one_when_full():
@@ -44,3 +44,15 @@ def test_search_counts_the_chunks_that_round_up_to_the_world_size():
     assert search_chunk_size(params) == 2240
     assert search_chunk_size(params, multiple_of=3) == 1536
     assert pack(params, 1536, multiple_of=3).wasted < pack(params, 2240, multiple_of=3).wasted / 1.5
+
+
+def test_bands_take_a_size_in_each_span_of_the_largest_parameter_none_within_5_percent_of_another():
+    params = [(f"p{i}", 640 + 64 * (i % 5)) for i in range(40)]
+    largest = max(n for _, n in params)
+    sizes = chunk_size_bands(params)
+    assert sizes == sorted(sizes) and len(sizes) >= 3 and sizes[0] >= largest
+    assert all(any(largest * low - ALIGN <= s <= largest * high + ALIGN for low, high in CHUNK_BANDS) for s in sizes)
+    assert all(b > a * 1.05 for a, b in zip(sizes, sizes[1:]))
+    assert pack(params, sizes[0]).wasted <= pack(params, largest).wasted, "the least wasteful of its band"
+    default = search_chunk_size(params)
+    assert all(abs(s - default) > default * 0.05 for s in chunk_size_bands(params, besides=default))

@@ -163,6 +163,34 @@ def test_plan_simulate(capsys) -> None:
     assert apart["host_update_s"] > 0 and apart["bound_s"] <= ahead["step_s"] < apart["step_s"]
 
 
+def test_plan_ranks_chunk_sizes_by_the_predicted_step(capsys) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from chunkmem.chunks.layout import chunk_size_bands
+    from chunkmem.trace.planner import gpt2_config
+
+    args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16",
+            "--dtype", "bf16", "--device-memory", "2MiB", "--simulate"]
+    assert main(args[:-1] + ["--chunk-sizes"]) == 2 and "add --simulate" in capsys.readouterr().err
+    assert main(args + ["--chunk-sizes", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["chunk_sizes"]
+    default = [r for r in rows if r["default"]]
+    assert len(default) == 1 and default[0]["chunk_size"] == result["simulated"]["chunk_size"]
+    assert default[0]["step_s"] == result["time_model"]["step_s"]
+    with torch.device("meta"):
+        named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(gpt2_config(2, 64, 128, 1024))
+                 .named_parameters()]
+    # Each simulated at its own size (what the prepared model's memory_stats said), and fastest first.
+    others = chunk_size_bands(named, besides=default[0]["chunk_size"])
+    assert others and sorted(r["chunk_size"] for r in rows if not r["default"]) == others
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert main(args + ["--chunk-sizes"]) == 0
+    text = capsys.readouterr().out
+    assert "chunk sizes by the time model's predicted step:" in text and "(default)" in text
+    assert "fastest: " in text
+
+
 def test_plan_simulate_with_cudas_allocator_sizes_trains_where_the_plans_slots_do_not_all_fit(capsys, sim_memory) -> None:
     # At 48 MiB the plan made after the first step asks the arena for more slots than the allocator's segments leave
     # room for (chunkmem/memory/arena.py, `reserve`): the steps go on, and the third is recorded.
