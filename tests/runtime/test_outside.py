@@ -44,9 +44,9 @@ def test_parameters_read_between_forward_and_backward_and_after_step_hold_plain_
 def test_a_device_op_on_a_parameter_whose_chunk_is_off_the_device_fails_as_on_a_gpu(sim_memory):
     """Issue 34: such a parameter is a host tensor. On a GPU an op that mixes it with device tensors fails; the
     simulation must fail too, not compute. Ops on it alone, copies to the device and 0-dim host scalars pass."""
-    memory = sim_memory(1024)  # segments of 2 and 20 KiB for chunks of 5 KiB
+    memory = sim_memory(1024)  # segments of 2 and 20 KiB for chunks of 5 KiB, and two 20 KiB ones of room a step
     model, batches = mlp(depth=8), mlp_batches(2)
-    cm, opt = prepared(model, adamw, device_memory=int(param_bytes(model) * 0.3) + 2**16)
+    cm, opt = prepared(model, adamw, device_memory=int(param_bytes(model) * 0.3) + 2**17)
     for batch in batches:
         mlp_loss(cm, batch).backward()
         opt.step()
