@@ -474,10 +474,14 @@ def _spare_room(step: Step, plan: Plan, sizes: dict[str, int], start: Collection
     return after, before, first, held
 
 
+def update_scratch(numel: int) -> list[int]:
+    """The blocks a low-precision group's update of `numel` elements allocates on the device beside its chunks
+    (planning's Note on update scratch): fp32 copies of its gradients and two fp32 temporaries of as many elements."""
+    return [numel * 4] * 3
+
+
 def _update_scratch(group: ChunkGroup) -> int:
-    """What a low-precision group's update allocates on the device beside its chunks (planning's Note on update
-    scratch): fp32 copies of its gradients and two fp32 temporaries, each the size of its parameters' packed range."""
-    return sum(r.slot.numel for r in group.members) * 4 * 3 if "master" in group.chunks else 0
+    return sum(update_scratch(sum(r.slot.numel for r in group.members))) if "master" in group.chunks else 0
 
 
 def _mib(nbytes: int) -> str:

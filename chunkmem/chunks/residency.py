@@ -57,6 +57,7 @@ class TrafficStats:
     grad_stream_bytes: int = 0  # gradients copied straight to the host as backward writes them
     oom_fallbacks: int = 0
     prefetches_dropped: int = 0  # prefetches the allocator had no room for: left to come when needed
+    updates_moved_to_host: int = 0  # homed groups' updates the device had no room for (optim's _room_on_device)
 
 
 class Residency:
@@ -190,6 +191,25 @@ class Residency:
         if chunk.state.on_device:
             self._drop(chunk)
         chunk.write_host()
+
+    def reserve(self, blocks: list[int], keep: Iterable[Chunk]) -> None:
+        """Allocate blocks of these byte sizes on the device and free them, before an operation that allocates as
+        much and cannot be redone once begun (a homed group's update: planning's Note on update scratch). Refused,
+        they fall back as a chunk's upload does, `keep` staying; freed, they wait in the caching allocator for the
+        operation's own allocations, which nothing else comes between."""
+        kept = list(keep)
+        for chunk in kept:
+            chunk.pins += 1
+        try:
+            def allocate() -> list[torch.Tensor]:
+                return [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in blocks]
+            try:
+                allocate()
+            except torch.OutOfMemoryError as error:
+                self.retry_out_of_memory(error, allocate)
+        finally:
+            for chunk in kept:
+                chunk.pins -= 1
 
     def retry_out_of_memory(self, error: torch.OutOfMemoryError, retry: Callable[[], T]) -> T:
         """After an out-of-memory error: give the allocator what the failed allocation needs, a chunk nothing uses

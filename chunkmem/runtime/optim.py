@@ -41,6 +41,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 
 from chunkmem.chunks.chunk import Chunk
+from chunkmem.chunks.placement import update_scratch
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
@@ -330,6 +331,8 @@ class ChunkOptimizer(Optimizer):
                 inv_scale: float, on_device: bool, together: Together) -> bool:
         runtime = self.runtime
         lowp = "master" in chunk_group.chunks
+        if on_device and lowp and not self._room_on_device(chunk_group, members):
+            on_device = False  # this step on the host, as a streamed group's: its chunks come back when next needed
         host_native = self.native is not None and not on_device
         # One param group at one step count: one pass of the native kernel, or one update of the packed range.
         uniform = self.uniform(chunk_group, members, group_of) if lowp or host_native else None
@@ -373,6 +376,18 @@ class ChunkOptimizer(Optimizer):
             else:
                 self.rule.update(group, *lists)
         return later
+
+    def _room_on_device(self, chunk_group: ChunkGroup, members: list[ParamRecord]) -> bool:
+        """Whether a homed low-precision group's update has room on the device (planning's Note on update scratch):
+        it allocates, and cannot be redone once begun, so its blocks are reserved first (Residency.reserve). Where
+        even that falls short (the holes of this step's allocations), the update runs on the host instead."""
+        try:
+            self.runtime.residency.reserve(update_scratch(sum(r.slot.numel for r in members)),
+                                           chunk_group.chunks.values())
+        except torch.OutOfMemoryError:
+            self.runtime.residency.stats.updates_moved_to_host += 1
+            return False
+        return True
 
     def _update_flat(self, members: list[ParamRecord], group: dict, grad: torch.Tensor, master: torch.Tensor,
                      states: dict[str, torch.Tensor]) -> None:
