@@ -1,0 +1,107 @@
+"""Does a budget `prepare` accepts train at every step? The zoo swept over budgets, dtypes and chunk sizes.
+
+    CHUNKMEM_SIM_LANDING=wait python -m benchmarks.budget_sweep --json benchmarks/results/budget_sweep_cpu.json
+
+Every tiny architecture of tests/zoo.py (decoders, encoders, seq2seq, vision, BatchNorm, mixture of experts) trains
+six steps in the CPU simulation with CUDA's caching allocator modelled (chunkmem/memory/simmemory.py), its sizes
+scaled as the model's data is to the 1.16B LLaMA's, under the H100 issue's budget rule: 1.15 x plain PyTorch's
+activation peak (measured under the same allocator model, apart from chunkmem) plus a share of the model data. Each
+run ends one way: trains (reserved memory within the budget: else "over budget"), refused (a MemoryBudgetError,
+at prepare or in a step: the contract allows it at prepare; in a step it names what to raise), CUDA's out-of-memory
+error in a step (what the contract forbids: the user gets the allocator's message, from inside a phase nothing
+falls back in), or another error (a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+
+import torch
+
+import chunkmem
+from benchmarks.common import table, write_json
+from chunkmem.memory.simmemory import Sizes, use_simulated_memory
+from tests import zoo
+
+LLAMA_MODEL_DATA = 17.6 * 2**30  # the 1.16B LLaMA's, in fp32 with AdamW: what the allocator's sizes scale against
+
+
+def plain_activation_peak(model: torch.nn.Module, batch: dict, memory) -> int:  # type: ignore[no-untyped-def]
+    """What plain PyTorch allocates for one step beyond its parameters (gradients included), under `memory`."""
+    plain = copy.deepcopy(model)
+    for param in plain.parameters():
+        memory.charge(param.data)
+    static = memory.allocator.allocated
+    memory.allocator.peak_allocated = static
+    zoo.loss(plain, batch).backward()
+    return memory.allocator.peak_allocated - static
+
+
+def run(arch: zoo.Arch, dtype: str, share: float, coarse: bool, steps: int) -> dict:
+    model, batches = arch.build(), arch.batches(3)
+    data = sum(p.numel() for p in model.parameters()) * 16  # fp32 parameter, gradient and two AdamW states
+    sizes = Sizes.scaled(LLAMA_MODEL_DATA / data)
+    budget = int(1.15 * plain_activation_peak(model, batches[0], use_simulated_memory(sizes)) + share * data)
+    memory = use_simulated_memory(sizes)
+    chunk = 3 * max(p.numel() for p in model.parameters()) + 1 if coarse else None
+    row = {"model": arch.name, "dtype": dtype, "share": share, "chunk": "3 x largest" if coarse else "default",
+           "budget KiB": round(budget / 1024, 1)}
+    step, phase = -1, "prepare"
+    try:
+        cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype, chunk_size=chunk))
+        for step in range(steps):
+            phase = "forward"
+            loss = zoo.loss(cm, batches[step % len(batches)])
+            phase = "backward"
+            loss.backward()
+            phase = "optimizer"
+            opt.step()
+            opt.zero_grad()
+        stats = cm.memory_stats()
+        over = memory.allocator.peak_reserved > budget
+        outcome = "over budget" if over else "trains"
+        row |= {"fallbacks": stats["oom_fallbacks"], "updates on host": stats["updates_moved_to_host"]}
+    except chunkmem.MemoryBudgetError:
+        outcome = "refused at prepare" if step < 0 else f"refused in step {step} ({phase})"
+    except torch.OutOfMemoryError:
+        outcome = f"CUDA OOM in step {step} ({phase})"
+    except Exception as error:  # noqa: BLE001 - what the sweep is for: every other ending is a bug to report
+        outcome = f"error in step {step} ({phase}): {type(error).__name__}: {error}"[:160]
+    return {"fallbacks": "-", "updates on host": "-"} | row | {"outcome": outcome,
+                                                               "reserved KiB": round(memory.allocator.peak_reserved / 1024, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="all", help="comma-separated tests/zoo.py names, or all")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--shares", default="0.05,0.1,0.25,0.5", help="shares of the model data beside activations")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    archs = zoo.available() if args.models == "all" else [zoo.by_name(n) for n in args.models.split(",")]
+    rows = []
+    for arch in archs:
+        for dtype in args.dtypes.split(","):
+            for share in map(float, args.shares.split(",")):
+                for coarse in (False, True):
+                    rows.append(run(arch, dtype, share, coarse, args.steps))
+                    print(f"{arch.name} {dtype} {share} {rows[-1]['chunk']}: {rows[-1]['outcome']}", flush=True)
+    columns = ["model", "dtype", "share", "chunk", "budget KiB", "reserved KiB", "fallbacks", "updates on host",
+               "outcome"]
+    print(table(rows, columns))
+    kinds = collections.Counter(r["outcome"].split(" in step")[0].split(":")[0] for r in rows)
+    by_share = {share: collections.Counter(r["outcome"].split(" in step")[0] for r in rows if r["share"] == share)
+                for share in map(float, args.shares.split(","))}
+    print("outcomes:", dict(kinds))
+    for share, counts in by_share.items():
+        print(f"  share {share}: {dict(counts)}")
+    write_json(args.json, {"benchmark": "budget_sweep", "args": vars(args), "rows": rows, "outcomes": dict(kinds),
+                           "by_share": {str(k): dict(v) for k, v in by_share.items()}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/budget_sweep.py tells each way a budgeted run ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import zoo
+
+budget_sweep = pytest.importorskip("benchmarks.budget_sweep")
+pytest.importorskip("transformers")
+
+
+def test_a_run_that_trains_within_its_budget_says_so(sim_memory) -> None:
+    row = budget_sweep.run(zoo.by_name("gpt2"), "fp32", 0.5, coarse=False, steps=2)
+    assert row["outcome"] == "trains" and row["reserved KiB"] <= row["budget KiB"]
+
+
+def test_cudas_error_in_a_step_is_told_apart_from_a_refusal(sim_memory, monkeypatch) -> None:
+    original, calls = torch.Tensor.backward, []
+
+    def backward(self, *args, **kwargs):  # plain PyTorch's, measured first, runs; chunkmem's first step's fails
+        calls.append(self)
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    row = budget_sweep.run(zoo.by_name("gpt2"), "fp32", 0.5, coarse=False, steps=2)
+    assert row["outcome"] == "CUDA OOM in step 0 (backward)"
+    monkeypatch.undo()
+    negative = budget_sweep.run(zoo.by_name("gpt2"), "fp32", -1.0, coarse=False, steps=2)  # below zero: bad input
+    assert negative["outcome"].startswith("error in step -1 (prepare): ValueError: Config.device_memory=-")
