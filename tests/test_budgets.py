@@ -218,6 +218,24 @@ def test_a_homed_update_without_room_on_the_device_runs_on_the_host_with_the_sam
     assert losses == all_losses and all(torch.equal(state[k], v) for k, v in all_state.items())
 
 
+@pytest.mark.slow
+def test_an_fp32_run_whose_temporaries_find_no_room_is_refused_before_it_changes_anything(sim_memory):
+    """Swin in fp32 at a quarter of its model data: every group fits and updates together on the device, and at the
+    warm-up's end torch's Adam needs temporaries the budget has no room for. Before, CUDA's error came from inside
+    Adam, some states changed; now the run's blocks are reserved first, and the refusal says what to do."""
+    arch = zoo.by_name("swin")
+    model, batches = arch.build(), arch.batches(1)
+    data = sum(p.numel() for p in model.parameters()) * 16
+    divisor = (17.6 * 2**30) / data
+    budget = int(1.15 * plain_activation_peak(model, batches[0], sim_memory(divisor)) + 0.25 * data)
+    sim_memory(divisor)
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               chunkmem.Config(device="cpu", device_memory=budget))
+    zoo.loss(cm, batches[0]).backward()
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"temporaries .* fused=True"):
+        opt.step()
+
+
 def train_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list) -> list[float]:
     losses = []
     for batch in batches:

@@ -38,12 +38,14 @@ from typing import Any
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as adam_update
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch.optim.sgd import sgd as sgd_update
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.placement import update_scratch
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
+from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory import native
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.runtime import Runtime
@@ -121,6 +123,21 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         step += 1
 
 
+def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[int], int]) -> list[int]:
+    """The blocks (bytes) torch.optim allocates on the device updating `params` of param group `group` in one call:
+    none fused; with foreach, a temporary of each parameter at once; else two at a time, each parameter's size: two
+    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class)."""
+    fused, foreach = group.get("fused"), group.get("foreach")
+    if fused is None and foreach is None:
+        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    sizes = [p.numel() * p.element_size() for p in params]
+    if fused or foreach:
+        return [] if fused else sizes
+    small = segment_for(1)
+    largest = {segment_for(n) == small: n for n in sorted(sizes)}  # the largest of each pool, last written
+    return [n for n in largest.values() for _ in range(2)]
+
+
 def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     """fp32 copies of low-precision gradients (unscaled by `inv_scale`), packed in one buffer in their order: one
     allocation and one multi-tensor copy for a chunk group rather than one of each per parameter (kernel launches
@@ -144,8 +161,9 @@ class Together:
     them about to leave it makes them all now (`leaving`). `after` are host-updated parameter chunks to send up
     once the updates are made."""
 
-    def __init__(self, rule: Rule) -> None:
+    def __init__(self, rule: Rule, reserve: Callable[[Together], None] | None = None) -> None:
         self.rule = rule
+        self.reserve = reserve  # on the device: room for the run's temporaries, before any of it changes
         self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
         self.chunks: set[Chunk] = set()
         self.after: list[Chunk] = []
@@ -161,6 +179,8 @@ class Together:
         all_steps += steps
 
     def update(self) -> None:
+        if self.reserve is not None and self.lists:
+            self.reserve(self)
         lists, self.lists = self.lists, {}
         self.chunks.clear()
         for group, params, grads, states, steps in lists.values():
@@ -267,7 +287,7 @@ class ChunkOptimizer(Optimizer):
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
-        together, hosted = Together(self.rule), Together(self.rule)  # on the device; a run on the host
+        together, hosted = Together(self.rule, self._reserve_run), Together(self.rule)  # on the device; on the host
         runtime.residency.before_leave = together.leaving
         try:
             for chunk_group in runtime.groups():
@@ -376,6 +396,21 @@ class ChunkOptimizer(Optimizer):
             else:
                 self.rule.update(group, *lists)
         return later
+
+    def _reserve_run(self, together: Together) -> None:
+        """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
+        and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
+        Where the budget has none, a clear error, the run's parameters as they were."""
+        segment_for = self.runtime.device.segment_for
+        blocks = [n for group, params, *_ in together.lists.values() for n in run_scratch(group, params, segment_for)]
+        try:
+            self.runtime.residency.reserve(blocks, together.chunks)
+        except torch.OutOfMemoryError as error:
+            raise MemoryBudgetError(
+                f"the optimizer step's temporaries on the device ({sum(blocks)} bytes for the fp32 parameters it "
+                f"updates there) do not fit beside the chunks in Config.device_memory={self.runtime.limit} bytes; "
+                "those parameters were not updated. Raise device_memory, or construct the optimizer with fused=True (torch's fused "
+                f"kernel allocates no temporaries). The allocator said: {error}") from error
 
     def _room_on_device(self, chunk_group: ChunkGroup, members: list[ParamRecord]) -> bool:
         """Whether a homed low-precision group's update has room on the device (planning's Note on update scratch):
