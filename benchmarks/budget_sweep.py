@@ -70,8 +70,8 @@ def run(arch: zoo.Arch, dtype: str, share: float, coarse: bool, steps: int) -> d
         outcome = f"CUDA OOM in step {step} ({phase})"
     except Exception as error:  # noqa: BLE001 - what the sweep is for: every other ending is a bug to report
         outcome = f"error in step {step} ({phase}): {type(error).__name__}: {error}"[:160]
-    return {"fallbacks": "-", "updates on host": "-"} | row | {"outcome": outcome,
-                                                               "reserved KiB": round(memory.allocator.peak_reserved / 1024, 1)}
+    reserved = round(memory.allocator.peak_reserved / 1024, 1)
+    return {"fallbacks": "-", "updates on host": "-"} | row | {"outcome": outcome, "reserved KiB": reserved}
 
 
 def main() -> None:

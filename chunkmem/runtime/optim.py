@@ -401,6 +401,8 @@ class ChunkOptimizer(Optimizer):
         """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
         and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
         Where the budget has none, a clear error, the run's parameters as they were."""
+        if self.runtime.config.device_memory is None:  # no budget: the device's own limit, nothing to hold against
+            return
         segment_for = self.runtime.device.segment_for
         blocks = [n for group, params, *_ in together.lists.values() for n in run_scratch(group, params, segment_for)]
         try:
@@ -409,13 +411,16 @@ class ChunkOptimizer(Optimizer):
             raise MemoryBudgetError(
                 f"the optimizer step's temporaries on the device ({sum(blocks)} bytes for the fp32 parameters it "
                 f"updates there) do not fit beside the chunks in Config.device_memory={self.runtime.limit} bytes; "
-                "those parameters were not updated. Raise device_memory, or construct the optimizer with fused=True (torch's fused "
-                f"kernel allocates no temporaries). The allocator said: {error}") from error
+                "those parameters were not updated. Raise device_memory, or construct the optimizer with fused=True "
+                f"(torch's fused kernel allocates no temporaries). The allocator said: {error}") from error
 
     def _room_on_device(self, chunk_group: ChunkGroup, members: list[ParamRecord]) -> bool:
         """Whether a homed low-precision group's update has room on the device (planning's Note on update scratch):
         it allocates, and cannot be redone once begun, so its blocks are reserved first (Residency.reserve). Where
-        even that falls short (the holes of this step's allocations), the update runs on the host instead."""
+        even that falls short (the holes of this step's allocations), the update runs on the host instead. Without a
+        budget, nothing to reserve: a launch-bound step pays nothing for it."""
+        if self.runtime.config.device_memory is None:
+            return True
         try:
             self.runtime.residency.reserve(update_scratch(sum(r.slot.numel for r in members)),
                                            chunk_group.chunks.values())
