@@ -189,6 +189,7 @@ def _chunk_sizes(config: Any, spec: Any, request: Any, estimate: Any, measured: 
 
     with torch.device("meta"):
         named = [(n, p.numel()) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+
     def row(run: Any, default: bool) -> dict[str, Any]:
         return {"chunk_size": run.chunk_size, "default": default, "model_data_bytes": run.model_data_bytes,
                 **_time_model(spec, request, run.recorded, overlap)}
