@@ -17,18 +17,20 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import os
+from collections.abc import Callable
 
 import torch
 
 import chunkmem
 from benchmarks.common import table, write_json
-from chunkmem.memory.simmemory import Sizes, use_simulated_memory
+from chunkmem.memory.simmemory import SimulatedMemory, Sizes, use_simulated_memory
 from tests import zoo
 
 LLAMA_MODEL_DATA = 17.6 * 2**30  # the 1.16B LLaMA's, in fp32 with AdamW: what the allocator's sizes scale against
 
 
-def plain_activation_peak(model: torch.nn.Module, batch: dict, memory) -> int:  # type: ignore[no-untyped-def]
+def plain_activation_peak(model: torch.nn.Module, batch: dict, memory: SimulatedMemory) -> int:
     """What plain PyTorch allocates for one step beyond its parameters (gradients included), under `memory`."""
     plain = copy.deepcopy(model)
     for param in plain.parameters():
@@ -39,12 +41,24 @@ def plain_activation_peak(model: torch.nn.Module, batch: dict, memory) -> int:  
     return memory.allocator.peak_allocated - static
 
 
+def h100_rule(model: torch.nn.Module, batch: dict, share: float,
+              memory_for: Callable[[float], SimulatedMemory]) -> tuple[int, float]:
+    """The H100 issue's budget for `model` at `share` of its model data (fp32 parameter, gradient and two AdamW
+    states), and the divisor of the allocator's sizes that scales them as its model data is to the 1.16B LLaMA's.
+    `memory_for(divisor)`: a fresh allocator model of sizes divided by it (tests: their `sim_memory`)."""
+    data = sum(p.numel() for p in model.parameters()) * 16
+    divisor = LLAMA_MODEL_DATA / data
+    return int(1.15 * plain_activation_peak(model, batch, memory_for(divisor)) + share * data), divisor
+
+
+def _fresh_memory(divisor: float) -> SimulatedMemory:
+    return use_simulated_memory(Sizes.scaled(divisor))
+
+
 def run(arch: zoo.Arch, dtype: str, share: float, coarse: bool, steps: int) -> dict:
     model, batches = arch.build(), arch.batches(3)
-    data = sum(p.numel() for p in model.parameters()) * 16  # fp32 parameter, gradient and two AdamW states
-    sizes = Sizes.scaled(LLAMA_MODEL_DATA / data)
-    budget = int(1.15 * plain_activation_peak(model, batches[0], use_simulated_memory(sizes)) + share * data)
-    memory = use_simulated_memory(sizes)
+    budget, divisor = h100_rule(model, batches[0], share, _fresh_memory)
+    memory = _fresh_memory(divisor)
     chunk = 3 * max(p.numel() for p in model.parameters()) + 1 if coarse else None
     row = {"model": arch.name, "dtype": dtype, "share": share, "chunk": "3 x largest" if coarse else "default",
            "budget KiB": round(budget / 1024, 1)}
@@ -82,6 +96,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    os.environ["CHUNKMEM_SIM_MEMORY"] = "cuda"  # devices model the allocator (run() gives it each model's sizes)
     archs = zoo.available() if args.models == "all" else [zoo.by_name(n) for n in args.models.split(",")]
     rows = []
     for arch in archs:

@@ -23,6 +23,7 @@ import torch
 import chunkmem
 from chunkmem.memory.arena import SlotArena
 from chunkmem.runtime.runtime import Runtime
+from benchmarks.budget_sweep import h100_rule
 from tests import zoo
 
 DIVISOR = 256  # 1.16B parameters and 250 MiB chunks on the H100, 4.5M and 1 MiB here
@@ -162,18 +163,6 @@ def test_activations_that_cannot_fit_beside_one_module_in_the_forward_are_refuse
         cm(ids, labels=ids).loss.backward()
 
 
-def plain_activation_peak(model: torch.nn.Module, batch: dict, memory) -> int:
-    """The most plain PyTorch holds on the device for one step beyond its parameters (gradients included), under
-    the allocator model."""
-    plain = copy.deepcopy(model)
-    for param in plain.parameters():
-        memory.charge(param.data)
-    static = memory.allocator.allocated
-    memory.allocator.peak_allocated = static
-    zoo.loss(plain, batch).backward()
-    return memory.allocator.peak_allocated - static
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", zoo.available(), ids=[a.name for a in zoo.available()])
 def test_the_zoo_trains_within_what_the_allocator_holds_at_half_its_model_data(arch, sim_memory):
@@ -183,9 +172,7 @@ def test_the_zoo_trains_within_what_the_allocator_holds_at_half_its_model_data(a
     ref = copy.deepcopy(model)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
     expected = train_loop(ref, adamw(ref.parameters()), batches)
-    data = sum(p.numel() for p in model.parameters()) * 16  # fp32 parameter, gradient and two AdamW states
-    divisor = (17.6 * 2**30) / data
-    budget = int(1.15 * plain_activation_peak(model, batches[0], sim_memory(divisor)) + 0.5 * data)
+    budget, divisor = h100_rule(model, batches[0], 0.5, sim_memory)
     memory = sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
     assert train_loop(cm, opt, batches) == expected
@@ -203,10 +190,8 @@ def test_a_homed_update_without_room_on_the_device_runs_on_the_host_with_the_sam
     runs = []
     for share in (0.25, None):
         model, batches = arch.build(), arch.batches(3) * 2
-        data = sum(p.numel() for p in model.parameters()) * 16
-        divisor = (17.6 * 2**30) / data
-        budget = None if share is None else int(1.15 * plain_activation_peak(model, batches[0], sim_memory(divisor))
-                                                 + share * data)
+        budget, divisor = h100_rule(model, batches[0], share or 0.0, sim_memory)
+        budget = budget if share else None
         memory = sim_memory(divisor)
         chunk = 3 * max(p.numel() for p in model.parameters()) + 1
         cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -225,15 +210,14 @@ def test_an_fp32_run_whose_temporaries_find_no_room_is_refused_before_it_changes
     Adam, some states changed; now the run's blocks are reserved first, and the refusal says what to do."""
     arch = zoo.by_name("swin")
     model, batches = arch.build(), arch.batches(1)
-    data = sum(p.numel() for p in model.parameters()) * 16
-    divisor = (17.6 * 2**30) / data
-    budget = int(1.15 * plain_activation_peak(model, batches[0], sim_memory(divisor)) + 0.25 * data)
+    budget, divisor = h100_rule(model, batches[0], 0.25, sim_memory)
     sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                chunkmem.Config(device="cpu", device_memory=budget))
     zoo.loss(cm, batches[0]).backward()
     with pytest.raises(chunkmem.MemoryBudgetError, match=r"temporaries .* fused=True"):
         opt.step()
+    assert all(count.item() == 0 for count in opt.steps.values()), "Adam began no parameter's update"
 
 
 def train_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list) -> list[float]:

@@ -197,16 +197,16 @@ class Residency:
         much and cannot be redone once begun (a homed group's update: planning's Note on update scratch). Refused,
         they fall back as a chunk's upload does, `keep` staying; freed, they wait in the caching allocator for the
         operation's own allocations, which nothing else comes between."""
+        def allocate() -> list[torch.Tensor]:
+            return [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in blocks]
+
         kept = list(keep)
         for chunk in kept:
             chunk.pins += 1
         try:
-            def allocate() -> list[torch.Tensor]:
-                return [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in blocks]
-            try:
-                allocate()
-            except torch.OutOfMemoryError as error:
-                self.retry_out_of_memory(error, allocate)
+            allocate()
+        except torch.OutOfMemoryError as error:
+            self.retry_out_of_memory(error, allocate)
         finally:
             for chunk in kept:
                 chunk.pins -= 1

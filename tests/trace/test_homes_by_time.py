@@ -85,5 +85,4 @@ def test_the_scratch_a_plan_leaves_a_homed_update_covers_what_the_update_allocat
         opt.step()
         opt.zero_grad()
     largest = max(g.scratch for g in placer.groups)
-    # CUDA's allocator does not split a cached block for a remainder under 1 MiB: each block may take that much more.
-    assert largest // 2 < allocator.peak_allocated - before <= largest + 3 * allocator.sizes.small
+    assert largest // 2 < allocator.peak_allocated - before <= largest
