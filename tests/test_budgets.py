@@ -168,11 +168,24 @@ def test_activations_that_cannot_fit_beside_one_module_in_the_forward_are_refuse
 def test_the_zoo_trains_within_what_the_allocator_holds_at_half_its_model_data(arch, sim_memory):
     # The H100's budget rule for each architecture, its allocator sizes scaled as its model data is to the 1.16B
     # LLaMA's (17.6 GiB): fp32 bits of plain PyTorch, no fallback, reserved memory within the budget.
+    trains_as_plain(arch, 0.5, sim_memory)
+
+
+@pytest.mark.slow
+def test_the_warm_up_leaves_room_for_the_most_non_model_data_grew_between_two_readings(sim_memory):
+    """Falcon in fp32 at a tenth of its model data: the warm-up's backward ran out of CUDA's allocator in its first
+    step, as its chunks gave way to activations only by the 5% margin while one gradient of backward took more. The
+    warm-up's margin is now at least the most non-model data grew between two readings (placement's
+    _conservative_now); backward ops cannot be retried after an out-of-memory error as forward's are."""
+    trains_as_plain(zoo.by_name("falcon"), 0.1, sim_memory)
+
+
+def trains_as_plain(arch: zoo.Arch, share: float, sim_memory) -> None:
     model, batches = arch.build(), arch.batches(2) * 2
     ref = copy.deepcopy(model)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
     expected = train_loop(ref, adamw(ref.parameters()), batches)
-    budget, divisor = h100_rule(model, batches[0], 0.5, sim_memory)
+    budget, divisor = h100_rule(model, batches[0], share, sim_memory)
     memory = sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, adamw(model.parameters()), chunkmem.Config(device="cpu", device_memory=budget))
     assert train_loop(cm, opt, batches) == expected
@@ -205,12 +218,12 @@ def test_a_homed_update_without_room_on_the_device_runs_on_the_host_with_the_sam
 
 @pytest.mark.slow
 def test_an_fp32_run_whose_temporaries_find_no_room_is_refused_before_it_changes_anything(sim_memory):
-    """Swin in fp32 at a quarter of its model data: every group fits and updates together on the device, and at the
+    """Swin in fp32 at a fifth of its model data: every group fits and updates together on the device, and at the
     warm-up's end torch's Adam needs temporaries the budget has no room for. Before, CUDA's error came from inside
     Adam, some states changed; now the run's blocks are reserved first, and the refusal says what to do."""
     arch = zoo.by_name("swin")
     model, batches = arch.build(), arch.batches(1)
-    budget, divisor = h100_rule(model, batches[0], 0.25, sim_memory)
+    budget, divisor = h100_rule(model, batches[0], 0.2, sim_memory)
     sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                chunkmem.Config(device="cpu", device_memory=budget))

@@ -290,12 +290,16 @@ class Placer:
         what the non-model data on the device now leaves, less the margin, but never below the working
         set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
         to activations as they grow, as the plan's budgets do later. Chunks give way at accesses, but non-model data
-        also grows between them (the loss's logits, the optimizer's temporaries): once an allocation has failed,
-        the margin is at least the most it grew between two readings and the room a plan leaves (`headroom`), so
-        a step recorded again leaves room for that allocation (before, each fell back again)."""
+        also grows between them (the loss's logits, a gradient of backward, the optimizer's temporaries). A
+        forward op that finds no room is retried once chunks made room (`out_of_memory`), a backward op cannot be: in
+        backward the margin is at least the most non-model data grew between two readings so far. Once an
+        allocation has failed, also the room a plan leaves (`headroom`), so a step recorded again leaves room for
+        that allocation (before, each fell back again)."""
         margin = self.margin
         if self.residency.stats.oom_fallbacks:
             margin = max(margin, self.headroom(), self.rise())
+        elif torch._C._current_graph_task_id() != -1:  # in backward
+            margin = max(margin, self.rise())
         left = self.limit - nonmodel - margin
         self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
