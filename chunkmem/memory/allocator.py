@@ -64,6 +64,10 @@ class Sizes:
             return self.large_segment
         return -(-size // self.round_large) * self.round_large
 
+    def segment_for(self, nbytes: int) -> int:
+        """What a request of `nbytes` reserves when no cached block holds it (Device.segment_for)."""
+        return self.segment(self.round(nbytes))
+
 
 @dataclasses.dataclass(eq=False)
 class Segment:

@@ -172,7 +172,7 @@ class CudaDevice:
         self.reads_memory = True
 
     def segment_for(self, nbytes: int) -> int:
-        return CUDA_SIZES.segment(CUDA_SIZES.round(nbytes))
+        return CUDA_SIZES.segment_for(nbytes)
 
     def alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)

@@ -156,10 +156,7 @@ class SimulatedDevice:
         return self.memory.allocator.take_reading() if self.memory is not None else None
 
     def segment_for(self, nbytes: int) -> int:
-        if self.memory is None:
-            return 0
-        sizes = self.memory.allocator.sizes
-        return sizes.segment(sizes.round(nbytes))
+        return self.memory.allocator.sizes.segment_for(nbytes) if self.memory is not None else 0
 
     def empty_cache(self) -> None:
         if self.memory is not None:

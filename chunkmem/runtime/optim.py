@@ -287,7 +287,10 @@ class ChunkOptimizer(Optimizer):
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
         group_of = self.group_of()
-        together, hosted = Together(self.rule, self._reserve_run), Together(self.rule)  # on the device; on the host
+        # On the device (its temporaries reserved under a budget; without one, the device's own limit: nothing to hold
+        # against, and a launch-bound step pays nothing for it); a run on the host.
+        reserve = self._reserve_run if runtime.config.device_memory is not None else None
+        together, hosted = Together(self.rule, reserve), Together(self.rule)
         runtime.residency.before_leave = together.leaving
         try:
             for chunk_group in runtime.groups():
@@ -401,8 +404,6 @@ class ChunkOptimizer(Optimizer):
         """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
         and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
         Where the budget has none, a clear error, the run's parameters as they were."""
-        if self.runtime.config.device_memory is None:  # no budget: the device's own limit, nothing to hold against
-            return
         segment_for = self.runtime.device.segment_for
         blocks = [n for group, params, *_ in together.lists.values() for n in run_scratch(group, params, segment_for)]
         try:
