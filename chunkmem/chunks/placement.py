@@ -209,9 +209,10 @@ class Placer:
         self.moment(nonmodel)
         return True
 
-    def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1) -> None:
+    def access(self, chunks: Sequence[Chunk], kind: str = "use", group: int = -1, nonmodel: int | None = None) -> None:
         """Chunks needed on the device together now (kind "use"), or a group's gradient write or
-        optimizer update (device accesses only when the group is homed on the device)."""
+        optimizer update (device accesses only when the group is homed on the device). `nonmodel`: the non-model
+        bytes read just before (Runtime.emit), else read here."""
         # The hot path: every module call, saved tensor unpacked, gradient written and group updated comes here.
         if self.resident:  # nothing moves: only a FREE gradient chunk materializes (the Note on resident steps)
             for chunk in chunks:
@@ -223,7 +224,8 @@ class Placer:
             return
         names = tuple([c.name for c in chunks])
         held = self._held(names) if self.pinned else ()
-        nonmodel = self.nonmodel()
+        if nonmodel is None:
+            nonmodel = self.nonmodel()
         self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:
             return

@@ -35,8 +35,8 @@ homed updated it on the host and saw none of that, so its update's non-model byt
 an allocation failing inside an update has no fallback, for a half-made update cannot be redone. Steps recorded
 later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32 groups,
 updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by parameter
-(temporaries of one at a time) or, with foreach, all of the run's at once: a budget that ran out there would need
-the run split.
+(temporaries of one at a time) or, with foreach, all of the run's at once: where the budget has no room for those,
+the run updates a parameter per call (optim's `_reserve_run`: the same bits, the update being elementwise).
 
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving

@@ -58,6 +58,7 @@ class TrafficStats:
     oom_fallbacks: int = 0
     prefetches_dropped: int = 0  # prefetches the allocator had no room for: left to come when needed
     updates_moved_to_host: int = 0  # homed groups' updates the device had no room for (optim's _room_on_device)
+    update_runs_split: int = 0  # fp32 runs updated a parameter at a time, with no room for their temporaries at once
 
 
 class Residency:
@@ -89,8 +90,11 @@ class Residency:
 
     @limit.setter
     def limit(self, limit: int) -> None:
-        self._limit = limit
-        self.device.arena.fit(limit)
+        # Set at every access: the arena has nothing to do when the limit stays and its slots fit it.
+        arena = self.device.arena
+        if limit != self._limit or arena.footprint > limit:
+            self._limit = limit
+            arena.fit(limit)
 
     def to_device(self, chunk: Chunk, reason: str = "on-demand") -> torch.Tensor:
         """Make `chunk` resident (evicting others if needed) and return its device payload, to read."""

@@ -141,8 +141,7 @@ class Hooks:
             # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
             self.outside = (module, FetchMode(self.runtime))
             self.outside[1].__enter__()
-        self.runtime.emit("pre_forward", "fwd", self.names[module])
-        self.runtime.enter(module)
+        self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""

@@ -161,9 +161,11 @@ class Together:
     them about to leave it makes them all now (`leaving`). `after` are host-updated parameter chunks to send up
     once the updates are made."""
 
-    def __init__(self, rule: Rule, reserve: Callable[[Together], None] | None = None) -> None:
+    def __init__(self, rule: Rule, reserve: Callable[[Together], bool] | None = None) -> None:
         self.rule = rule
-        self.reserve = reserve  # on the device: room for the run's temporaries, before any of it changes
+        # On the device: room for the run's temporaries, before any of it changes; False: room for one parameter's
+        # at a time only, and the run updates a parameter per call.
+        self.reserve = reserve
         self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
         self.chunks: set[Chunk] = set()
         self.after: list[Chunk] = []
@@ -179,12 +181,16 @@ class Together:
         all_steps += steps
 
     def update(self) -> None:
-        if self.reserve is not None and self.lists:
-            self.reserve(self)
+        whole = self.reserve is None or not self.lists or self.reserve(self)
         lists, self.lists = self.lists, {}
         self.chunks.clear()
         for group, params, grads, states, steps in lists.values():
-            self.rule.update(group, params, grads, states, steps)
+            if whole:
+                self.rule.update(group, params, grads, states, steps)
+                continue
+            for i in range(len(params)):  # elementwise: the same bits, one parameter's temporaries at a time
+                self.rule.update(group, params[i:i + 1], grads[i:i + 1], {k: v[i:i + 1] for k, v in states.items()},
+                                 steps[i:i + 1])
 
     def leaving(self, chunk: Chunk) -> None:
         """Residency.before_leave: `chunk`'s device payload is about to be read back, dropped or reset."""
@@ -400,20 +406,31 @@ class ChunkOptimizer(Optimizer):
                 self.rule.update(group, *lists)
         return later
 
-    def _reserve_run(self, together: Together) -> None:
+    def _reserve_run(self, together: Together) -> bool:
         """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
         and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
-        Where the budget has none, a clear error, the run's parameters as they were."""
-        segment_for = self.runtime.device.segment_for
-        blocks = [n for group, params, *_ in together.lists.values() for n in run_scratch(group, params, segment_for)]
+        Where the budget has none, room for those of its largest parameter, and the run updates a parameter per call
+        (False): the update is elementwise, so the bits are the same. Where it has not even that, a clear error, the
+        run's parameters as they were."""
+        segment_for, residency = self.runtime.device.segment_for, self.runtime.residency
+        runs = [(group, params) for group, params, *_ in together.lists.values()]
         try:
-            self.runtime.residency.reserve(blocks, together.chunks)
+            residency.reserve([n for group, params in runs for n in run_scratch(group, params, segment_for)],
+                              together.chunks)
+            return True
+        except torch.OutOfMemoryError:
+            pass
+        one = max((run_scratch(group, [p], segment_for) for group, params in runs for p in params), key=sum)
+        try:
+            residency.reserve(one, together.chunks)
         except torch.OutOfMemoryError as error:
             raise MemoryBudgetError(
-                f"the optimizer step's temporaries on the device ({sum(blocks)} bytes for the fp32 parameters it "
-                f"updates there) do not fit beside the chunks in Config.device_memory={self.runtime.limit} bytes; "
+                f"the optimizer step's temporaries on the device ({sum(one)} bytes for its largest fp32 parameter "
+                f"updated there) do not fit beside the chunks in Config.device_memory={self.runtime.limit} bytes; "
                 "those parameters were not updated. Raise device_memory, or construct the optimizer with fused=True "
                 f"(torch's fused kernel allocates no temporaries). The allocator said: {error}") from error
+        residency.stats.update_runs_split += 1
+        return False
 
     def _room_on_device(self, chunk_group: ChunkGroup, members: list[ParamRecord]) -> bool:
         """Whether a homed low-precision group's update has room on the device (planning's Note on update scratch):

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -244,36 +244,39 @@ class Runtime:
         return max(reading, self.first_outside + min(LAZY_ROOM_MAX, int(left * LAZY_ROOM)))
 
     # -- forward -------------------------------------------------------------------------------
-    def enter(self, module: nn.Module) -> None:
-        """A module's forward starts: its parameters (under ZeRO, the groups it pins) come to the device."""
-        self.acquire(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
+    def enter(self, module: nn.Module, nonmodel: int | None = None) -> None:
+        """A module's forward starts: its parameters (under ZeRO, the groups it pins) come to the device;
+        `nonmodel` as in Placer.access."""
+        self.acquire(self.module_records[module], self.shards.pin_keys[module] if self.shards else None, nonmodel)
 
     def leave(self, module: nn.Module) -> None:
         self.release(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
 
-    def acquire(self, records: Iterable[ParamRecord], keys: Iterable[Key] | None = None) -> None:
-        records = list(records)
+    def acquire(self, records: Sequence[ParamRecord], keys: Iterable[Key] | None = None,
+                nonmodel: int | None = None) -> None:
+        # The hot path: every module call of a forward not run resident (a lean one too) comes here and to `release`.
         if self.grads.host_viewed:  # parameters of streamed groups view the host since a backward (grads' Note)
             self.grads.restore()
+        pin = self.placer.pin if self.shards is None else None  # ZeRO computes on gathered copies
         for record in records:
             record.move("acquire")
-            if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
-                self.placer.pin(record.group.param)
+            if not record.uses and pin is not None and record.group.owned:
+                pin(record.group.param)
             record.uses += 1
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.pin(key)
         else:
-            self.placer.access(list({r.group.param: None for r in records}))
+            self.placer.access(list({r.group.param: None for r in records}) if records else [], nonmodel=nonmodel)
 
-    def release(self, records: Iterable[ParamRecord], keys: Iterable[Key] | None = None) -> None:
-        records = list(records)
+    def release(self, records: Sequence[ParamRecord], keys: Iterable[Key] | None = None) -> None:
+        unpin = self.placer.unpin if self.shards is None else None
         for record in records:
             record.uses -= 1
-            if record.uses == 0:
+            if not record.uses:
                 record.move("release")
-                if record.group.owned and self.shards is None:
-                    self.placer.unpin(record.group.param)
+                if unpin is not None and record.group.owned:
+                    unpin(record.group.param)
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.unpin(key)
@@ -326,8 +329,7 @@ class Runtime:
         if not isinstance(saved, ChunkRef):
             return saved.get(self.activations)
         if isinstance(saved.source, Chunk):
-            self.emit("backward", "bwd", saved.source.name)
-            self.placer.access([saved.source])
+            self.placer.access([saved.source], nonmodel=self.emit("backward", "bwd", saved.source.name))
             flat = saved.source.device
         else:
             self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
@@ -372,15 +374,16 @@ class Runtime:
             self.device_bytes_peak = device_bytes
 
     # -- moments ----------------------------------------------------------------------------------
-    def emit(self, name: str, stage: str, where: str) -> None:
+    def emit(self, name: str, stage: str, where: str) -> int | None:
         """Tell observers a moment has come (see observe.Moment); without a plan yet, chunks give way to
         the non-model data measured now (placement.Placer.moment). In a resident step only the peak is kept, and
         where the allocator is read, only at the forward's and the backward's end: a reading gives the most held
-        since the last one (the Note on resident steps)."""
+        since the last one (the Note on resident steps). Returns the non-model bytes read last (None: not read), for
+        an access that follows at once (a second reading would see the same bytes)."""
         if self.placer.resident:
             if not self.device.reads_memory:
                 self._note_peak(self.nonmodel_bytes())
-            return
+            return None
         nonmodel = self.nonmodel_bytes()
         chunk_bytes = self.residency.stats.device_chunk_bytes
         self.placer.moment(nonmodel)
@@ -394,6 +397,7 @@ class Runtime:
             for observer in self.observers:
                 observer.moment(moment)
         self.moment_index += 1
+        return nonmodel
 
     def optimizer_done(self, optimizer: object) -> None:
         """`optimizer` stepped: the step ends once every optimizer training here has stepped since the last end,
@@ -469,8 +473,8 @@ class Runtime:
         gradient autograd made for the part from `start` is lent to the chunk rather than copied (chunk's
         Note on lent ranges)."""
         chunk = group.grad
-        self.emit("grad", "bwd", chunk.name)
-        self.placer.access([chunk], "grad", group.index)  # brings it if homed on the device
+        nonmodel = self.emit("grad", "bwd", chunk.name)
+        self.placer.access([chunk], "grad", group.index, nonmodel)  # brings it if homed on the device
         if self.placer.homed(group.index):
             chunk.write_device()
             lent = chunk.lent_part(start) if start is not None else None

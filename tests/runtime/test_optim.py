@@ -199,10 +199,10 @@ def test_a_chunk_leaving_the_device_first_makes_the_updates_waiting_on_it() -> N
     first, second = [g for g, h in zip(cm.runtime.groups(), homes(cm)) if h == "H"][:2]
     access = cm.runtime.placer.access
 
-    def short_of_room(chunks: list, kind: str = "use", group: int = -1) -> None:
+    def short_of_room(chunks: list, kind: str = "use", group: int = -1, nonmodel: int | None = None) -> None:
         if kind == "optim" and group == second.index:
             cm.runtime.residency.evict(first.chunks["exp_avg"])
-        access(chunks, kind, group)
+        access(chunks, kind, group, nonmodel)
 
     cm.runtime.placer.access = short_of_room
     calls = count_updates(opt)
@@ -262,3 +262,27 @@ def test_an_fp16_step_leaves_the_gradient_chunks_no_gradient_reached_free() -> N
     cm.module[0].requires_grad_(True)
     opt.step()
     assert first.state.name == "FREE"
+
+
+def test_an_fp32_run_without_room_for_its_temporaries_at_once_updates_a_parameter_at_a_time() -> None:
+    # With foreach (CUDA's default), torch's Adam holds a temporary of every parameter of a run at once: where the
+    # budget has room for one parameter's only, the run updates a parameter per call (planning's Note on update
+    # scratch), the same bits, rather than refusing the step.
+    model, batches = mlp(depth=4), mlp_batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True), batches, mlp_loss)
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
+                               chunkmem.Config(device="cpu", device_memory=2**30))
+    residency = cm.runtime.residency
+    largest = max(p.numel() for p in ref.parameters()) * 4
+    reserve = residency.reserve
+
+    def short_of_room(blocks: list[int], keep: list) -> None:
+        if sum(blocks) > largest:
+            raise torch.OutOfMemoryError("no room for the run's temporaries at once")
+        reserve(blocks, keep)
+
+    residency.reserve = short_of_room  # type: ignore[method-assign]
+    assert train(cm, opt, batches, mlp_loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert cm.memory_stats()["update_runs_split"] == len(batches)
