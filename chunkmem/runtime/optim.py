@@ -185,12 +185,9 @@ class Together:
         lists, self.lists = self.lists, {}
         self.chunks.clear()
         for group, params, grads, states, steps in lists.values():
-            if whole:
-                self.rule.update(group, params, grads, states, steps)
-                continue
-            for i in range(len(params)):  # elementwise: the same bits, one parameter's temporaries at a time
-                self.rule.update(group, params[i:i + 1], grads[i:i + 1], {k: v[i:i + 1] for k, v in states.items()},
-                                 steps[i:i + 1])
+            # Whole, or a parameter per call: elementwise, the same bits, one parameter's temporaries at a time.
+            for part in [slice(None)] if whole else [slice(i, i + 1) for i in range(len(params))]:
+                self.rule.update(group, params[part], grads[part], {k: v[part] for k, v in states.items()}, steps[part])
 
     def leaving(self, chunk: Chunk) -> None:
         """Residency.before_leave: `chunk`'s device payload is about to be read back, dropped or reset."""

@@ -257,26 +257,24 @@ class Runtime:
         # The hot path: every module call of a forward not run resident (a lean one too) comes here and to `release`.
         if self.grads.host_viewed:  # parameters of streamed groups view the host since a backward (grads' Note)
             self.grads.restore()
-        pin = self.placer.pin if self.shards is None else None  # ZeRO computes on gathered copies
         for record in records:
             record.move("acquire")
-            if not record.uses and pin is not None and record.group.owned:
-                pin(record.group.param)
+            if record.uses == 0 and record.group.owned and self.shards is None:  # ZeRO computes on gathered copies
+                self.placer.pin(record.group.param)
             record.uses += 1
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.pin(key)
         else:
-            self.placer.access(list({r.group.param: None for r in records}) if records else [], nonmodel=nonmodel)
+            self.placer.access(list({r.group.param: None for r in records}), nonmodel=nonmodel)
 
     def release(self, records: Sequence[ParamRecord], keys: Iterable[Key] | None = None) -> None:
-        unpin = self.placer.unpin if self.shards is None else None
         for record in records:
             record.uses -= 1
-            if not record.uses:
+            if record.uses == 0:
                 record.move("release")
-                if unpin is not None and record.group.owned:
-                    unpin(record.group.param)
+                if record.group.owned and self.shards is None:
+                    self.placer.unpin(record.group.param)
         if self.shards is not None:
             for key in keys if keys is not None else dict.fromkeys(self.shards.key(r.group) for r in records):
                 self.shards.unpin(key)
