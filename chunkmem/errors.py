@@ -4,6 +4,12 @@ Each message says what happened, the numbers involved and what to change.
 """
 
 
+# What to change when activations and temporaries leave too little of the device budget for chunks.
+ACTIVATION_FIXES = ("raise device_memory, lower the batch size or sequence length, checkpoint activations "
+                    "(model.gradient_checkpointing_enable() on a Hugging Face model) or offload them "
+                    "(Config(offload_activations=True))")
+
+
 class MemoryBudgetError(RuntimeError):
     """The memory budget cannot hold what one training step needs at once."""
 

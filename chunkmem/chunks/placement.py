@@ -5,8 +5,9 @@ The first step runs under a conservative chunk budget and records, at every acce
 non-model bytes on the device and which chunks were needed ("use"), which gradient chunk was written
 ("grad") and which chunk group the optimizer updated ("optim"). The conservative budget also gives
 way at every moment to the non-model bytes measured then (less the margin, never below one module's
-working set); growth inside one module between two moments cannot be foreseen without a record, and
-on CUDA the out-of-memory fallback catches it. At the end of that step chunks/planning.py decides the
+working set while they leave that much, else down to the chunks pinned then, those the access needs and one
+chunk); growth inside one module between two moments cannot be foreseen without a record, and on CUDA the
+out-of-memory fallback catches it. At the end of that step chunks/planning.py decides the
 homes, the steady accesses and their budgets, and the plan (its Note on homes).
 
 [Note: following]
@@ -44,7 +45,7 @@ from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, 
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
-from chunkmem.errors import MemoryBudgetError
+from chunkmem.errors import ACTIVATION_FIXES, MemoryBudgetError
 
 log = logging.getLogger("chunkmem")
 T = TypeVar("T")
@@ -136,6 +137,7 @@ class Placer:
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
+        self.one_chunk = min(working_set, max(self.sizes.values(), default=0))
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
         self.events: list[Event] = []  # this step's, kept in every phase: a step off the record re-plans from them
@@ -289,22 +291,32 @@ class Placer:
 
     def _conservative_now(self, nonmodel: int, need: int = 0) -> None:
         """Without a plan (warm-up, a diverged step) the chunk budget is the conservative one, lowered to
-        what the non-model data on the device now leaves, less the margin, but never below the working
-        set nor what the access now (`need`: its chunks and those held around it) needs: chunks give way
-        to activations as they grow, as the plan's budgets do later. Chunks give way at accesses, but non-model data
-        also grows between them (the loss's logits, a gradient of backward, the optimizer's temporaries). A
-        forward op that finds no room is retried once chunks made room (`out_of_memory`), a backward op cannot be: in
-        backward the margin is at least the most non-model data grew between two readings so far. Once an
-        allocation has failed, also the room a plan leaves (`headroom`), so a step recorded again leaves room for
-        that allocation (before, each fell back again)."""
+        what the non-model data on the device now leaves, less the margin, but never below the working set
+        (unless that leaves less: `_floor`) nor what the access now (`need`: its chunks and those held around it)
+        needs: chunks give way to activations as they grow, as the plan's budgets do later. Chunks give way at
+        accesses, but non-model data also grows between them (the loss's logits, a gradient of backward, the
+        optimizer's temporaries). A forward op that finds no room is retried once chunks made room
+        (`out_of_memory`), a backward op cannot be: in backward the margin is at least the most non-model data
+        grew between two readings so far. Once an allocation has failed, also the room a plan leaves (`headroom`),
+        so a step recorded again leaves room for that allocation (before, each fell back again)."""
         margin = self.margin
         if self.residency.stats.oom_fallbacks:
             margin = max(margin, self.headroom(), self.rise())
         elif torch._C._current_graph_task_id() != -1:  # in backward
             margin = max(margin, self.rise())
         left = self.limit - nonmodel - margin
-        self.residency.limit = max(self.working_set, min(need, self.limit), min(self.conservative, left))
+        self.residency.limit = max(self._floor(left, need), min(need, self.limit), min(self.conservative, left))
         self.residency.shrink()
+
+    def _floor(self, left: int, need: int) -> int:
+        """The least chunks give way to when non-model data leaves `left` bytes: one module's working set while it
+        fits there, else the chunks pinned now, those the access needs (`need` bytes) and one chunk: a budget that holds
+        the working set only beside smaller activations trains (more moves). One chunk stays, as the next op of the
+        module reads it again: evicted, its slot would go back to the allocator, activations would split it, and it
+        could not come back."""
+        if left >= self.working_set:
+            return self.working_set
+        return max(need, sum(self.sizes[n] for n in self.pinned), self.one_chunk)
 
     def _fetch(self, chunks: Sequence[Chunk]) -> None:
         if len(chunks) == 1:  # nothing else to keep while it comes (it cannot evict itself)
@@ -341,10 +353,12 @@ class Placer:
     def _budget(self, planned: int, nonmodel: int, need: int) -> None:
         """The plan's budget for an access needing `need` bytes of chunks (an access off the record may need more
         than the budget there); once this step has held more non-model data than its record, lowered further at
-        every access and moment to what the non-model data leaves (as in warm-up)."""
+        every access and moment to what the non-model data leaves (as in warm-up, down to `_floor`), but never raised
+        above the plan's beyond one chunk: the plan knows the non-model data to come, and a slot held beyond it is
+        room activations cannot use (ConvNeXt, fp32, a quarter of its model data: CUDA's error in backward)."""
         if self.giving_way:
             left = self.limit - nonmodel - self.margin
-            planned = max(self.working_set, min(planned, left))
+            planned = min(max(planned, self.one_chunk), max(self._floor(left, need), left))
         self.residency.limit = limit = max(planned, min(need, self.limit))
         if self.residency.stats.device_chunk_bytes > limit:
             self.residency.shrink()
@@ -378,10 +392,8 @@ class Placer:
             raise MemoryBudgetError(
                 f"activations and temporaries do not fit the device budget: with only the {pinned} bytes of chunks "
                 f"the running modules need on the device ({_mib(pinned)}), the other {_mib(self.nonmodel())} it "
-                f"holds and the next allocation exceed Config.device_memory={self.limit} bytes ({_mib(self.limit)}). "
-                "Raise device_memory, lower the batch size or sequence length, checkpoint activations "
-                "(model.gradient_checkpointing_enable() on a Hugging Face model) or offload them "
-                f"(Config(offload_activations=True)). The allocator said: {failed}") from failed
+                f"holds and the next allocation exceed Config.device_memory={self.limit} bytes ({_mib(self.limit)}): "
+                f"{ACTIVATION_FIXES}. The allocator said: {failed}") from failed
         finally:
             self.residency.limit = max(self.working_set, self.residency.stats.device_chunk_bytes)
 

@@ -18,7 +18,7 @@ import torch
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.observe import Move, Observer
 from chunkmem.chunks.state import ChunkState
-from chunkmem.errors import MemoryBudgetError
+from chunkmem.errors import ACTIVATION_FIXES, MemoryBudgetError
 from chunkmem.memory.device import Device
 
 log = logging.getLogger("chunkmem")
@@ -121,10 +121,11 @@ class Residency:
                     self.retry_out_of_memory(error, lambda: self._bring(chunk, reason))
                 except torch.OutOfMemoryError as failed:
                     raise MemoryBudgetError(
-                        f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device and no chunk is left to make "
-                        f"room for it: the device budget ({self.limit} bytes for chunks) cannot hold it beside what the "
-                        "process holds there (activations, the caching allocator's segments of 2 or 20 MiB): raise "
-                        f"Config.device_memory. The allocator said: {failed}") from failed
+                        f"chunk {chunk.name} needs {chunk.nbytes} bytes on the device and no chunk is left to "
+                        f"make room for it: the device budget ({self.limit} bytes for chunks) cannot hold it beside "
+                        "what the process holds there (activations, temporaries, the caching allocator's segments of "
+                        f"2 or 20 MiB; the allocator's figures below): {ACTIVATION_FIXES}, or lower "
+                        f"Config.chunk_size. The allocator said: {failed}") from failed
             self._added(chunk)
         if reason != "prefetch":
             chunk.fence()

@@ -104,3 +104,17 @@ def test_a_prefetch_the_allocator_has_no_room_for_is_dropped_and_evicts_nothing(
     assert (res.stats.prefetches_dropped, res.stats.oom_fallbacks, res.stats.evictions) == (1, 0, 0)
     res.to_device(b)  # needed now: the fallback frees what is not pinned, a, and b comes
     assert b.state.on_device and not a.state.on_device and res.stats.oom_fallbacks == 1
+
+
+def test_a_chunk_the_allocator_has_no_room_for_with_nothing_left_to_evict_is_refused_with_what_to_change(monkeypatch):
+    """In backward an op cannot be retried, but an access can: when even with every other chunk gone the allocator
+    refuses the one the access needs, activations leave no room for it, and the error says what to change."""
+    res, (a, b), _ = setup(2, limit_chunks=2)
+    res.to_device(a)
+
+    def refused(device):
+        raise torch.OutOfMemoryError("no room for c1")
+    monkeypatch.setattr(b, "upload", refused)
+    with pytest.raises(MemoryBudgetError, match=r"c1 needs 64 bytes .*checkpoint activations.*Config.chunk_size"):
+        res.to_device(b)
+    assert not a.state.on_device and not b.state.on_device, "a gave way before the refusal"
