@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunkmem.runtime.runtime import Runtime
 from tests import zoo
 
 budget_sweep = pytest.importorskip("benchmarks.budget_sweep")
@@ -33,3 +34,17 @@ def test_cudas_error_in_a_step_is_told_apart_from_a_refusal(sim_memory, monkeypa
     monkeypatch.undo()
     negative = budget_sweep.run(zoo.by_name("gpt2"), "fp32", -1.0, coarse=False, steps=2)  # below zero: bad input
     assert negative["outcome"].startswith("error in step -1 (prepare): ValueError: Config.device_memory=-")
+
+
+def test_a_run_falling_back_after_its_warm_up_is_not_counted_as_training(sim_memory, monkeypatch) -> None:
+    # The contract allows an out-of-memory fallback in the warm-up only: one in every later step is told apart.
+    sim_memory(1.0)
+    original, calls = Runtime.memory_stats, []
+
+    def memory_stats(self):
+        calls.append(self)
+        return original(self) | {"oom_fallbacks": len(calls)}
+
+    monkeypatch.setattr(Runtime, "memory_stats", memory_stats)
+    row = budget_sweep.run(zoo.by_name("gpt2"), "fp32", 0.5, coarse=False, steps=2)
+    assert row["outcome"] == "trains, falling back after the warm-up" and row["after warm-up"] == 1

@@ -172,6 +172,15 @@ def test_the_zoo_trains_within_what_the_allocator_holds_at_half_its_model_data(a
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", zoo.available(), ids=[a.name for a in zoo.available()])
+def test_the_zoo_trains_within_what_the_allocator_holds_at_a_tenth_of_its_model_data(arch, sim_memory):
+    # The lowest share of the H100 issue's table, with the chunk size chunkmem picks: fp32, where every CUDA error of
+    # the budget sweep was. Before chunks gave way below the working set, convnext died inside its first backward.
+    # GPT-2's and Swin's warm-ups fall back once in a forward op (logits, attention), as the contract allows.
+    trains_as_plain(arch, 0.1, sim_memory, warm_up_may_fall_back=True)
+
+
+@pytest.mark.slow
 def test_the_warm_up_leaves_room_for_the_most_non_model_data_grew_between_two_readings(sim_memory):
     """Falcon in fp32 at a tenth of its model data: the warm-up's backward ran out of CUDA's allocator in its first
     step, as its chunks gave way to activations only by the 5% margin while one gradient of backward took more. The
@@ -210,7 +219,10 @@ def test_a_step_giving_way_holds_no_more_chunks_than_its_plan_beyond_one(sim_mem
     trains_as_plain(arch, 0.25, sim_memory, chunk_size=3 * max(p.numel() for p in arch.build().parameters()) + 1)
 
 
-def trains_as_plain(arch: zoo.Arch, share: float, sim_memory, chunk_size: int | None = None) -> None:
+def trains_as_plain(arch: zoo.Arch, share: float, sim_memory, chunk_size: int | None = None,
+                    warm_up_may_fall_back: bool = False) -> None:
+    """`arch` trains with plain PyTorch's bits within the H100 rule's budget at `share`, with no out-of-memory fallback
+    (or, if `warm_up_may_fall_back`, none after the first step: the contract's steady state)."""
     model, batches = arch.build(), arch.batches(2) * 2
     ref = copy.deepcopy(model)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -219,9 +231,11 @@ def trains_as_plain(arch: zoo.Arch, share: float, sim_memory, chunk_size: int | 
     memory = sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, adamw(model.parameters()),
                                chunkmem.Config(device="cpu", device_memory=budget, chunk_size=chunk_size))
-    assert train_loop(cm, opt, batches) == expected
+    losses = train_loop(cm, opt, batches[:1])
+    warm_up = cm.memory_stats()["oom_fallbacks"] if warm_up_may_fall_back else 0
+    assert losses + train_loop(cm, opt, batches[1:]) == expected
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
-    assert cm.memory_stats()["oom_fallbacks"] == 0 and memory.allocator.peak_reserved <= budget
+    assert cm.memory_stats()["oom_fallbacks"] == warm_up and memory.allocator.peak_reserved <= budget
 
 
 @pytest.mark.slow
