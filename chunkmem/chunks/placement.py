@@ -137,7 +137,7 @@ class Placer:
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
-        self.one_chunk = min(working_set, max((g.param.nbytes for g in store.owned_groups()), default=0))
+        self.one_chunk = min(working_set, max(self.sizes.values(), default=0))
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
         self.events: list[Event] = []  # this step's, kept in every phase: a step off the record re-plans from them
@@ -310,10 +310,10 @@ class Placer:
 
     def _floor(self, left: int, need: int) -> int:
         """The least chunks give way to when non-model data leaves `left` bytes: one module's working set while it
-        fits there, else the chunks pinned now, those the access needs (`need` bytes) and one parameter chunk: a
-        budget that holds the working set only beside smaller activations trains (more moves). One chunk stays, as
-        the next op of the module reads it again: evicted, its slot would go back to the allocator, activations
-        would split it, and it could not come back."""
+        fits there, else the chunks pinned now, those the access needs (`need` bytes) and one chunk: a budget that holds
+        the working set only beside smaller activations trains (more moves). One chunk stays, as the next op of the
+        module reads it again: evicted, its slot would go back to the allocator, activations would split it, and it
+        could not come back."""
         if left >= self.working_set:
             return self.working_set
         return max(need, sum(self.sizes[n] for n in self.pinned), self.one_chunk)
