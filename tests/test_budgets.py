@@ -192,7 +192,7 @@ def test_the_warm_up_leaves_room_for_the_most_non_model_data_grew_between_two_re
 @pytest.mark.slow
 def test_chunks_give_way_below_one_modules_working_set_where_activations_leave_less(sim_memory):
     """ConvNeXt in fp32 at a tenth of its model data: its backward's activations leave less than the working set (the
-    chunks of the module that pins most, two here), not less than the chunks in use at any one time. Chunks gave way
+    chunks of the module that pins most at once), not less than the chunks in use at any one time. Chunks gave way
     only down to the working set, and CUDA's error came from inside the first backward; below it, they now give way
     down to what is pinned, what the access needs and one chunk (placement's `_floor`)."""
     trains_as_plain(zoo.by_name("convnext"), 0.1, sim_memory)
