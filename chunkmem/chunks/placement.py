@@ -137,6 +137,8 @@ class Placer:
         self.homes = {g.index for g in self.groups} if everything_fits else set()
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
+        # The largest chunk of any kind (a bf16 model's master chunk: twice a parameter chunk's bytes), what `_floor`
+        # keeps below the working set; keeping a parameter chunk's bytes reached a bug of the allocator model (guide).
         self.one_chunk = min(working_set, max(self.sizes.values(), default=0))
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD
