@@ -22,6 +22,7 @@ import torch
 
 import chunkmem
 from chunkmem.memory.arena import SlotArena
+from chunkmem.runtime import optim
 from chunkmem.runtime.runtime import Runtime
 from benchmarks.budget_sweep import h100_rule
 from tests import zoo
@@ -238,26 +239,45 @@ def trains_as_plain(arch: zoo.Arch, share: float, sim_memory, chunk_size: int | 
     assert cm.memory_stats()["oom_fallbacks"] == warm_up and memory.allocator.peak_reserved <= budget
 
 
-@pytest.mark.slow
-def test_a_homed_update_without_room_on_the_device_runs_on_the_host_with_the_same_bits(sim_memory):
-    """T5 in bf16 with chunks of three times its largest parameter, at a quarter of its model data: the group the plan
-    homes has its update's blocks reserved before it starts (it cannot be redone once begun), and where this step's
-    holes leave no room even for that, it updates on the host, as a streamed group does. Before, its Adam ran out of
-    CUDA's allocator halfway (planning's Note on update scratch). The same bits as with every group on the device."""
+def t5_bf16_runs(sim_memory, share: float) -> list[tuple[list[float], dict, dict]]:
+    """T5 in bf16 with chunks of three times its largest parameter, trained at `share` of its model data and with no
+    budget: losses, state and memory_stats of each run."""
     arch = zoo.by_name("t5")
     runs = []
-    for share in (0.25, None):
+    for fraction in (share, None):
         model, batches = arch.build(), arch.batches(3) * 2
-        budget, divisor = h100_rule(model, batches[0], share or 0.0, sim_memory)
-        budget = budget if share else None
+        budget, divisor = h100_rule(model, batches[0], fraction or 0.0, sim_memory)
+        budget = budget if fraction else None
         memory = sim_memory(divisor)
         chunk = 3 * max(p.numel() for p in model.parameters()) + 1
         cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                    chunkmem.Config(device="cpu", device_memory=budget, dtype="bf16", chunk_size=chunk))
         runs.append((train_loop(cm, opt, batches), cm.state_dict(), cm.memory_stats()))
         assert budget is None or memory.allocator.peak_reserved <= budget
-    (losses, state, stats), (all_losses, all_state, all_stats) = runs
-    assert stats["updates_moved_to_host"] > 0 and all_stats["updates_moved_to_host"] == 0
+    return runs
+
+
+@pytest.mark.slow
+def test_a_homed_update_without_room_for_its_whole_range_updates_in_slices_with_the_same_bits(sim_memory):
+    """T5 in bf16 with coarse chunks at a quarter of its model data: the group the plan homes reserves its update's
+    blocks before it starts (it cannot be redone once begun), and this step's holes have no room for its whole range's
+    fp32 gradients and Adam temporaries. Before, it ran out inside Adam; then its update moved to the host after
+    evicting chunks (4 fallbacks in 6 steps). Now it updates a slice of its range at a time, no chunk evicted: the
+    same bits as with no budget, and no fallback after the warm-up."""
+    (losses, state, stats), (all_losses, all_state, all_stats) = t5_bf16_runs(sim_memory, 0.25)
+    assert stats["updates_sliced"] > 0 and all_stats["updates_sliced"] == 0
+    assert stats["oom_fallbacks"] == 0 and stats["updates_moved_to_host"] == 0
+    assert losses == all_losses and all(torch.equal(state[k], v) for k, v in all_state.items())
+
+
+@pytest.mark.slow
+def test_a_homed_update_with_no_room_even_for_a_slice_runs_on_the_host_with_the_same_bits(sim_memory, monkeypatch):
+    """Where not even a 64th of the range's blocks fit once chunks not in use are evicted (here: every update's
+    scratch made larger than any budget), the homed group updates on the host for that step, as a streamed group
+    does: the same bits."""
+    monkeypatch.setattr(optim, "update_scratch", lambda numel: [2**26])  # 64 MiB: far above the budget
+    (losses, state, stats), (all_losses, all_state, _) = t5_bf16_runs(sim_memory, 0.25)
+    assert stats["updates_moved_to_host"] > 0 and stats["updates_sliced"] == 0
     assert losses == all_losses and all(torch.equal(state[k], v) for k, v in all_state.items())
 
 

@@ -32,11 +32,15 @@ beside its chunks: fp32 copies of its gradients, and the update rule's temporari
 holds two fp32 copies of the range at once; foreach one; SGD at most one). A step recorded before the group was
 homed updated it on the host and saw none of that, so its update's non-model bytes are what was recorded plus its
 `scratch`, and a set of homes whose updates do not fit beside the step's peak lowers the budget (or is not chosen):
-an allocation failing inside an update has no fallback, for a half-made update cannot be redone. Steps recorded
-later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32 groups,
-updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by parameter
-(temporaries of one at a time) or, with foreach, all of the run's at once: where the budget has no room for those,
-the run updates a parameter per call (optim's `_reserve_run`: the same bits, the update being elementwise).
+an allocation failing inside an update has no fallback, for a half-made update cannot be redone. Bytes are not
+holes: the update reserves its blocks before it starts, and where this step's allocations left no hole for the whole
+range's, it updates a slice of the range at a time (optim's `_room_on_device`: elementwise, so the same bits), the
+blocks a slice's size, and only where not even a 64th fits are chunks evicted or the update moved to the host. Steps
+recorded later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32
+groups, updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by
+parameter (temporaries of one at a time) or, with foreach, all of the run's at once: where the budget has no room
+for those, the run updates a parameter per call (optim's `_reserve_run`: the same bits, the update being
+elementwise).
 
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving

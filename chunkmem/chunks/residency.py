@@ -58,6 +58,7 @@ class TrafficStats:
     oom_fallbacks: int = 0
     prefetches_dropped: int = 0  # prefetches the allocator had no room for: left to come when needed
     updates_moved_to_host: int = 0  # homed groups' updates the device had no room for (optim's _room_on_device)
+    updates_sliced: int = 0  # homed groups' updates made a slice of their range at a time (optim's _room_on_device)
     update_runs_split: int = 0  # fp32 runs updated a parameter at a time, with no room for their temporaries at once
 
 
@@ -197,11 +198,12 @@ class Residency:
             self._drop(chunk)
         chunk.write_host()
 
-    def reserve(self, blocks: list[int], keep: Iterable[Chunk]) -> None:
+    def reserve(self, blocks: list[int], keep: Iterable[Chunk], fall_back: bool = True) -> None:
         """Allocate blocks of these byte sizes on the device and free them, before an operation that allocates as
         much and cannot be redone once begun (a homed group's update: planning's Note on update scratch). Refused,
-        they fall back as a chunk's upload does, `keep` staying; freed, they wait in the caching allocator for the
-        operation's own allocations, which nothing else comes between."""
+        they fall back as a chunk's upload does, `keep` staying (or, without `fall_back`, the allocator's error is
+        raised, nothing moved); freed, they wait in the caching allocator for the operation's own allocations,
+        which nothing else comes between."""
         def allocate() -> list[torch.Tensor]:
             return [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in blocks]
 
@@ -211,6 +213,8 @@ class Residency:
         try:
             allocate()
         except torch.OutOfMemoryError as error:
+            if not fall_back:
+                raise
             self.retry_out_of_memory(error, allocate)
         finally:
             for chunk in kept:

@@ -150,6 +150,17 @@ def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     return flat
 
 
+def _pieces(tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+    """Flat views of elements [start, stop) of `tensors` laid end to end, in order."""
+    out, offset = [], 0
+    for tensor in tensors:
+        low, high = max(start - offset, 0), min(stop - offset, tensor.numel())
+        if low < high:
+            out.append(tensor.reshape(-1)[low:high])
+        offset += tensor.numel()
+    return out
+
+
 def _unpacked(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     """Views of `flat`, packed in order, shaped as `like`."""
     return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in like]), like)]
@@ -207,6 +218,7 @@ class ChunkOptimizer(Optimizer):
         self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
         self.steps_adam = rule.update is _adam
+        self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
         self._make_ahead()
 
     def _make_ahead(self) -> None:
@@ -357,26 +369,29 @@ class ChunkOptimizer(Optimizer):
                 inv_scale: float, on_device: bool, together: Together) -> bool:
         runtime = self.runtime
         lowp = "master" in chunk_group.chunks
-        if on_device and lowp and not self._room_on_device(chunk_group, members):
-            on_device = False  # this step on the host, as a streamed group's: its chunks come back when next needed
         host_native = self.native is not None and not on_device
         # One param group at one step count: one pass of the native kernel, or one update of the packed range.
         uniform = self.uniform(chunk_group, members, group_of) if lowp or host_native else None
+        part = sum(r.slot.numel for r in members)
+        if on_device and lowp:
+            part = self._room_on_device(chunk_group, part if uniform is None else None)
+            on_device = part > 0  # else this step on the host, as a streamed group's: its chunks come back when needed
+            host_native = self.native is not None and not on_device
+            part = part or sum(r.slot.numel for r in members)
         if host_native and uniform is not None:
             self._native_step(chunk_group, members, uniform, inv_scale)
             return False
         grads = runtime.data.grads(members, on_device)
-        wide = _widened(grads, inv_scale) if lowp else None
         master = runtime.data.writable(chunk_group.master, on_device)
         states = {k: runtime.data.writable(chunk_group.chunks[k], on_device) for k in self.rule.states}
         later = False
-        if wide is not None and uniform is not None:
+        if lowp and uniform is not None:
             # One update of the chunk's packed range (layout.pack: members from offset 0, in order) rather than one
             # per parameter: Adam and SGD are elementwise, so the bits are the same, for a few launches a group
             # rather than a few a parameter.
-            self._update_flat(members, uniform, wide, master, states)
+            self._update_flat(members, uniform, grads, inv_scale, master, states, part)
         else:
-            grads = _unpacked(wide, grads) if wide is not None else grads
+            grads = _unpacked(_widened(grads, inv_scale), grads) if lowp else grads
             later = self._update_each(chunk_group, members, group_of, grads, master, states, on_device, together)
         if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
@@ -429,28 +444,50 @@ class ChunkOptimizer(Optimizer):
         residency.stats.update_runs_split += 1
         return False
 
-    def _room_on_device(self, chunk_group: ChunkGroup, members: list[ParamRecord]) -> bool:
-        """Whether a homed low-precision group's update has room on the device (planning's Note on update scratch):
-        it allocates, and cannot be redone once begun, so its blocks are reserved first (Residency.reserve). Where
-        even that falls short (the holes of this step's allocations), the update runs on the host instead. Without a
-        budget, nothing to reserve: a launch-bound step pays nothing for it."""
+    def _room_on_device(self, chunk_group: ChunkGroup, whole: int | None) -> int:
+        """How many elements of a homed low-precision group's packed range to update at a time on the device
+        (planning's Note on update scratch); 0: none, the update runs on the host. It allocates, and cannot be
+        redone once begun, so its blocks are reserved first (Residency.reserve): for the whole range where it fits,
+        else for slices of it, halved until they fit in the holes this step's allocations left (the last size that
+        fitted is tried first next step), down to a 64th of the range, which evicts chunks to fit. `whole`: the
+        range's elements where it cannot be sliced (its parameters step in several param groups). Without a budget,
+        nothing to reserve: a launch-bound step pays nothing for it."""
+        numel = whole or sum(r.slot.numel for r in chunk_group.members)
         if self.runtime.config.device_memory is None:
-            return True
-        try:
-            self.runtime.residency.reserve(update_scratch(sum(r.slot.numel for r in members)),
-                                           chunk_group.chunks.values())
-        except torch.OutOfMemoryError:
-            self.runtime.residency.stats.updates_moved_to_host += 1
-            return False
-        return True
+            return numel
+        residency, keep = self.runtime.residency, chunk_group.chunks.values()
+        part = numel if whole else min(numel, self._parts.get(chunk_group.index, numel))
+        while part > max(numel // 64, 1) and not whole:
+            try:
+                residency.reserve(update_scratch(part), keep, fall_back=False)
+                break
+            except torch.OutOfMemoryError:
+                part = -(-part // 2)
+        else:
+            try:
+                residency.reserve(update_scratch(part), keep)
+            except torch.OutOfMemoryError:
+                residency.stats.updates_moved_to_host += 1
+                return 0
+        self._parts[chunk_group.index] = part
+        residency.stats.updates_sliced += part < numel
+        return part
 
-    def _update_flat(self, members: list[ParamRecord], group: dict, grad: torch.Tensor, master: torch.Tensor,
-                     states: dict[str, torch.Tensor]) -> None:
-        """The update rule once over the packed range of a chunk group whose `members` all step in `group`, at one
-        step count; `grad`: their gradients, packed."""
-        used = grad.numel()
+    def _update_flat(self, members: list[ParamRecord], group: dict, grads: list[torch.Tensor], inv_scale: float,
+                     master: torch.Tensor, states: dict[str, torch.Tensor], part: int) -> None:
+        """The update rule over the packed range of a chunk group whose `members` all step in `group`, at one step
+        count, `part` elements at a time, each slice's gradients widened to fp32 as it comes (`grads`: the members',
+        low precision): the update is elementwise, so slices give the same bits."""
+        used = sum(g.numel() for g in grads)
         counter = self.steps[members[0]]
-        self.rule.update(group, [master[:used]], [grad], {k: [flat[:used]] for k, flat in states.items()}, [counter])
+        before = counter.clone() if part < used else None
+        for start in range(0, used, part):
+            stop = min(start + part, used)
+            if before is not None:
+                counter.copy_(before)  # every slice steps from the same count
+            wide = _widened(grads if before is None else _pieces(grads, start, stop), inv_scale)
+            self.rule.update(group, [master[start:stop]], [wide], {k: [flat[start:stop]] for k, flat in states.items()},
+                             [counter])
         for record in members[1:]:
             self.steps[record].copy_(counter)
 
