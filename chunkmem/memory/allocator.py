@@ -19,6 +19,10 @@ CUDACachingAllocator.cpp, defaults of PyTorch 2.10-2.13), on addresses only, no 
   segment is released and the reservation tried once more, then the request fails with
   torch.OutOfMemoryError.
 
+Blocks are freed from any thread (the simulated copy thread drops tensors as their copies land), and from the
+garbage collector in the middle of an allocation: a free is queued, and made by whichever thread next holds the
+books (`_locked`), so that no two changes of them interleave.
+
 Not modelled: streams (a block is reused only on the stream that allocated it: the simulation computes on
 one), expandable segments and max_split_size (off by default), graph pools.
 """
@@ -26,9 +30,12 @@ one), expandable segments and max_split_size (off by default), graph pools.
 from __future__ import annotations
 
 import bisect
+import collections
+import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -110,9 +117,52 @@ class CachingAllocator:
         self._free: dict[bool, list[tuple[int, int, Block]]] = {True: [], False: []}  # small? -> (size, addr, block)
         self._segments: list[Segment] = []
         self._addresses = itertools.count(1 << 40, 1 << 36)  # segment base addresses, far apart
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding it
+        self._freed: collections.deque[Block] = collections.deque()  # freed, not yet taken off the books
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The books, for this thread alone, with the frees queued so far made."""
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                self._take_freed()
+                yield
+            finally:
+                self._owner = None
+        self._settle_freed()
+
+    def _settle_freed(self) -> None:
+        """Make the frees queued while another thread (or this one, further up) held the books: one queued just
+        before that thread let go is made here."""
+        while self._freed and self._lock.acquire(blocking=False):
+            try:
+                self._take_freed()
+            finally:
+                self._lock.release()
+
+    def _take_freed(self) -> None:
+        while self._freed:
+            self._give_back(self._freed.popleft())
 
     def malloc(self, nbytes: int) -> Block:
         """A block of at least `nbytes`, or torch.OutOfMemoryError when the cap leaves no room for one."""
+        if self._owner == threading.get_ident():  # a lock this thread holds: it would wait for itself
+            raise RuntimeError("chunkmem's allocator model was asked for a block in the middle of another change of "
+                               "its books, on the same thread: a bug in chunkmem, please report it")
+        try:
+            with self._lock:
+                self._owner = threading.get_ident()
+                try:
+                    self._take_freed()
+                    return self._malloc(nbytes)
+                finally:
+                    self._owner = None
+        finally:
+            self._settle_freed()
+
+    def _malloc(self, nbytes: int) -> Block:
         sizes = self.sizes
         size = sizes.round(nbytes)
         small = size <= sizes.small
@@ -134,6 +184,11 @@ class CachingAllocator:
         return block
 
     def free(self, block: Block) -> None:
+        """Give `block` back, from any thread; made at once unless another change of the books is under way."""
+        self._freed.append(block)
+        self._settle_freed()
+
+    def _give_back(self, block: Block) -> None:
         if not block.used:
             raise ValueError(f"block at {block.address:#x} freed twice")
         block.used = False
@@ -155,12 +210,17 @@ class CachingAllocator:
     def take_reading(self) -> tuple[int, int]:
         """The most `held` since the last call (temporaries between two readings included) and the largest block
         handed out since; a new reading starts."""
-        reading = max(self._held_peak, self.held), self._largest
-        self._held_peak, self._largest = self.held, 0
+        with self._locked():
+            reading = max(self._held_peak, self.held), self._largest
+            self._held_peak, self._largest = self.held, 0
         return reading
 
     def empty_cache(self) -> None:
         """Release every wholly free segment (torch.cuda.empty_cache; also what the allocator does at the cap)."""
+        with self._locked():
+            self._empty_cache()
+
+    def _empty_cache(self) -> None:
         for segment in [s for s in self._segments if s.blocks == 1]:
             entries = self._free[segment.small]
             at = next((i for i, (_, address, _) in enumerate(entries) if address == segment.address), None)
@@ -174,8 +234,9 @@ class CachingAllocator:
     def _reserve(self, nbytes: int, size: int, small: bool) -> Block:
         grown = self.sizes.segment(size)
         if self.allowed is not None and self.reserved + grown > self.allowed:
-            self.settle()
-            self.empty_cache()
+            self.settle()  # the copy thread frees their blocks: queued, as this thread holds the books
+            self._take_freed()
+            self._empty_cache()
         if self.allowed is not None and self.reserved + grown > self.allowed:
             raise torch.OutOfMemoryError(
                 f"CUDA out of memory (chunkmem simulation of the caching allocator). Tried to allocate "
@@ -198,7 +259,11 @@ class CachingAllocator:
 
     def _unlist(self, block: Block) -> None:
         entries = self._free[block.segment.small]
-        del entries[bisect.bisect_left(entries, (block.size, block.address))]
+        at = bisect.bisect_left(entries, (block.size, block.address))
+        if at == len(entries) or entries[at][2] is not block:
+            raise RuntimeError(f"chunkmem's allocator model lost the free block at {block.address:#x} ({block.size} "
+                               "bytes) from its free list: a bug in chunkmem/memory/allocator.py, please report it")
+        del entries[at]
 
     def _split(self, block: Block, size: int) -> None:
         rest = Block(block.segment, block.address + size, block.size - size, prev=block, next=block.next)

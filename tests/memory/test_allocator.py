@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import queue
+import random
+import sys
+import threading
+
 import pytest
 import torch
 
@@ -105,3 +110,38 @@ def test_a_cap_lowered_below_what_is_reserved_gives_the_free_segments_back(memor
     memory.limit(owner, 32 * MiB)
     assert memory.allocator.reserved == 20 * MiB, "the wholly free segment went; the one in use stays"
     assert kept.sum() == 1024 * 1024
+
+
+def test_blocks_freed_by_another_thread_while_one_allocates_keep_the_books_whole():
+    """The simulated copy thread drops the last reference to device tensors as their copies land, so their blocks are
+    freed on it while the main thread allocates (the README's fine-tuning job reached it at step 291: a free list lost
+    a block, and `free` raised IndexError from a storage's finalizer). With thread switches forced every microsecond,
+    the books must still balance: all freed, every segment one free block, listed once."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        allocator = CachingAllocator(sizes=Sizes.scaled(1024))
+        handed: queue.SimpleQueue = queue.SimpleQueue()
+        errors: list[BaseException] = []
+
+        def free_them() -> None:
+            try:
+                while (block := handed.get()) is not None:
+                    allocator.free(block)
+            except BaseException as error:  # noqa: BLE001 - reported by the main thread
+                errors.append(error)
+
+        thread = threading.Thread(target=free_them)
+        thread.start()
+        rng = random.Random(0)
+        for _ in range(20000):
+            handed.put(allocator.malloc(rng.choice([300, 700, 1500, 5000, 12000])))
+        handed.put(None)
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert allocator.allocated == 0 and allocator.reserved == allocator.releasable
+    listed = [block for pool in allocator._free.values() for _, _, block in pool]
+    assert len(listed) == len({id(b) for b in listed}) == len(allocator._segments)
+    assert all(block.size == block.segment.size for block in listed)
