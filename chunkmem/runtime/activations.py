@@ -67,7 +67,7 @@ class ActivationMeter:
             host.copy_(tensor, non_blocking=True)
             self.offload_bytes += tensor.nbytes
             return Saved(host, tensor.device)
-        saved = Saved(tensor)
+        saved = Saved(tensor.detach())  # not the tensor itself: Runtime.pack says why
         if storage is None:
             try:
                 storage = tensor.untyped_storage()

@@ -309,16 +309,20 @@ class Runtime:
                 self.release([record])
 
     def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | torch.Tensor:
+        """What autograd keeps of a saved tensor: a reference into its chunk, or the tensor detached. Never the
+        tensor itself: an op's output, saved by that op, holds its grad_fn, which holds what the hook returned, a
+        cycle through autograd's C++ side that Python's collector cannot see. A graph backward did not consume
+        (an output dropped, backward failing halfway) then kept its activations on the device for good."""
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            return self.activations.wrap(tensor) if self.metering else tensor
+            return self.activations.wrap(tensor) if self.metering else tensor.detach()
         ptr = storage.data_ptr()
         source: Chunk | Key | None = self.residency.by_storage.get(ptr)
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
-            return self.activations.wrap(tensor, storage) if self.metering else tensor
+            return self.activations.wrap(tensor, storage) if self.metering else tensor.detach()
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
 
     def unpack(self, saved: Saved | ChunkRef | torch.Tensor) -> torch.Tensor:
