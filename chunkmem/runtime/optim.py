@@ -53,6 +53,9 @@ from chunkmem.runtime.runtime import Runtime
 _log = logging.getLogger("chunkmem")
 
 SUPPORTED = (Adam, AdamW, SGD)
+# Elements a slice of a homed update starts at a multiple of (_room_on_device): where a whole range's vector loops
+# would, for CPU kernels treat a loop's tail apart (torch's fused Adam on the CPU rounds it otherwise).
+SLICE_ALIGN = 1024
 _NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
                  "optimizer (and its param groups) from model.parameters()")
 
@@ -457,12 +460,12 @@ class ChunkOptimizer(Optimizer):
             return numel
         residency, keep = self.runtime.residency, chunk_group.chunks.values()
         part = numel if whole else min(numel, self._parts.get(chunk_group.index, numel))
-        while part > max(numel // 64, 1) and not whole:
+        while part > max(numel // 64, SLICE_ALIGN) and not whole:
             try:
                 residency.reserve(update_scratch(part), keep, fall_back=False)
                 break
             except torch.OutOfMemoryError:
-                part = -(-part // 2)
+                part = -(-part // (2 * SLICE_ALIGN)) * SLICE_ALIGN  # half, in whole vectors
         else:
             try:
                 residency.reserve(update_scratch(part), keep)
