@@ -375,12 +375,12 @@ class ChunkOptimizer(Optimizer):
         host_native = self.native is not None and not on_device
         # One param group at one step count: one pass of the native kernel, or one update of the packed range.
         uniform = self.uniform(chunk_group, members, group_of) if lowp or host_native else None
-        part = sum(r.slot.numel for r in members)
+        numel = part = sum(r.slot.numel for r in members)
         if on_device and lowp:
-            part = self._room_on_device(chunk_group, part if uniform is None else None)
-            on_device = part > 0  # else this step on the host, as a streamed group's: its chunks come back when needed
+            room = self._room_on_device(chunk_group, numel, sliceable=uniform is not None)
+            # None: this step on the host, as a streamed group's; its chunks come back when next needed.
+            on_device, part = room > 0, room or numel
             host_native = self.native is not None and not on_device
-            part = part or sum(r.slot.numel for r in members)
         if host_native and uniform is not None:
             self._native_step(chunk_group, members, uniform, inv_scale)
             return False
@@ -447,20 +447,19 @@ class ChunkOptimizer(Optimizer):
         residency.stats.update_runs_split += 1
         return False
 
-    def _room_on_device(self, chunk_group: ChunkGroup, whole: int | None) -> int:
-        """How many elements of a homed low-precision group's packed range to update at a time on the device
+    def _room_on_device(self, chunk_group: ChunkGroup, numel: int, sliceable: bool) -> int:
+        """How many of the `numel` elements of a homed low-precision group's update to make at a time on the device
         (planning's Note on update scratch); 0: none, the update runs on the host. It allocates, and cannot be
         redone once begun, so its blocks are reserved first (Residency.reserve): for the whole range where it fits,
-        else for slices of it, halved until they fit in the holes this step's allocations left (the last size that
-        fitted is tried first next step), down to a 64th of the range, which evicts chunks to fit. `whole`: the
-        range's elements where it cannot be sliced (its parameters step in several param groups). Without a budget,
-        nothing to reserve: a launch-bound step pays nothing for it."""
-        numel = whole or sum(r.slot.numel for r in chunk_group.members)
+        else, if `sliceable` (one param group, one step count: a packed range), for slices of it, halved until they
+        fit in the holes this step's allocations left (the last size that fitted is tried first next step), down to
+        a 64th of the range, which evicts chunks to fit. Without a budget, nothing to reserve: a launch-bound step
+        pays nothing for it."""
         if self.runtime.config.device_memory is None:
             return numel
         residency, keep = self.runtime.residency, chunk_group.chunks.values()
-        part = numel if whole else min(numel, self._parts.get(chunk_group.index, numel))
-        while part > max(numel // 64, SLICE_ALIGN) and not whole:
+        part = min(numel, self._parts.get(chunk_group.index, numel)) if sliceable else numel
+        while sliceable and part > max(numel // 64, SLICE_ALIGN):
             try:
                 residency.reserve(update_scratch(part), keep, fall_back=False)
                 break

@@ -304,7 +304,7 @@ def test_a_homed_bf16_update_made_in_slices_has_the_bits_of_the_whole_range_at_o
     for part in (None, optim.SLICE_ALIGN):
         model, batches = mlp(width=64), mlp_batches(4, width=64)
         if part is not None:
-            monkeypatch.setattr(ChunkOptimizer, "_room_on_device", lambda self, group, whole: part)
+            monkeypatch.setattr(ChunkOptimizer, "_room_on_device", lambda self, group, numel, sliceable: part)
         cm, opt = chunkmem.prepare(model, make(model.parameters()), chunkmem.Config(device="cpu", dtype="bf16"))
         sliced = []
         monkeypatch.setattr(optim, "_pieces", lambda *args, pieces=optim._pieces: sliced.append(1) or pieces(*args))
