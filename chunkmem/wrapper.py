@@ -90,13 +90,18 @@ class ChunkedModel(nn.Module):
                     return self.module(*args, **kwargs)
 
             output = self.runtime.placer.out_of_memory(error, again)
-        scaler = self.runtime.scaler
-        if scaler is None or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return output
-        # One scaling node after the module on each output: every backward path crosses exactly one,
-        # even when one output is computed from another inside the module (loss from logits).
-        return tree_map(lambda t: _ScaleGrad.apply(t, scaler)
-                        if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+        scaler = self.runtime.scaler
+        if scaler is not None:
+            # One scaling node after the module on each output: every backward path crosses exactly one,
+            # even when one output is computed from another inside the module (loss from logits).
+            output = tree_map(lambda t: _ScaleGrad.apply(t, scaler)
+                              if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                leaf.grad_fn.register_prehook(self.runtime.backward_begins)
+        return output
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> Any:

@@ -16,8 +16,9 @@ upload of every streamed parameter chunk, which the plan does not foresee (bench
 `with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped, and the forward uploads the
 host payload. Changes made in place through `p.grad`
 (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
-step (`take`), as torch.optim would read it. The next forward (or zero_grad) hides them again: the
-next backward accumulates into the chunks, not into `p.grad`.
+step (`take`), as torch.optim would read it. The next forward (or zero_grad, or a backward reaching the model's
+outputs again: Runtime.backward_begins) hides them again: the next backward accumulates into the chunks, not into
+`p.grad`.
 Not under ZeRO: a rank holds only its share of each gradient, and `p.grad` stays None there
 (model.clip_grad_norm_ combines the shares).
 """

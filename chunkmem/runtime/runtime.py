@@ -496,6 +496,14 @@ class Runtime:
             grad = owned.grad
             self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
 
+    def backward_begins(self, _grads: Any) -> None:
+        """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient):
+        gradients shown since the last backward are hidden, so that this one adds into their chunks rather than into
+        `p.grad` (grads.py's Note). A second backward of a retained graph, with no forward between, added a
+        gradient made on the device into a streamed group's, shown on the host."""
+        if self.grads.shown:
+            self.grads.hide()
+
     def _backward_done(self) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
         readable by what runs next (`fence_uploads`)."""

@@ -156,3 +156,28 @@ def test_after_a_backward_that_raised_the_next_backward_shows_its_gradients(frac
     assert got.keys() == expected.keys()
     for name, grad in expected.items():
         assert grad is not None and got[name] is not None and torch.equal(got[name], grad), name
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_a_second_backward_of_a_retained_graph_adds_into_streamed_groups_gradients_shown_on_the_host(share, sim_memory):
+    """GPT-2 whose groups stream, with CUDA's allocator modelled (two 2 MiB segments for activations, `share` of the
+    model data for chunks): after the first backward, a streamed group's `p.grad` is shown on the host, with its
+    parameters. A second backward of the retained graph, no forward between, hides them first (a pre-hook on the
+    outputs' grad_fn): before, autograd added a gradient made on the device into the host one, which the simulated
+    memory refuses as CUDA does. The gradients and the steps are plain PyTorch's."""
+    sim_memory(1)
+    model, tokens = tiny_gpt2(), gpt2_batches(2)
+    plain = copy.deepcopy(model)
+    twins = [(plain, ADAMW(plain.parameters())),
+             prepared(model, ADAMW, device_memory=(4 << 20) + int(share * 4 * param_bytes(model)))]
+    runs = []
+    for net, optimizer in twins:
+        for batch in tokens:
+            loss = gpt2_loss(net, batch)
+            loss.backward(retain_graph=True)
+            (2 * loss).backward()
+            runs.append(grads(getattr(net, "module", net)))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert twins[1][0].memory_stats()["h2d_bytes"] > 0, "groups stream"
+    assert all(torch.equal(c[k], v) for p, c in zip(runs[:2], runs[2:]) for k, v in p.items())
