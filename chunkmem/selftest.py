@@ -80,7 +80,7 @@ def budget_for(device: str, nbytes: int | None) -> int | None:
     collect_garbage()  # models dropped before, kept by reference cycles, hold device memory no longer
     if device == "cpu":
         memory = simulated_memory()
-        if memory is None:
+        if memory is None or not memory.models_budget:
             return nbytes
         memory.allocator.empty_cache()
         return nbytes + SEGMENTS + memory.reserved

@@ -21,9 +21,10 @@ os.environ.setdefault("CHUNKMEM_SIM_LANDING", "wait")  # copies land at the last
 os.environ.setdefault("CHUNKMEM_DEVICE", "cpu")  # Config's default device: the simulation, on a GPU machine too
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests
 # Most tests use budgets of a few KiB on tiny models to make chunks move, far below what a GPU's allocator could
-# place (2 MiB segments): they judge placement and bits, with non-model data counted as saved activations. The
-# tests of budgets as CUDA holds them turn the allocator model on (`sim_memory`; chunkmem/memory/simmemory.py).
-os.environ.setdefault("CHUNKMEM_SIM_MEMORY", "0")
+# place (2 MiB segments): they judge placement and bits, with non-model data counted as saved activations. Device
+# tensors are still placed, so that an op mixing them with host ones fails as on CUDA ("places"). The tests of
+# budgets as CUDA holds them turn the allocator model on (`sim_memory`; chunkmem/memory/simmemory.py).
+os.environ.setdefault("CHUNKMEM_SIM_MEMORY", "places")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -214,12 +214,12 @@ def streaming_budget(cfg: FinetuneConfig, config: Any, device: str, module: nn.M
 def plain_step_reserves(module: nn.Module, cfg: FinetuneConfig, device: str, vocab: int) -> int | None:
     """What one plain step of a copy of `module`, in the compute dtype, reserves on `device` beyond its parameters
     (activations, temporaries, gradients, in the caching allocator's segments); None where the simulation does
-    not model memory (CHUNKMEM_SIM_MEMORY=0)."""
+    not model memory as a budget (CHUNKMEM_SIM_MEMORY=0 or places)."""
     probe = copy.deepcopy(module).to(chunkmem.Config(device="cpu", dtype=cfg.dtype).torch_dtype)
     ids = torch.randint(0, vocab, (cfg.batch_size, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     if device == "cpu":
         memory = simulated_memory()
-        if memory is None:
+        if memory is None or not memory.models_budget:
             return None
         for param in probe.parameters():
             memory.charge(param.data)

@@ -106,8 +106,10 @@ class SimulatedDevice:
         if self.memory is not None:
             self.memory.devices.add(self)
         self.arena = SlotArena(self)
-        self.segment_bytes = self.memory.allocator.sizes.large_segment if self.memory is not None else 0
-        self.reads_memory = self.memory is not None
+        # The allocator, where it is modelled as a budget (else at most placing tensors: CHUNKMEM_SIM_MEMORY=places)
+        self.allocator = self.memory.allocator if self.memory is not None and self.memory.models_budget else None
+        self.segment_bytes = self.allocator.sizes.large_segment if self.allocator is not None else 0
+        self.reads_memory = self.allocator is not None
         self.memory_limit: int | None = None  # what limit_memory was told
         self.host_pool: HostPool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory,
                                              before_free=self.synchronize)
@@ -153,14 +155,14 @@ class SimulatedDevice:
     def memory_reading(self) -> tuple[int, int] | None:
         """The most the allocator held since the last call (live blocks and the holes between them) and the largest
         block it handed out since (None: memory not modelled, CHUNKMEM_SIM_MEMORY=0)."""
-        return self.memory.allocator.take_reading() if self.memory is not None else None
+        return self.allocator.take_reading() if self.allocator is not None else None
 
     def segment_for(self, nbytes: int) -> int:
-        return self.memory.allocator.sizes.segment_for(nbytes) if self.memory is not None else 0
+        return self.allocator.sizes.segment_for(nbytes) if self.allocator is not None else 0
 
     def empty_cache(self) -> None:
-        if self.memory is not None:
-            self.memory.allocator.empty_cache()
+        if self.allocator is not None:
+            self.allocator.empty_cache()
 
     def total_bytes(self) -> int:
         return psutil.virtual_memory().total

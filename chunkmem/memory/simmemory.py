@@ -37,8 +37,11 @@ _CROSSING = frozenset({_TO_COPY, torch.ops.aten.copy_.default, torch.ops.aten.co
 class SimulatedMemory:
     """The blocks the device tensors of this process hold; `allocator` places them."""
 
-    def __init__(self, sizes: Sizes = Sizes()) -> None:
+    def __init__(self, sizes: Sizes = Sizes(), capped: bool = True) -> None:
         self.allocator = CachingAllocator(sizes=sizes, settle=self._settle)
+        # False: tensors are placed and ops that mix devices refused, but nothing caps the allocator nor reads it
+        # (CHUNKMEM_SIM_MEMORY=places: budgets counted in bytes, as without the model)
+        self.models_budget = capped
         self.blocks: dict[int, Block] = {}  # storage address -> its block
         self.host: set[int] = set()  # storage addresses of pinned host buffers (chunk payloads, staging)
         self._budgets: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
@@ -80,6 +83,8 @@ class SimulatedMemory:
 
     def limit(self, owner: object, allowed: int) -> None:
         """Cap what the allocator may reserve at the sum of the live owners' `allowed` bytes (CudaDevice's cap)."""
+        if not self.models_budget:
+            return
         known = owner in self._budgets
         self._budgets[owner] = allowed
         self._apply()
@@ -107,10 +112,13 @@ _hook: TorchDispatchMode | None = None  # the op hook, at the bottom of the mode
 
 def simulated_memory() -> SimulatedMemory | None:
     """This process's simulated device memory, with its op hook in place. CHUNKMEM_SIM_MEMORY: unset or "cuda",
-    CUDA's sizes; "scale:D", sizes divided by D (Sizes.scaled); "0", not modelled (None)."""
+    CUDA's sizes; "scale:D", sizes divided by D (Sizes.scaled); "places", device tensors placed and ops that mix
+    devices refused, the allocator neither capped nor read (budgets then count bytes); "0", not modelled (None)."""
     setting = os.environ.get("CHUNKMEM_SIM_MEMORY", "cuda")
     if setting == "0":
         return None
+    if _memory is None and setting == "places":
+        use_simulated_memory(capped=False)
     if _memory is None:
         kind, _, divisor = setting.partition(":")
         try:
@@ -118,16 +126,17 @@ def simulated_memory() -> SimulatedMemory | None:
         except ValueError:
             sizes = None
         if sizes is None:
-            raise ValueError(f"CHUNKMEM_SIM_MEMORY={setting!r}: expected 'cuda', 'scale:D' (D a number) or '0'")
+            raise ValueError(f"CHUNKMEM_SIM_MEMORY={setting!r}: expected 'cuda', 'scale:D' (D a number), 'places' "
+                             "or '0'")
         use_simulated_memory(sizes)
     return _memory
 
 
-def use_simulated_memory(sizes: Sizes = Sizes()) -> SimulatedMemory:
+def use_simulated_memory(sizes: Sizes = Sizes(), capped: bool = True) -> SimulatedMemory:
     """Start this process's simulated device memory afresh, with the allocator's `sizes` (for tests: devices made
     from now on use it; tensors charged to the one before stay charged there)."""
     global _memory, _hook
-    _memory = SimulatedMemory(sizes)
+    _memory = SimulatedMemory(sizes, capped)
     if _hook is None:
         _hook = _Placing()
         _restack(lambda modes: [_hook, *modes])

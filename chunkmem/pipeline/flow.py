@@ -128,6 +128,7 @@ class Flow:
     def _backward(self, g: int) -> None:
         x, y = self.saved.pop(g)
         self.versions.use(self._version(g))
+        self.versions.runtime.backward_begins(None)  # the gradients the last micro-batch's backward showed
         if self.last:
             y.backward()
         else:

@@ -47,10 +47,12 @@ class RecordingStage(PipelineStage):
                            last_backward: bool = False) -> None:
         kind = Kind.BACKWARD if full_backward else Kind.INPUT
         self.executed.append(Action(self.stage_index, kind, bwd_chunk_id))
+        self.part.runtime.backward_begins(None)  # the gradients the last micro-batch's backward showed
         super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         self.executed.append(Action(self.stage_index, Kind.WEIGHT, bwd_chunk_id))
+        self.part.runtime.backward_begins(None)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         runtime = self.part.runtime
         for param in self.part.parameters():

@@ -39,16 +39,20 @@ class Saved:
         if self.device is None:
             return self.tensor
         meter.offload_bytes += self.tensor.nbytes
-        return self.tensor.to(self.device, non_blocking=True)
+        return meter.device_like(self.tensor, self.device).copy_(self.tensor, non_blocking=True)
 
 
 class ActivationMeter:
-    def __init__(self, offload: bool = False, host_alloc: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, offload: bool = False, host_alloc: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 device_alloc: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None) -> None:
         self._live = 0  # bytes of distinct device storages held by saved tensors
         self.peak = 0
         self.offload = offload
         self.offload_bytes = 0  # both ways
         self._host_alloc = host_alloc or (lambda t: torch.empty_like(t, device="cpu"))
+        # Room on the device for an offloaded activation coming back (the device's own: a simulated device's is device
+        # memory, where torch's `.to` of a CPU "device" would hand back the host buffer itself)
+        self.device_like = device_alloc or (lambda t, device: torch.empty_like(t, device=device))
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [nbytes, holders]
         # id(weakref to a Saved) -> (that weakref, kept alive so its callback fires; the data_ptr it holds)
         self._holders: dict[int, tuple[weakref.ref[Saved], int]] = {}

@@ -164,7 +164,8 @@ class Runtime:
                                for m in module.modules()}
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
-        self.activations = ActivationMeter(config.offload_activations, self._host_like)
+        self.activations = ActivationMeter(config.offload_activations, self._host_like,
+                                           lambda t, _: self.device.alloc(t.numel(), t.dtype).view(t.shape))
         self.metering = True  # saved activations pass through the meter (off in a lean forward: its Note)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
                              self._headroom, lambda: self.largest_rise + self.largest_block)
