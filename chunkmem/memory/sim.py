@@ -154,7 +154,7 @@ class SimulatedDevice:
 
     def memory_reading(self) -> tuple[int, int] | None:
         """The most the allocator held since the last call (live blocks and the holes between them) and the largest
-        block it handed out since (None: memory not modelled, CHUNKMEM_SIM_MEMORY=0)."""
+        block it handed out since (None: not modelled as a budget, CHUNKMEM_SIM_MEMORY=0 or places)."""
         return self.allocator.take_reading() if self.allocator is not None else None
 
     def segment_for(self, nbytes: int) -> int:
