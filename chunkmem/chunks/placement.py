@@ -138,7 +138,7 @@ class Placer:
         self.conservative = limit if everything_fits else max(working_set, int(limit * WARMUP_FRACTION))
         self.working_set = working_set
         # The largest chunk of any kind (a bf16 model's master chunk: twice a parameter chunk's bytes), what `_floor`
-        # keeps below the working set; keeping a parameter chunk's bytes reached a bug of the allocator model (guide).
+        # keeps below the working set; a parameter chunk's bytes gave the budget sweep the same outcomes (guide).
         self.one_chunk = min(working_set, max(self.sizes.values(), default=0))
         self.lru = LeastRecentlyUsed()
         self.phase = Phase.RECORD

@@ -21,7 +21,7 @@ CUDACachingAllocator.cpp, defaults of PyTorch 2.10-2.13), on addresses only, no 
 
 Blocks are freed from any thread (the simulated copy thread drops tensors as their copies land), and from the
 garbage collector in the middle of an allocation: a free is queued, and made by whichever thread next holds the
-books (`_locked`), so that no two changes of them interleave.
+books (`_changing`), so that no two changes of them interleave.
 
 Not modelled: streams (a block is reused only on the stream that allocated it: the simulation computes on
 one), expandable segments and max_split_size (off by default), graph pools.
@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import dataclasses
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 MiB = 1 << 20
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,17 +122,22 @@ class CachingAllocator:
         self._owner: int | None = None  # the thread holding it
         self._freed: collections.deque[Block] = collections.deque()  # freed, not yet taken off the books
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The books, for this thread alone, with the frees queued so far made."""
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                self._take_freed()
-                yield
-            finally:
-                self._owner = None
-        self._settle_freed()
+    def _changing(self, change: Callable[[], T]) -> T:
+        """`change()` of the books, for this thread alone, with the frees queued so far made first and those queued
+        meanwhile after (a function rather than a `with` block: malloc runs for every device tensor)."""
+        if self._owner == threading.get_ident():  # a lock this thread holds: it would wait for itself
+            raise RuntimeError("chunkmem's allocator model was asked for a change of its books in the middle of "
+                               "another, on the same thread: a bug in chunkmem, please report it")
+        try:
+            with self._lock:
+                self._owner = threading.get_ident()
+                try:
+                    self._take_freed()
+                    return change()
+                finally:
+                    self._owner = None
+        finally:
+            self._settle_freed()
 
     def _settle_freed(self) -> None:
         """Make the frees queued while another thread (or this one, further up) held the books: one queued just
@@ -148,19 +154,7 @@ class CachingAllocator:
 
     def malloc(self, nbytes: int) -> Block:
         """A block of at least `nbytes`, or torch.OutOfMemoryError when the cap leaves no room for one."""
-        if self._owner == threading.get_ident():  # a lock this thread holds: it would wait for itself
-            raise RuntimeError("chunkmem's allocator model was asked for a block in the middle of another change of "
-                               "its books, on the same thread: a bug in chunkmem, please report it")
-        try:
-            with self._lock:
-                self._owner = threading.get_ident()
-                try:
-                    self._take_freed()
-                    return self._malloc(nbytes)
-                finally:
-                    self._owner = None
-        finally:
-            self._settle_freed()
+        return self._changing(lambda: self._malloc(nbytes))
 
     def _malloc(self, nbytes: int) -> Block:
         sizes = self.sizes
@@ -210,15 +204,16 @@ class CachingAllocator:
     def take_reading(self) -> tuple[int, int]:
         """The most `held` since the last call (temporaries between two readings included) and the largest block
         handed out since; a new reading starts."""
-        with self._locked():
-            reading = max(self._held_peak, self.held), self._largest
-            self._held_peak, self._largest = self.held, 0
+        return self._changing(self._new_reading)
+
+    def _new_reading(self) -> tuple[int, int]:
+        reading = max(self._held_peak, self.held), self._largest
+        self._held_peak, self._largest = self.held, 0
         return reading
 
     def empty_cache(self) -> None:
         """Release every wholly free segment (torch.cuda.empty_cache; also what the allocator does at the cap)."""
-        with self._locked():
-            self._empty_cache()
+        self._changing(self._empty_cache)
 
     def _empty_cache(self) -> None:
         for segment in [s for s in self._segments if s.blocks == 1]:

@@ -378,7 +378,7 @@ class ChunkOptimizer(Optimizer):
         numel = part = sum(r.slot.numel for r in members)
         if on_device and lowp:
             room = self._room_on_device(chunk_group, numel, sliceable=uniform is not None)
-            # None: this step on the host, as a streamed group's; its chunks come back when next needed.
+            # No room (0): this step on the host, as a streamed group's; its chunks come back when next needed.
             on_device, part = room > 0, room or numel
             host_native = self.native is not None and not on_device
         if host_native and uniform is not None:
