@@ -155,13 +155,64 @@ def test_with_chunk_memory_handed_back_at_every_eviction_the_same_budget_runs_ou
 
 
 def test_activations_that_cannot_fit_beside_one_module_in_the_forward_are_refused_plainly(sim_memory):
-    sim_memory(DIVISOR)
+    # And the refused forward's activations are gone at once, not when the collector runs: the allocator's error, held
+    # by name in the frame that retried it, made a cycle with its traceback, which holds the frames calling it.
+    memory = sim_memory(DIVISOR)
     model = llama()
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                                chunkmem.Config(device="cpu", dtype="bf16", device_memory=3 << 20))
     ids = batch()
     with pytest.raises(chunkmem.MemoryBudgetError, match=r"activations and temporaries do not fit .* checkpoint"):
         cm(ids, labels=ids).loss.backward()
+    assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "only chunks left on the device"
+
+
+def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refused_plainly(sim_memory):
+    """ResNet in fp32 at a tenth of its model data, in chunks of three times its largest parameter: beside one chunk
+    and the activations, backward finds no room for a convolution weight's gradient, and CUDA's error came from
+    inside autograd, where no op can be retried. When the op unpacks the weight, the room the allocator's cap leaves
+    beside the live tensors is now checked against that gradient (runtime's _room_for_grad): chunks nothing uses
+    give way, and with none left, a MemoryBudgetError names the bytes; the failed graph's activations go with it."""
+    arch = zoo.by_name("resnet")
+    model, batches = arch.build(), arch.batches(1)
+    budget, divisor = h100_rule(model, batches[0], 0.1, sim_memory)
+    memory = sim_memory(divisor)
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory=budget, chunk_size=3 * max(p.numel() for p in model.parameters()) + 1))
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"backward needs \d+ bytes on the device for a gradient of "
+                       r"parameters in param\.\d+, .* Config.device_memory=%d bytes" % budget):
+        zoo.loss(cm, batches[0]).backward()
+    assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "the graph's activations are gone"
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["give-way", "refused"])
+def test_a_gradient_certain_not_to_fit_makes_the_chunks_nothing_uses_give_way_or_is_refused(sim_memory, pinned):
+    # Runtime._room_for_grad on its own: everything homed on the device, then other tensors leave the allocator's cap
+    # less than a parameter chunk, so that its gradient cannot be allocated. A chunk nothing uses leaves (its slot goes back
+    # to the allocator), the others stay; with every other chunk in use, it is refused.
+    memory = sim_memory(DIVISOR)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                             chunkmem.Config(device="cpu", device_memory=4 << 20, chunk_size=64 * 64 + 64))
+    runtime = cm.runtime
+    chunk = next(iter(runtime.store.trainable_groups())).param
+    others = [c for c in runtime.residency.resident.values() if c is not chunk]
+    held = runtime.residency.stats.device_chunk_bytes
+    assert chunk.state.on_device and len(others) > 4
+    hog = []  # other tensors, until the cap leaves less than the chunk's gradient
+    while runtime.device.allocation_room() >= chunk.nbytes:
+        hog.append(runtime.device.alloc(chunk.numel // 4, torch.float32))
+    for other in others:
+        other.pins += pinned
+    if pinned:
+        with pytest.raises(chunkmem.MemoryBudgetError, match=rf"backward needs {chunk.nbytes} bytes .* {chunk.name}"):
+            runtime._room_for_grad(chunk, chunk.numel, runtime.limit)
+    else:
+        runtime._room_for_grad(chunk, chunk.numel, runtime.limit)
+        assert memory.allocator.allowed - memory.allocator.allocated >= chunk.nbytes
+        assert chunk.state.on_device and chunk.nbytes < runtime.residency.stats.device_chunk_bytes < held
+    del hog
 
 
 @pytest.mark.slow

@@ -398,6 +398,7 @@ class Placer:
                 f"{ACTIVATION_FIXES}. The allocator said: {failed}") from failed
         finally:
             self.residency.limit = max(self.working_set, self.residency.stats.device_chunk_bytes)
+            del error  # its traceback holds the frames calling this one: a cycle (Residency.retry_out_of_memory)
 
     # -- steps ------------------------------------------------------------------------------------
     def step_done(self) -> None:

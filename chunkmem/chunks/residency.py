@@ -225,19 +225,22 @@ class Residency:
         at a time (the policy's victim) with every free slot, and `retry()` until it succeeds; the error again
         when nothing is left to give."""
         self.stats.oom_fallbacks += 1
-        while True:
-            candidates = [c for c in self.resident.values() if not c.pins]
-            if candidates:
-                self.evict(self.policy.victim(candidates))
-                self.stats.evictions += 1
-            released = self.device.arena.free_bytes
-            self.device.arena.release()
-            if not candidates and not released:
-                raise error
-            try:
-                return retry()
-            except torch.OutOfMemoryError as again:
-                error = again
+        try:
+            while True:
+                candidates = [c for c in self.resident.values() if not c.pins]
+                if candidates:
+                    self.evict(self.policy.victim(candidates))
+                    self.stats.evictions += 1
+                released = self.device.arena.free_bytes
+                self.device.arena.release()
+                if not candidates and not released:
+                    raise error
+                try:
+                    return retry()
+                except torch.OutOfMemoryError as again:
+                    error = again
+        finally:  # the error's traceback holds this frame and those calling it: held by name here, the cycle would
+            del error  # keep them, and what they hold (a backward's graph), until the collector ran
 
     def evict(self, chunk: Chunk) -> None:
         if chunk.state.on_device:

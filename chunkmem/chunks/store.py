@@ -156,9 +156,13 @@ class ParamStore:
                     if "master" in group.chunks:
                         record.view(group.master.host).copy_(record.param.detach())
 
+    def group_of(self, chunk: Chunk) -> ChunkGroup | None:
+        """The group whose parameters view `chunk` (None: not a parameter chunk of this rank)."""
+        return self._group_of_param_chunk.get(chunk.name)
+
     def point_views(self, chunk: Chunk, at_host: bool = False) -> None:
         """Point parameters at their chunk's device payload when resident (unless `at_host`), else at the host one."""
-        group = self._group_of_param_chunk.get(chunk.name)
+        group = self.group_of(chunk)
         if group is None:
             return
         # Pointing views moves no bytes: compute waits for an upload where it uses the chunk (Chunk's Note).

@@ -105,6 +105,11 @@ class Device(Protocol):
         since; None where the simulation does not model it."""
         ...
 
+    def allocation_room(self) -> int | None:
+        """The most one allocation could take now: the allocator's cap less the bytes of live tensors (its cached
+        blocks would be released for it); None without a cap, or where the simulation does not model one."""
+        ...
+
     def empty_cache(self) -> None: ...
     def free_bytes(self) -> int: ...
     def total_bytes(self) -> int: ...
@@ -262,6 +267,13 @@ class CudaDevice:
 
     def holds(self, tensor: torch.Tensor) -> int:
         return 0  # a copy keeps no tensor alive: record_stream keeps the allocator from reusing its blocks
+
+    def allocation_room(self) -> int | None:
+        index = self.torch_device.index
+        if not self.capped():
+            return None
+        cap = torch.cuda.get_per_process_memory_fraction(index) * self.total_bytes()  # as the allocator checks it
+        return int(cap) - torch.cuda.memory_allocated(index)
 
     def memory_reading(self) -> tuple[int, int]:
         engine, index = self.engine_module, self.torch_device.index

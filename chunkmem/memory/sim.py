@@ -157,6 +157,9 @@ class SimulatedDevice:
         block it handed out since (None: not modelled as a budget, CHUNKMEM_SIM_MEMORY=0 or places)."""
         return self.allocator.take_reading() if self.allocator is not None else None
 
+    def allocation_room(self) -> int | None:
+        return self.allocator.room() if self.allocator is not None else None
+
     def segment_for(self, nbytes: int) -> int:
         return self.allocator.sizes.segment_for(nbytes) if self.allocator is not None else 0
 

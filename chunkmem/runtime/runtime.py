@@ -70,6 +70,7 @@ from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.config import Config
+from chunkmem.errors import ACTIVATION_FIXES, MemoryBudgetError
 from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
@@ -332,12 +333,55 @@ class Runtime:
         if not isinstance(saved, ChunkRef):
             return saved.get(self.activations)
         if isinstance(saved.source, Chunk):
-            self.placer.access([saved.source], nonmodel=self.emit("backward", "bwd", saved.source.name))
+            nonmodel = self.emit("backward", "bwd", saved.source.name)
+            self.placer.access([saved.source], nonmodel=nonmodel)
+            if nonmodel is not None:
+                self._room_for_grad(saved.source, saved.size.numel(), nonmodel)
             flat = saved.source.device
         else:
             self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
             flat = self.shards.unpacked(saved.source)  # type: ignore[union-attr]
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
+
+    def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
+        """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates their gradient
+        next, and an allocation of autograd's cannot be retried once it fails. When the tensors on the device leave
+        the allocator's cap less than that gradient, once copies in flight have landed, the op is certain to fail:
+        chunks nothing uses leave (the placer's victims; their slots go back to the allocator), and with none left, a
+        MemoryBudgetError names the bytes, rather than the allocator's error from inside autograd (a chunk too large
+        for the budget beside the activations). Cheap unless the allocator may hold that much: `nonmodel` (the
+        reading just made) and the arena bound what it holds. Nothing else moves: a block reserved and freed for the
+        gradient beforehand (Residency.reserve) drew the allocator's other blocks into its hole, and Phi, which
+        trained, failed."""
+        group = self.store.group_of(chunk)
+        nbytes = numel * chunk.dtype.itemsize
+        arena = self.device.arena
+        if group is None or not group.trainable or self.shards is not None or \
+                nonmodel + arena.footprint + nbytes <= self.limit:
+            return
+        room = self.device.allocation_room()
+        if room is None or room >= nbytes:
+            return
+        self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
+        chunk.pins += 1
+        try:
+            while (room := self.device.allocation_room() or 0) < nbytes:
+                candidates = [c for c in self.residency.resident.values() if not c.pins]
+                if candidates:
+                    self.residency.evict(self.residency.policy.victim(candidates))
+                    self.residency.stats.evictions += 1
+                    self.device.synchronize()  # its slot is free once its copy landed
+                free = arena.free_bytes
+                arena.release()
+                if not candidates and arena.free_bytes == free:
+                    raise MemoryBudgetError(
+                        f"backward needs {nbytes} bytes on the device for a gradient of parameters in {chunk.name}, "
+                        f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the tensors "
+                        f"there leave {room} bytes of what the allocator may take under Config.device_memory="
+                        f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB): {ACTIVATION_FIXES}, or lower "
+                        "Config.chunk_size")
+        finally:
+            chunk.pins -= 1
 
     # -- resident steps and lean forwards (the Notes on them) ------------------------------------------------------
     def begin_forward(self, inputs: Any, training: bool) -> bool:
