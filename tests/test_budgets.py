@@ -188,8 +188,8 @@ def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refu
 @pytest.mark.parametrize("pinned", [False, True], ids=["give-way", "refused"])
 def test_a_gradient_certain_not_to_fit_makes_the_chunks_nothing_uses_give_way_or_is_refused(sim_memory, pinned):
     # Runtime._room_for_grad on its own: everything homed on the device, then other tensors leave the allocator's cap
-    # less than a parameter chunk, so that its gradient cannot be allocated. A chunk nothing uses leaves (its slot goes back
-    # to the allocator), the others stay; with every other chunk in use, it is refused.
+    # less than a parameter chunk, so that its gradient cannot be allocated. Chunks nothing uses leave (their slots go
+    # back to the allocator) until it can be, the others stay; with every other chunk in use, it is refused.
     memory = sim_memory(DIVISOR)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
