@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import random
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -379,25 +380,51 @@ class HazardChecker(TorchDispatchMode):
         self.watched: set[int] = set()  # storage addresses whose death drops their hazards (`_watch`)
         self.paused = 0
         self._writes: dict[Any, tuple[tuple[str, bool], ...]] = {}  # op -> (argument, written) per argument
+        # Storages die on any thread (the copy thread drops what a landed copy held) and at any moment (a
+        # collection inside `forget`): their deaths queue here, and the books drop them, under the lock, before
+        # they change or are read, so no death lands in the middle of an update. Reentrant: a finalizer run by a
+        # collection under the lock may compute, and its ops are checked.
+        self._dead: list[int] = []
+        self._lock = threading.RLock()
 
     def add(self, hazard: Hazard) -> None:
-        self.hazards.setdefault(hazard.storage, []).append(hazard)
+        with self._lock:
+            self._bury()
+            self.hazards.setdefault(hazard.storage, []).append(hazard)
+
+    def watch(self, address: int) -> bool:
+        """Whether the death of the storage at `address` is not yet watched; it is from now on."""
+        with self._lock:
+            self._bury()
+            fresh = address not in self.watched
+            self.watched.add(address)
+            return fresh
 
     def storage_died(self, address: int) -> None:
-        self.hazards.pop(address, None)
-        self.watched.discard(address)
+        self._dead.append(address)
+
+    def _bury(self) -> None:
+        while self._dead:
+            address = self._dead.pop()
+            self.hazards.pop(address, None)
+            self.watched.discard(address)
 
     def forget_known(self, device: SimulatedDevice) -> None:
         """Drop the hazards whose copies `device` now knows have landed."""
         self.forget(lambda h: h.device is device and device.knows(h.copy, h.side))
 
     def forget(self, done: Callable[[Hazard], bool]) -> None:
-        for storage in list(self.hazards):
-            left = [h for h in self.hazards[storage] if not done(h)]
-            if left:
-                self.hazards[storage] = left
-            else:
-                del self.hazards[storage]
+        with self._lock:
+            self._bury()
+            for storage, hazards in list(self.hazards.items()):
+                left = [h for h in hazards if not done(h)]
+                self._bury()  # deaths during the test above: their hazards must not come back
+                if storage not in self.hazards:
+                    continue
+                if left:
+                    self.hazards[storage] = left
+                else:
+                    del self.hazards[storage]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -423,10 +450,13 @@ class HazardChecker(TorchDispatchMode):
 
     def _check_tensor(self, func: Any, tensor: torch.Tensor, written: bool) -> None:
         span = _span(tensor)
-        if span is None or span[0] not in self.hazards:
+        if span is None:
             return
         storage, start, end = span
-        for hazard in self.hazards[storage]:
+        with self._lock:
+            self._bury()  # a new storage may have the address of one whose death is queued
+            hazards = self.hazards.get(storage, ())
+        for hazard in hazards:
             if start >= hazard.end or hazard.start >= end or (hazard.write_only and not written):
                 continue
             if hazard.device.knows(hazard.copy, hazard.side):
@@ -480,8 +510,7 @@ def _watch(tensor: torch.Tensor, address: int) -> None:
     copy used once the copy is done (record_stream), whoever has learned it, and the simulation's copies hold
     their buffers until they land, as long."""
     checker = _active
-    if checker is not None and address not in checker.watched:
-        checker.watched.add(address)
+    if checker is not None and checker.watch(address):
         weakref.finalize(tensor.untyped_storage(), checker.storage_died, address)
 
 

@@ -151,3 +151,25 @@ def test_a_block_under_a_copy_in_flight_is_not_reused():
     del device
     assert dev.alloc(8, torch.float32).data_ptr() != address, "the upload still writes it"
     dev.wait(token)
+
+
+def test_a_storage_that_dies_while_the_checker_forgets_takes_its_hazards_with_it():
+    """Storages die on the copy thread and in collections at any moment: one that dies while `forget` walks the
+    hazards (here: inside its test) leaves no KeyError and no hazard behind for the next storage at its address."""
+    dev = SimulatedDevice(landing="wait")
+    token = dev.upload(*pair(dev), "param.0")
+    checker = sim._active
+    assert checker is not None, "the suite runs with the checker on (conftest)"
+    doomed = [torch.zeros(8), torch.zeros(8)]
+    for tensor in doomed:
+        sim.guard(dev, token, tensor, "host", write_only=False)
+    addresses = {t.untyped_storage().data_ptr() for t in doomed}
+    del tensor
+
+    def done(hazard: sim.Hazard) -> bool:
+        doomed.clear()  # both buffers die now, in the middle of the walk
+        return False
+
+    checker.forget(done)
+    assert not addresses & set(checker.hazards), "a dead storage's hazards are gone, not put back"
+    dev.wait(token)
