@@ -201,10 +201,11 @@ class CachingAllocator:
         plus inactive_split bytes)."""
         return self.reserved - self.releasable
 
-    def room(self) -> int | None:
-        """The most one allocation could take: the cap less the bytes of live blocks (cached ones would be released
-        for it); None without a cap."""
-        return self._changing(lambda: None if self.allowed is None else self.allowed - self.allocated)
+    def room(self) -> tuple[int, int] | None:
+        """(sure, most): the cap less what is `held` (a new segment that size is certain) and less the live blocks
+        alone (what no request exceeds); wholly free segments count, released at the cap. None without a cap."""
+        return self._changing(lambda: None if self.allowed is None else
+                              (self.allowed - self.held, self.allowed - self.allocated))
 
     def take_reading(self) -> tuple[int, int]:
         """The most `held` since the last call (temporaries between two readings included) and the largest block

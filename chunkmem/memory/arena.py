@@ -110,9 +110,14 @@ class SlotArena:
         if self.footprint > room:
             self._release(lambda held: held > room)
 
-    def release(self) -> None:
-        """Give every free slot back to the allocator."""
+    def release(self) -> int:
+        """Give every free slot back to the allocator; the bytes of the largest, 0 for none."""
+        largest = max(self._free_sizes(), default=0)
         self._release(lambda held: True)
+        return largest
+
+    def _free_sizes(self) -> list[int]:
+        return [nbytes for nbytes, queue in self._free.items() if queue]
 
     @property
     def free_bytes(self) -> int:

@@ -158,7 +158,7 @@ class SimulatedDevice:
         block it handed out since (None: not modelled as a budget, CHUNKMEM_SIM_MEMORY=0 or places)."""
         return self.allocator.take_reading() if self.allocator is not None else None
 
-    def allocation_room(self) -> int | None:
+    def allocation_room(self) -> tuple[int, int] | None:
         return self.allocator.room() if self.allocator is not None else None
 
     def segment_for(self, nbytes: int) -> int:
@@ -381,9 +381,9 @@ class HazardChecker(TorchDispatchMode):
         self.paused = 0
         self._writes: dict[Any, tuple[tuple[str, bool], ...]] = {}  # op -> (argument, written) per argument
         # Storages die on any thread (the copy thread drops what a landed copy held) and at any moment (a
-        # collection inside `forget`): their deaths queue here, and the books drop them, under the lock, before
-        # they change or are read, so no death lands in the middle of an update. Reentrant: a finalizer run by a
-        # collection under the lock may compute, and its ops are checked.
+        # collection inside `forget`): their deaths queue here, and whichever thread next holds the lock drops
+        # their hazards (which hold their devices) before the books change or are read. Reentrant: a finalizer
+        # run by a collection under the lock may compute, and its ops are checked.
         self._dead: list[int] = []
         self._lock = threading.RLock()
 
@@ -391,6 +391,7 @@ class HazardChecker(TorchDispatchMode):
         with self._lock:
             self._bury()
             self.hazards.setdefault(hazard.storage, []).append(hazard)
+        self._bury_queued()
 
     def watch(self, address: int) -> bool:
         """Whether the death of the storage at `address` is not yet watched; it is from now on."""
@@ -398,10 +399,20 @@ class HazardChecker(TorchDispatchMode):
             self._bury()
             fresh = address not in self.watched
             self.watched.add(address)
-            return fresh
+        self._bury_queued()
+        return fresh
 
     def storage_died(self, address: int) -> None:
         self._dead.append(address)
+        self._bury_queued()
+
+    def _bury_queued(self) -> None:
+        """Drop the deaths queued so far, unless another thread holds the books (it drops them, or its successor)."""
+        while self._dead and self._lock.acquire(blocking=False):
+            try:
+                self._bury()
+            finally:
+                self._lock.release()
 
     def _bury(self) -> None:
         while self._dead:
@@ -425,6 +436,7 @@ class HazardChecker(TorchDispatchMode):
                     self.hazards[storage] = left
                 else:
                     del self.hazards[storage]
+        self._bury_queued()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

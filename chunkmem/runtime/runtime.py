@@ -345,41 +345,50 @@ class Runtime:
 
     def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
         """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates their gradient
-        next, and an allocation of autograd's cannot be retried once it fails. When the tensors on the device leave
-        the allocator's cap less than that gradient, once copies in flight have landed, the op is certain to fail:
-        chunks nothing uses leave (the placer's victims; their slots go back to the allocator), and with none left, a
-        MemoryBudgetError names the bytes, rather than the allocator's error from inside autograd (a chunk too large
-        for the budget beside the activations). Cheap unless the allocator may hold that much: `nonmodel` (the
-        reading just made) and the arena bound what it holds. Nothing else moves: a block reserved and freed for the
-        gradient beforehand (Residency.reserve) drew the allocator's other blocks into its hole, and Phi, which
-        trained, failed."""
+        next, and an allocation of autograd's cannot be retried once it fails. So where the allocator may lack room
+        for it, once copies in flight have landed, chunks nothing uses leave (the placer's victims) until a new
+        segment for it is certain (Device.allocation_room's `sure`: the holes between live blocks may be too small),
+        or a slot they leave holds it (a block of the slot's size goes back to the allocator's pool for the
+        gradient's size). With none left to leave: where the cap less the live tensors is smaller than the
+        gradient, the op is certain to fail, and a MemoryBudgetError names the bytes rather than the allocator's
+        error from inside autograd; else the op goes on, a hole its chance. Cheap unless the allocator may hold
+        that much: `nonmodel` (the reading just made) and the arena bound what it holds. Nothing else moves: a block
+        reserved and freed for the gradient beforehand (Residency.reserve) drew the allocator's other blocks into
+        its hole, and Phi, which trained, failed."""
         group = self.store.group_of(chunk)
         nbytes = numel * chunk.dtype.itemsize
+        need = max(nbytes, self.device.segment_for(nbytes))
+        small = self.device.segment_for(1)  # the small pool's segment
+        pool = self.device.segment_for(nbytes) == small  # whether the gradient comes from the small pool
         arena = self.device.arena
         if group is None or not group.trainable or self.shards is not None or \
-                nonmodel + arena.footprint + nbytes <= self.limit:
+                nonmodel + arena.footprint + need <= self.limit:
             return
         room = self.device.allocation_room()
-        if room is None or room >= nbytes:
+        if room is None or room[0] >= need:
             return
         self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
         chunk.pins += 1
         try:
-            while (room := self.device.allocation_room() or 0) < nbytes:
+            while (room := self.device.allocation_room() or (need, need))[0] < need:
                 candidates = [c for c in self.residency.resident.values() if not c.pins]
                 if candidates:
                     self.residency.evict(self.residency.policy.victim(candidates))
                     self.residency.stats.evictions += 1
                     self.device.synchronize()  # its slot is free once its copy landed
-                free = arena.free_bytes
-                arena.release()
-                if not candidates and arena.free_bytes == free:
-                    raise MemoryBudgetError(
-                        f"backward needs {nbytes} bytes on the device for a gradient of parameters in {chunk.name}, "
-                        f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the tensors "
-                        f"there leave {room} bytes of what the allocator may take under Config.device_memory="
-                        f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB): {ACTIVATION_FIXES}, or lower "
-                        "Config.chunk_size")
+                slot = arena.release()
+                if slot >= nbytes and (self.device.segment_for(slot) == small) == pool:
+                    return  # the slot's block holds it
+                if candidates or slot:
+                    continue
+                if room[1] >= nbytes:
+                    return  # a hole may hold it
+                raise MemoryBudgetError(
+                    f"backward needs {nbytes} bytes on the device for a gradient of parameters in {chunk.name}, "
+                    f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the tensors "
+                    f"there leave {room[1]} bytes of what the allocator may take under Config.device_memory="
+                    f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB): {ACTIVATION_FIXES}, or lower "
+                    "Config.chunk_size")
         finally:
             chunk.pins -= 1
 
