@@ -185,6 +185,22 @@ def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refu
     assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "the graph's activations are gone"
 
 
+def test_a_gradient_no_hole_holds_once_every_other_chunk_left_is_refused_plainly(sim_memory):
+    """LLaMA in fp32 at a twentieth of its model data: in the warm-up's backward, one chunk left on the device, the
+    cap less the live tensors held an MLP weight's gradient, but only in holes too small for it: CUDA's error from
+    inside autograd. A block of its size is now asked for first, and refused, a MemoryBudgetError names the bytes."""
+    arch = zoo.by_name("llama")
+    model, batches = arch.build(), arch.batches(1)
+    budget, divisor = h100_rule(model, batches[0], 0.05, sim_memory)
+    memory = sim_memory(divisor)
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                             chunkmem.Config(device="cpu", device_memory=budget))
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"backward needs \d+ bytes .* the allocator has no block for it "
+                       r"under Config.device_memory=%d bytes .* \d+ of them beyond the holes" % budget):
+        zoo.loss(cm, batches[0]).backward()
+    assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "the graph's activations are gone"
+
+
 def test_a_gradient_the_holes_may_not_hold_makes_chunks_give_way_and_the_run_trains_as_plain_pytorch(sim_memory):
     """Mixtral in fp32 at a tenth of its model data, in chunks of three times its largest parameter: in the third
     step's backward the cap less the live tensors held an expert weight's gradient, but the room left in segments

@@ -349,12 +349,13 @@ class Runtime:
         for it, once copies in flight have landed, chunks nothing uses leave (the placer's victims) until a new
         segment for it is certain (Device.allocation_room's `sure`: the holes between live blocks may be too small),
         or a slot they leave holds it (a block of the slot's size goes back to the allocator's pool for the
-        gradient's size). With none left to leave: where the cap less the live tensors is smaller than the
-        gradient, the op is certain to fail, and a MemoryBudgetError names the bytes rather than the allocator's
-        error from inside autograd; else the op goes on, a hole its chance. Cheap unless the allocator may hold
-        that much: `nonmodel` (the reading just made) and the arena bound what it holds. Nothing else moves: a block
-        reserved and freed for the gradient beforehand (Residency.reserve) drew the allocator's other blocks into
-        its hole, and Phi, which trained, failed."""
+        gradient's size). With none left to leave, where no hole holds it either (the cap less the live tensors is
+        smaller, or a block of its size is refused), the op is certain to fail, and a MemoryBudgetError names the
+        bytes rather than the allocator's error from inside autograd; else the op goes on. Cheap unless the
+        allocator may hold that much: `nonmodel` (the reading just made) and the arena bound what it holds. Nothing
+        else moves, and a block is taken for the gradient only as that last resort: reserved and given back before
+        every such op (Residency.reserve), it drew the op's other blocks into its hole, and Phi, which trained,
+        failed."""
         group = self.store.group_of(chunk)
         nbytes = numel * chunk.dtype.itemsize
         need = max(nbytes, self.device.segment_for(nbytes))
@@ -381,16 +382,25 @@ class Runtime:
                     return  # the slot's block holds it
                 if candidates or slot:
                     continue
-                if room[1] >= nbytes:
-                    return  # a hole may hold it
+                if room[1] >= nbytes and self._allocates(numel, chunk.dtype):
+                    return  # a hole holds it
                 raise MemoryBudgetError(
                     f"backward needs {nbytes} bytes on the device for a gradient of parameters in {chunk.name}, "
-                    f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the tensors "
-                    f"there leave {room[1]} bytes of what the allocator may take under Config.device_memory="
-                    f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB): {ACTIVATION_FIXES}, or lower "
-                    "Config.chunk_size")
+                    f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the allocator "
+                    f"has no block for it under Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} "
+                    f"MiB): the tensors there leave {room[1]} bytes of what it may take, {room[0]} of them beyond the "
+                    f"holes between them: {ACTIVATION_FIXES}, or lower Config.chunk_size")
         finally:
             chunk.pins -= 1
+
+    def _allocates(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether the allocator has a block for `numel` elements of `dtype` now (one is taken and given back: the
+        last resort of `_room_for_grad`, where only the holes between live blocks are left, and only it knows them)."""
+        try:
+            self.device.alloc(numel, dtype)
+        except torch.OutOfMemoryError:
+            return False
+        return True
 
     # -- resident steps and lean forwards (the Notes on them) ------------------------------------------------------
     def begin_forward(self, inputs: Any, training: bool) -> bool:
