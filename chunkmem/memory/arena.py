@@ -112,12 +112,9 @@ class SlotArena:
 
     def release(self) -> int:
         """Give every free slot back to the allocator; the bytes of the largest, 0 for none."""
-        largest = max(self._free_sizes(), default=0)
+        largest = max((nbytes for nbytes, queue in self._free.items() if queue), default=0)
         self._release(lambda held: True)
         return largest
-
-    def _free_sizes(self) -> list[int]:
-        return [nbytes for nbytes, queue in self._free.items() if queue]
 
     @property
     def free_bytes(self) -> int:
