@@ -358,9 +358,8 @@ class Runtime:
         failed."""
         group = self.store.group_of(chunk)
         nbytes = numel * chunk.dtype.itemsize
-        need = max(nbytes, self.device.segment_for(nbytes))
-        small = self.device.segment_for(1)  # the small pool's segment
-        pool = self.device.segment_for(nbytes) == small  # whether the gradient comes from the small pool
+        segment = self.device.segment_for(nbytes)
+        need = max(nbytes, segment)
         arena = self.device.arena
         if group is None or not group.trainable or self.shards is not None or \
                 nonmodel + arena.footprint + need <= self.limit:
@@ -368,6 +367,8 @@ class Runtime:
         room = self.device.allocation_room()
         if room is None or room[0] >= need:
             return
+        small = self.device.segment_for(1)  # the small pool's segment
+        pool = segment == small  # whether the gradient comes from the small pool
         self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
         chunk.pins += 1
         try:
