@@ -427,7 +427,10 @@ class HazardChecker(TorchDispatchMode):
     def forget(self, done: Callable[[Hazard], bool]) -> None:
         with self._lock:
             self._bury()
-            for storage, hazards in list(self.hazards.items()):
+            # A copy to walk: a collection at any allocation of the walk may run finalizers that bury deaths on
+            # this thread, which holds the (reentrant) lock; dict.copy makes no object a collection starts on
+            # before the entries are copied (seen in the suite: "dictionary changed size during iteration").
+            for storage, hazards in self.hazards.copy().items():
                 left = [h for h in hazards if not done(h)]
                 self._bury()  # deaths during the test above: their hazards must not come back
                 if storage not in self.hazards:
