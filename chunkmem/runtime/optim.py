@@ -126,14 +126,17 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         step += 1
 
 
-def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[int], int]) -> list[int]:
+def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[int], int],
+                part: int | None = None) -> list[int]:
     """The blocks (bytes) torch.optim allocates on the device updating `params` of param group `group` in one call:
     none fused; with foreach, a temporary of each parameter at once; else two at a time, each parameter's size: two
-    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class)."""
+    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class).
+    With `part`, contiguous parameters update in slices of at most that many elements (`Together.update`)."""
     fused, foreach = group.get("fused"), group.get("foreach")
     if fused is None and foreach is None:
         fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-    sizes = [p.numel() * p.element_size() for p in params]
+    sizes = [(p.numel() if part is None or not p.is_contiguous() else min(part, p.numel())) * p.element_size()
+             for p in params]
     if fused or foreach:
         return [] if fused else sizes
     small = segment_for(1)
@@ -175,10 +178,10 @@ class Together:
     them about to leave it makes them all now (`leaving`). `after` are host-updated parameter chunks to send up
     once the updates are made."""
 
-    def __init__(self, rule: Rule, reserve: Callable[[Together], bool] | None = None) -> None:
+    def __init__(self, rule: Rule, reserve: Callable[[Together], int | None] | None = None) -> None:
         self.rule = rule
-        # On the device: room for the run's temporaries, before any of it changes; False: room for one parameter's
-        # at a time only, and the run updates a parameter per call.
+        # On the device: room for the run's temporaries, before any of it changes; a number: room for those of
+        # that many elements at a time only, and the run updates a parameter, or a slice of one, per call.
         self.reserve = reserve
         self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
         self.chunks: set[Chunk] = set()
@@ -195,13 +198,26 @@ class Together:
         all_steps += steps
 
     def update(self) -> None:
-        whole = self.reserve is None or not self.lists or self.reserve(self)
+        part = self.reserve(self) if self.reserve is not None and self.lists else None
         lists, self.lists = self.lists, {}
         self.chunks.clear()
         for group, params, grads, states, steps in lists.values():
-            # Whole, or a parameter per call: elementwise, the same bits, one parameter's temporaries at a time.
-            for part in [slice(None)] if whole else [slice(i, i + 1) for i in range(len(params))]:
-                self.rule.update(group, params[part], grads[part], {k: v[part] for k, v in states.items()}, steps[part])
+            if part is None:
+                self.rule.update(group, params, grads, states, steps)
+                continue
+            # A parameter, or a slice of a contiguous one, per call: elementwise, the same bits, each slice from
+            # the same step count, with one slice's temporaries at a time.
+            for i, step in enumerate(steps):
+                tensors = [params[i], grads[i], *(v[i] for v in states.values())]
+                n = params[i].numel()
+                cuts = [slice(start, start + part) for start in range(0, n, part)] \
+                    if n > part and all(t.is_contiguous() for t in tensors) else [None]
+                before = step.clone() if len(cuts) > 1 else None
+                for cut in cuts:
+                    if before is not None:
+                        step.copy_(before)
+                    param, grad, *kinds = [t if cut is None else t.view(-1)[cut] for t in tensors]
+                    self.rule.update(group, [param], [grad], {k: [t] for k, t in zip(states, kinds)}, [step])
 
     def leaving(self, chunk: Chunk) -> None:
         """Residency.before_leave: `chunk`'s device payload is about to be read back, dropped or reset."""
@@ -421,31 +437,38 @@ class ChunkOptimizer(Optimizer):
                 self.rule.update(group, *lists)
         return later
 
-    def _reserve_run(self, together: Together) -> bool:
+    def _reserve_run(self, together: Together) -> int | None:
         """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
         and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
-        Where the budget has none, room for those of its largest parameter, and the run updates a parameter per call
-        (False): the update is elementwise, so the bits are the same. Where it has not even that, a clear error, the
-        run's parameters as they were."""
+        None: room for the whole run. Where the budget has not that, room for those of its largest parameter, and
+        the run updates a parameter per call (the number returned: its size); where not even that, for slices of
+        its contiguous parameters, halved down to a 64th of the largest (the update is elementwise, so the bits
+        are the same). Where it has none of these, a clear error, the run's parameters as they were."""
         segment_for, residency = self.runtime.device.segment_for, self.runtime.residency
         runs = [(group, params) for group, params, *_ in together.lists.values()]
         try:
             residency.reserve([n for group, params in runs for n in run_scratch(group, params, segment_for)],
                               together.chunks)
-            return True
+            return None
         except torch.OutOfMemoryError:
             pass
-        one = max((run_scratch(group, [p], segment_for) for group, params in runs for p in params), key=sum)
-        try:
-            residency.reserve(one, together.chunks)
-        except torch.OutOfMemoryError as error:
-            raise MemoryBudgetError(
-                f"the optimizer step's temporaries on the device ({sum(one)} bytes for its largest fp32 parameter "
-                f"updated there) do not fit beside the chunks in Config.device_memory={self.runtime.limit} bytes; "
-                "those parameters were not updated. Raise device_memory, or construct the optimizer with fused=True "
-                f"(torch's fused kernel allocates no temporaries). The allocator said: {error}") from error
+        largest = part = max(p.numel() for _, params in runs for p in params)
+        while True:
+            one = max((run_scratch(group, [p], segment_for, part) for group, params in runs for p in params), key=sum)
+            try:  # chunks give way for the largest parameter's; its slices try the room left
+                residency.reserve(one, together.chunks, fall_back=part == largest)
+                break
+            except torch.OutOfMemoryError as error:
+                if part <= max(largest // 64, 1):
+                    raise MemoryBudgetError(
+                        f"the optimizer step's temporaries on the device ({sum(one)} bytes for {part} elements of "
+                        f"an fp32 parameter updated there) do not fit beside the chunks in Config.device_memory="
+                        f"{self.runtime.limit} bytes; those parameters were not updated. Raise device_memory, or "
+                        "construct the optimizer with fused=True (torch's fused kernel allocates no temporaries). "
+                        f"The allocator said: {error}") from error
+                part = -(-part // 2)
         residency.stats.update_runs_split += 1
-        return False
+        return part
 
     def _room_on_device(self, chunk_group: ChunkGroup, numel: int, sliceable: bool) -> int:
         """How many of the `numel` elements of a homed low-precision group's update to make at a time on the device

@@ -266,28 +266,52 @@ def test_an_fp16_step_leaves_the_gradient_chunks_no_gradient_reached_free() -> N
     assert first.state.name == "FREE"
 
 
-def test_an_fp32_run_without_room_for_its_temporaries_at_once_updates_a_parameter_at_a_time() -> None:
+@pytest.mark.parametrize("make, share", [
+    (functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True), 1),
+    (functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True), 4),
+    (functools.partial(torch.optim.AdamW, lr=1e-3, foreach=False), 4),
+    (functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9, nesterov=True), 3),
+], ids=["adamw-foreach-parameters", "adamw-foreach-slices", "adamw-slices", "sgd-nesterov-slices"])
+def test_an_fp32_run_without_room_for_its_temporaries_at_once_updates_a_parameter_or_a_slice_at_a_time(
+        make, share) -> None:
     # With foreach (CUDA's default), torch's Adam holds a temporary of every parameter of a run at once: where the
     # budget has room for one parameter's only, the run updates a parameter per call (planning's Note on update
-    # scratch), the same bits, rather than refusing the step.
+    # scratch), the same bits, rather than refusing the step; where it has room for a `share` of the largest
+    # parameter's only (Swin at 25% of its model data, in the warm-up's optimizer step), slices of it, each from
+    # the same step count (the SGD's momentum buffers start in the first step).
     model, batches = mlp(depth=4), mlp_batches(4)
     ref = copy.deepcopy(model)
-    expected = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True), batches, mlp_loss)
-    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
-                               chunkmem.Config(device="cpu", device_memory=2**30))
+    expected = train(ref, make(ref.parameters()), batches, mlp_loss)
+    cm, opt = chunkmem.prepare(model, make(model.parameters()), chunkmem.Config(device="cpu", device_memory=2**30))
     residency = cm.runtime.residency
-    largest = max(p.numel() for p in ref.parameters()) * 4
+    room = max(p.numel() for p in ref.parameters()) * 4 * 2 // share  # torch.optim's temporaries: two at most
     reserve = residency.reserve
 
-    def short_of_room(blocks: list[int], keep: list) -> None:
-        if sum(blocks) > largest:
+    def short_of_room(blocks: list[int], keep: list, fall_back: bool = True) -> None:
+        if sum(blocks) > room:
             raise torch.OutOfMemoryError("no room for the run's temporaries at once")
-        reserve(blocks, keep)
+        reserve(blocks, keep, fall_back)
 
     residency.reserve = short_of_room  # type: ignore[method-assign]
     assert train(cm, opt, batches, mlp_loss) == expected
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
     assert cm.memory_stats()["update_runs_split"] == len(batches)
+
+
+def test_an_fp32_run_without_room_for_a_64th_of_its_largest_parameters_temporaries_is_refused_unchanged() -> None:
+    model, batches = mlp(depth=2), mlp_batches(1)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=2**30))
+    mlp_loss(cm, batches[0]).backward()
+    before = {k: v.clone() for k, v in cm.state_dict().items()}
+
+    def no_room(blocks: list[int], keep: list, fall_back: bool = True) -> None:
+        if blocks:
+            raise torch.OutOfMemoryError("no room at all")
+
+    cm.runtime.residency.reserve = no_room  # type: ignore[method-assign]
+    with pytest.raises(chunkmem.MemoryBudgetError, match="elements of an fp32 parameter updated there"):
+        opt.step()
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
 
 
 @pytest.mark.parametrize("make", [
