@@ -185,6 +185,23 @@ def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refu
     assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "the graph's activations are gone"
 
 
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_loss_backward_the_chunks_left_from_the_forward_leave_no_room_for_makes_them_give_way(sim_memory, arch):
+    """LLaMA and Mixtral in fp32 at a twentieth of their model data, chunks of three times their largest parameter:
+    the warm-up's backward began with the loss's, over the logits, and no chunk access before it gave the chunks the
+    forward left on the device a chance to leave: CUDA's error from inside autograd. They give way now, and the
+    backward is refused where a chunk or a parameter's gradient finds no room, naming the bytes."""
+    arch = zoo.by_name(arch)
+    model, batches = arch.build(), arch.batches(1)
+    budget, divisor = h100_rule(model, batches[0], 0.05, sim_memory)
+    sim_memory(divisor)
+    chunk = 3 * max(p.numel() for p in model.parameters()) + 1
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                             chunkmem.Config(device="cpu", device_memory=budget, chunk_size=chunk))
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"needs \d+ bytes on the device .* Config.chunk_size"):
+        zoo.loss(cm, batches[0]).backward()
+
+
 def test_a_gradient_no_hole_holds_once_every_other_chunk_left_is_refused_plainly(sim_memory):
     """LLaMA in fp32 at a twentieth of its model data: in the warm-up's backward, one chunk left on the device, the
     cap less the live tensors held an MLP weight's gradient, but only in holes too small for it: CUDA's error from

@@ -346,31 +346,46 @@ class Runtime:
     def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
         """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates their gradient
         next, and an allocation of autograd's cannot be retried once it fails. So where the allocator may lack room
-        for it, once copies in flight have landed, chunks nothing uses leave (the placer's victims) until a new
-        segment for it is certain (Device.allocation_room's `sure`: the holes between live blocks may be too small),
-        or a slot they leave holds it (a block of the slot's size goes back to the allocator's pool for the
-        gradient's size). With none left to leave, where no hole holds it either (the cap less the live tensors is
-        smaller, or a block of its size is refused), the op is certain to fail, and a MemoryBudgetError names the
-        bytes rather than the allocator's error from inside autograd; else the op goes on. Cheap unless the
-        allocator may hold that much: `nonmodel` (the reading just made) and the arena bound what it holds. Nothing
-        else moves, and a block is taken for the gradient only as that last resort: reserved and given back before
+        for it, chunks nothing uses leave (`_room_for`). With none left to leave, where no hole holds it either (the
+        cap less the live tensors is smaller, or a block of its size is refused), the op is certain to fail, and a
+        MemoryBudgetError names the bytes rather than the allocator's error from inside autograd; else the op goes
+        on. Cheap unless the allocator may hold that much: `nonmodel` (the reading just made) and the arena bound
+        what it holds. A block is taken for the gradient only as that last resort: reserved and given back before
         every such op (Residency.reserve), it drew the op's other blocks into its hole, and Phi, which trained,
-        failed."""
+        failed. Room for the gradient of the op's input too (a block of `largest_block`) made chunks leave that
+        then found no room to come back (Phi at 10% of its model data, with coarse chunks)."""
         group = self.store.group_of(chunk)
-        nbytes = numel * chunk.dtype.itemsize
-        segment = self.device.segment_for(nbytes)
-        need = max(nbytes, segment)
-        arena = self.device.arena
+        sizes = [numel * chunk.dtype.itemsize]
         if group is None or not group.trainable or self.shards is not None or \
-                nonmodel + arena.footprint + need <= self.limit:
+                nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
             return
+        room = self._room_for(sizes, chunk)
+        if room is not None and not (room[1] >= sizes[0] and self._allocates(numel, chunk.dtype)):
+            raise MemoryBudgetError(
+                f"backward needs {sizes[0]} bytes on the device for a gradient of parameters in {chunk.name}, but with "
+                f"{chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the allocator has no block for "
+                f"it under Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB): the tensors there "
+                f"leave {room[1]} bytes of what it may take, {room[0]} of them beyond the holes between them: "
+                f"{ACTIVATION_FIXES}, or lower Config.chunk_size")
+
+    def _segments(self, sizes: list[int]) -> int:
+        return sum(max(n, self.device.segment_for(n)) for n in sizes)
+
+    def _room_for(self, sizes: list[int], keep: Chunk | None = None) -> tuple[int, int] | None:
+        """Chunks nothing uses (but `keep`) leave until new segments for blocks of these byte sizes are certain, or
+        a slot that left holds them all (its block goes back to the allocator's pool for their sizes): None. Else,
+        with none left to leave, the room there is (Device.allocation_room). Nothing is allocated: blocks taken and
+        given back draw an op's other blocks into their holes, and split the segments chunks come back to."""
+        need = self._segments(sizes)
         room = self.device.allocation_room()
         if room is None or room[0] >= need:
-            return
+            return None
         small = self.device.segment_for(1)  # the small pool's segment
-        pool = segment == small  # whether the gradient comes from the small pool
+        pools = {self.device.segment_for(n) == small for n in sizes}
         self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
-        chunk.pins += 1
+        pinned = [keep] if keep is not None else []
+        for chunk in pinned:
+            chunk.pins += 1
         try:
             while (room := self.device.allocation_room() or (need, need))[0] < need:
                 candidates = [c for c in self.residency.resident.values() if not c.pins]
@@ -378,21 +393,15 @@ class Runtime:
                     self.residency.evict(self.residency.policy.victim(candidates))
                     self.residency.stats.evictions += 1
                     self.device.synchronize()  # its slot is free once its copy landed
-                slot = arena.release()
-                if slot >= nbytes and (self.device.segment_for(slot) == small) == pool:
-                    return  # the slot's block holds it
-                if candidates or slot:
-                    continue
-                if room[1] >= nbytes and self._allocates(numel, chunk.dtype):
-                    return  # a hole holds it
-                raise MemoryBudgetError(
-                    f"backward needs {nbytes} bytes on the device for a gradient of parameters in {chunk.name}, "
-                    f"but with {chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the allocator "
-                    f"has no block for it under Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} "
-                    f"MiB): the tensors there leave {room[1]} bytes of what it may take, {room[0]} of them beyond the "
-                    f"holes between them: {ACTIVATION_FIXES}, or lower Config.chunk_size")
+                slot = self.device.arena.release()
+                if slot >= sum(sizes) and pools == {self.device.segment_for(slot) == small}:
+                    return None
+                if not candidates and not slot:
+                    return room
+            return None
         finally:
-            chunk.pins -= 1
+            for chunk in pinned:
+                chunk.pins -= 1
 
     def _allocates(self, numel: int, dtype: torch.dtype) -> bool:
         """Whether the allocator has a block for `numel` elements of `dtype` now (one is taken and given back: the
@@ -568,6 +577,12 @@ class Runtime:
         gradient made on the device into a streamed group's, shown on the host."""
         if self.grads.shown:
             self.grads.hide()
+        if self.warmup and self.config.device_memory is not None and self.shards is None and self.largest_block:
+            # A loss's backward, over the logits, comes first, and no chunk access before it makes room: room for two
+            # blocks of the largest size non-model data took (its gradient and a temporary), where chunks can leave.
+            # In the warm-up only, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their
+            # model data, coarse chunks, died there); in later steps chunks that left it found no room to come back.
+            self._room_for([self.largest_block] * 2)
 
     def _backward_done(self) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
