@@ -39,8 +39,8 @@ blocks a slice's size, and only where not even a 64th fits are chunks evicted or
 recorded later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32
 groups, updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by
 parameter (temporaries of one at a time) or, with foreach, all of the run's at once: where the budget has no room
-for those, the run updates a parameter per call (optim's `_reserve_run`: the same bits, the update being
-elementwise).
+for those, the run updates a parameter per call, or where not even its largest parameter's fit, slices of a
+parameter, halved down to a 64th (optim's `_reserve_run`: the same bits, the update being elementwise).
 
 [Note: one budget a step]
 Chunks get the same room at every access of a steady step: what the step's non-model peak leaves. Giving

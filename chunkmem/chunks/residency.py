@@ -59,7 +59,7 @@ class TrafficStats:
     prefetches_dropped: int = 0  # prefetches the allocator had no room for: left to come when needed
     updates_moved_to_host: int = 0  # homed groups' updates the device had no room for (optim's _room_on_device)
     updates_sliced: int = 0  # homed groups' updates made a slice of their range at a time (optim's _room_on_device)
-    update_runs_split: int = 0  # fp32 runs updated a parameter at a time, with no room for their temporaries at once
+    update_runs_split: int = 0  # fp32 runs updated a parameter (or a slice) at a time: no room for their temporaries
 
 
 class Residency:

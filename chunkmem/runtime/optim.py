@@ -442,8 +442,8 @@ class ChunkOptimizer(Optimizer):
         and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
         None: room for the whole run. Where the budget has not that, room for those of its largest parameter, and
         the run updates a parameter per call (the number returned: its size); where not even that, for slices of
-        its contiguous parameters, halved down to a 64th of the largest (the update is elementwise, so the bits
-        are the same). Where it has none of these, a clear error, the run's parameters as they were."""
+        its contiguous parameters, halved in multiples of SLICE_ALIGN down to a 64th of the largest (the update is
+        elementwise, so the bits are the same; vector tails as in one call). Where it has none of these, a clear error, the run's parameters as they were."""
         segment_for, residency = self.runtime.device.segment_for, self.runtime.residency
         runs = [(group, params) for group, params, *_ in together.lists.values()]
         try:
@@ -459,14 +459,14 @@ class ChunkOptimizer(Optimizer):
                 residency.reserve(one, together.chunks, fall_back=part == largest)
                 break
             except torch.OutOfMemoryError as error:
-                if part <= max(largest // 64, 1):
+                if part <= max(largest // 64, SLICE_ALIGN):
                     raise MemoryBudgetError(
                         f"the optimizer step's temporaries on the device ({sum(one)} bytes for {part} elements of "
                         f"an fp32 parameter updated there) do not fit beside the chunks in Config.device_memory="
                         f"{self.runtime.limit} bytes; those parameters were not updated. Raise device_memory, or "
                         "construct the optimizer with fused=True (torch's fused kernel allocates no temporaries). "
                         f"The allocator said: {error}") from error
-                part = -(-part // 2)
+                part = -(-part // (2 * SLICE_ALIGN)) * SLICE_ALIGN  # half, in whole vectors (as _room_on_device)
         residency.stats.update_runs_split += 1
         return part
 

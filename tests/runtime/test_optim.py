@@ -278,8 +278,9 @@ def test_an_fp32_run_without_room_for_its_temporaries_at_once_updates_a_paramete
     # budget has room for one parameter's only, the run updates a parameter per call (planning's Note on update
     # scratch), the same bits, rather than refusing the step; where it has room for a `share` of the largest
     # parameter's only (Swin at 25% of its model data, in the warm-up's optimizer step), slices of it, each from
-    # the same step count (the SGD's momentum buffers start in the first step).
-    model, batches = mlp(depth=4), mlp_batches(4)
+    # the same step count, in multiples of optim.SLICE_ALIGN elements (the SGD's momentum buffers start in the first
+    # step).
+    model, batches = mlp(width=64, depth=4), mlp_batches(4, width=64)
     ref = copy.deepcopy(model)
     expected = train(ref, make(ref.parameters()), batches, mlp_loss)
     cm, opt = chunkmem.prepare(model, make(model.parameters()), chunkmem.Config(device="cpu", device_memory=2**30))
