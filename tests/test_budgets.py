@@ -185,12 +185,13 @@ def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refu
     assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "the graph's activations are gone"
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt2"])
 def test_a_loss_backward_the_chunks_left_from_the_forward_leave_no_room_for_makes_them_give_way(sim_memory, arch):
-    """LLaMA and Mixtral in fp32 at a twentieth of their model data, chunks of three times their largest parameter:
-    the warm-up's backward began with the loss's, over the logits, and no chunk access before it gave the chunks the
-    forward left on the device a chance to leave: CUDA's error from inside autograd. They give way now, and the
-    backward is refused where a chunk or a parameter's gradient finds no room, naming the bytes."""
+    """LLaMA, Mixtral and GPT-2 in fp32 at a twentieth of their model data, chunks of three times their largest
+    parameter: the warm-up's backward began with the loss's, over the logits (and in GPT-2, whose forward fell back
+    once, went on to GELU's, over activations only), and no chunk access before them gave the chunks the forward
+    left on the device a chance to leave: CUDA's error from inside autograd. They give way now, and the backward is
+    refused where a chunk or a parameter's gradient finds no room, naming the bytes."""
     arch = zoo.by_name(arch)
     model, batches = arch.build(), arch.batches(1)
     budget, divisor = h100_rule(model, batches[0], 0.05, sim_memory)

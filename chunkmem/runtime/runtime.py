@@ -331,6 +331,12 @@ class Runtime:
         if isinstance(saved, torch.Tensor):  # kept as it is, unmetered (the Note on lean forwards)
             return saved
         if not isinstance(saved, ChunkRef):
+            if self.placer.phase is Phase.DIVERGED and self.config.device_memory is not None and self.largest_block:
+                # A step whose forward ran out of memory is tight, and no chunk access precedes a backward op that
+                # reads activations only (GELU's): chunks nothing uses give way for two blocks of the largest
+                # non-model size (GPT-2 at 5%, coarse chunks, died there). Not in every step: chunks that left then
+                # found no room to come back (BERT and Falcon at 10%, coarse, were refused).
+                self._room_for([self.largest_block] * 2)
             return saved.get(self.activations)
         if isinstance(saved.source, Chunk):
             nonmodel = self.emit("backward", "bwd", saved.source.name)
