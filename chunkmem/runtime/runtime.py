@@ -331,12 +331,11 @@ class Runtime:
         if isinstance(saved, torch.Tensor):  # kept as it is, unmetered (the Note on lean forwards)
             return saved
         if not isinstance(saved, ChunkRef):
-            if self.placer.phase is Phase.DIVERGED and self.config.device_memory is not None and self.largest_block:
+            if self.placer.phase is Phase.DIVERGED:
                 # A step whose forward ran out of memory is tight, and no chunk access precedes a backward op that
-                # reads activations only (GELU's): chunks nothing uses give way for two blocks of the largest
-                # non-model size (GPT-2 at 5%, coarse chunks, died there). Not in every step: chunks that left then
-                # found no room to come back (BERT and Falcon at 10%, coarse, were refused).
-                self._room_for([self.largest_block] * 2)
+                # reads activations only (GELU's: GPT-2 at 5%, coarse chunks, died there). Not in every step: chunks
+                # that left then found no room to come back (BERT and Falcon at 10%, coarse, were refused).
+                self._room_for_activations()
             return saved.get(self.activations)
         if isinstance(saved.source, Chunk):
             nonmodel = self.emit("backward", "bwd", saved.source.name)
@@ -583,11 +582,16 @@ class Runtime:
         gradient made on the device into a streamed group's, shown on the host."""
         if self.grads.shown:
             self.grads.hide()
-        if self.warmup and self.config.device_memory is not None and self.shards is None and self.largest_block:
-            # A loss's backward, over the logits, comes first, and no chunk access before it makes room: room for two
-            # blocks of the largest size non-model data took (its gradient and a temporary), where chunks can leave.
-            # In the warm-up only, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their
-            # model data, coarse chunks, died there); in later steps chunks that left it found no room to come back.
+        if self.warmup:
+            # A loss's backward, over the logits, comes first, and no chunk access before it makes room. In the
+            # warm-up only, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model
+            # data, coarse chunks, died there); in later steps chunks that left it found no room to come back.
+            self._room_for_activations()
+
+    def _room_for_activations(self) -> None:
+        """Before a backward op no chunk access precedes: room for two blocks of the largest size non-model data
+        took (the gradient of its input and a temporary), where chunks can leave (`_room_for`)."""
+        if self.config.device_memory is not None and self.shards is None and self.largest_block:
             self._room_for([self.largest_block] * 2)
 
     def _backward_done(self) -> None:
