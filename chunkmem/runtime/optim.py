@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -156,6 +156,16 @@ def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
     return flat
 
 
+def _same_step_slices(numel: int, part: int, step: torch.Tensor) -> Iterator[slice]:
+    """Slices of `part` elements of a range of `numel`, in order, each updated from the same step count: `step` is
+    set back before each but the first (Adam and SGD are elementwise, so slices give the bits of one call)."""
+    before = step.clone() if part < numel else None
+    for start in range(0, numel, part):
+        if before is not None:
+            step.copy_(before)
+        yield slice(start, min(start + part, numel))
+
+
 def _pieces(tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
     """Flat views of elements [start, stop) of `tensors` laid end to end, in order."""
     out, offset = [], 0
@@ -205,18 +215,15 @@ class Together:
             if part is None:
                 self.rule.update(group, params, grads, states, steps)
                 continue
-            # A parameter, or a slice of a contiguous one, per call: elementwise, the same bits, each slice from
-            # the same step count, with one slice's temporaries at a time.
+            # A parameter, or a slice of a contiguous one, per call, with one slice's temporaries at a time (a
+            # slice of a whole range's length, over a tensor's first dimension, is all of it).
             for i, step in enumerate(steps):
                 tensors = [params[i], grads[i], *(v[i] for v in states.values())]
-                n = params[i].numel()
-                cuts = [slice(start, start + part) for start in range(0, n, part)] \
-                    if n > part and all(t.is_contiguous() for t in tensors) else [None]
-                before = step.clone() if len(cuts) > 1 else None
-                for cut in cuts:
-                    if before is not None:
-                        step.copy_(before)
-                    param, grad, *kinds = [t if cut is None else t.view(-1)[cut] for t in tensors]
+                numel = params[i].numel()
+                sliceable = all(t.is_contiguous() for t in tensors)
+                views = [t.view(-1) for t in tensors] if sliceable else tensors
+                for cut in _same_step_slices(numel, part if sliceable else numel, step):
+                    param, grad, *kinds = [t[cut] for t in views]
                     self.rule.update(group, [param], [grad], {k: [t] for k, t in zip(states, kinds)}, [step])
 
     def leaving(self, chunk: Chunk) -> None:
@@ -443,7 +450,8 @@ class ChunkOptimizer(Optimizer):
         None: room for the whole run. Where the budget has not that, room for those of its largest parameter, and
         the run updates a parameter per call (the number returned: its size); where not even that, for slices of
         its contiguous parameters, halved in multiples of SLICE_ALIGN down to a 64th of the largest (the update is
-        elementwise, so the bits are the same; vector tails as in one call). Where it has none of these, a clear error, the run's parameters as they were."""
+        elementwise, so the bits are the same; vector tails as in one call). Where it has none of these, a clear
+        error, the run's parameters as they were."""
         segment_for, residency = self.runtime.device.segment_for, self.runtime.residency
         runs = [(group, params) for group, params, *_ in together.lists.values()]
         try:
@@ -505,14 +513,9 @@ class ChunkOptimizer(Optimizer):
         low precision): the update is elementwise, so slices give the same bits."""
         used = sum(g.numel() for g in grads)
         counter = self.steps[members[0]]
-        before = counter.clone() if part < used else None
-        for start in range(0, used, part):
-            stop = min(start + part, used)
-            if before is not None:
-                counter.copy_(before)  # every slice steps from the same count
-            wide = _widened(grads if before is None else _pieces(grads, start, stop), inv_scale)
-            self.rule.update(group, [master[start:stop]], [wide], {k: [flat[start:stop]] for k, flat in states.items()},
-                             [counter])
+        for cut in _same_step_slices(used, part, counter):
+            wide = _widened(grads if part >= used else _pieces(grads, cut.start, cut.stop), inv_scale)
+            self.rule.update(group, [master[cut]], [wide], {k: [flat[cut]] for k, flat in states.items()}, [counter])
         for record in members[1:]:
             self.steps[record].copy_(counter)
 

@@ -388,9 +388,8 @@ class Runtime:
         small = self.device.segment_for(1)  # the small pool's segment
         pools = {self.device.segment_for(n) == small for n in sizes}
         self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
-        pinned = [keep] if keep is not None else []
-        for chunk in pinned:
-            chunk.pins += 1
+        if keep is not None:
+            keep.pins += 1
         try:
             while (room := self.device.allocation_room() or (need, need))[0] < need:
                 candidates = [c for c in self.residency.resident.values() if not c.pins]
@@ -405,8 +404,8 @@ class Runtime:
                     return room
             return None
         finally:
-            for chunk in pinned:
-                chunk.pins -= 1
+            if keep is not None:
+                keep.pins -= 1
 
     def _allocates(self, numel: int, dtype: torch.dtype) -> bool:
         """Whether the allocator has a block for `numel` elements of `dtype` now (one is taken and given back: the

@@ -299,6 +299,33 @@ def test_an_fp32_run_without_room_for_its_temporaries_at_once_updates_a_paramete
     assert cm.memory_stats()["update_runs_split"] == len(batches)
 
 
+def test_a_run_split_into_slices_updates_a_transposed_parameter_whole_and_a_contiguous_one_in_slices() -> None:
+    # Together.update slices a parameter through flat views: one whose tensors are not contiguous (a transposed
+    # weight) updates whole, in one call; both get the bits of one update of the run, and one step each.
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(64, 48), (4096,)]
+        params = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        states = {k: [torch.zeros(s) for s in shapes] for k in ("exp_avg", "exp_avg_sq")}
+        flip = lambda ts: [ts[0].t(), ts[1]]  # noqa: E731
+        return flip(params), flip(grads), {k: flip(v) for k, v in states.items()}, [torch.tensor(0.0) for _ in shapes]
+
+    group = {"betas": (0.9, 0.999), "lr": 1e-2, "weight_decay": 0.01, "eps": 1e-8, "maximize": False,
+             "foreach": False, "decoupled_weight_decay": True}
+    rule = optim.rule_for(torch.optim.AdamW([torch.zeros(1)]))
+    outcomes = []
+    for reserve in (None, lambda _: optim.SLICE_ALIGN):
+        together, lists = optim.Together(rule, reserve), run()
+        together.add(group, *lists)
+        together.update()
+        outcomes.append(lists)
+    (whole, *_), (sliced, _, states, steps) = outcomes
+    assert not sliced[0].is_contiguous() and sliced[1].numel() > optim.SLICE_ALIGN
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+    assert [s.item() for s in steps] == [1.0, 1.0] and all(s.abs().sum() > 0 for s in states["exp_avg"])
+
+
 def test_an_fp32_run_without_room_for_a_64th_of_its_largest_parameters_temporaries_is_refused_unchanged() -> None:
     model, batches = mlp(depth=2), mlp_batches(1)
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", device_memory=2**30))
