@@ -20,6 +20,10 @@ os.environ.setdefault("CHUNKMEM_SIM_CHECK", "1")  # "0" runs the suite without t
 os.environ.setdefault("CHUNKMEM_SIM_LANDING", "wait")  # copies land at the last moment (sim.py), not in the background
 os.environ.setdefault("CHUNKMEM_DEVICE", "cpu")  # Config's default device: the simulation, on a GPU machine too
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the GPU parity tests
+# MKL picks its kernels per process: on one CI machine a process took the AVX2 ones where the next took AVX-512's,
+# and their matmuls differed in the last bit. Tests that compare processes bit for bit (the default setup's, the
+# ranks against one process) pin the path; read at MKL's first call, so before any test runs one.
+os.environ.setdefault("MKL_CBWR", "AVX2")
 # Most tests use budgets of a few KiB on tiny models to make chunks move, far below what a GPU's allocator could
 # place (2 MiB segments): they judge placement and bits, with non-model data counted as saved activations. Device
 # tensors are still placed, so that an op mixing them with host ones fails as on CUDA ("places"). The tests of

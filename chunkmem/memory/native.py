@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from chunkmem.memory import sim
+
 __all__ = ["load", "adam_step", "sgd_step", "supported_isas", "SOURCE", "CFLAGS", "LDFLAGS", "COPY_ENGINE_SOURCE",
            "load_copy_engine", "copy_engine", "CopyEngine", "EngineEvent", "copy_engine_nvcc_flags", "missing",
            "report_missing"]
@@ -350,6 +352,8 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
                for t in (master, grad, exp_avg, exp_avg_sq)):
             raise ValueError(f"into's {name} shares memory with an input: give buffers of their own, or into=None "
                              "to update in place")
+    written = (param_out, *into) if into is not None else (master, exp_avg, exp_avg_sq, param_out)
+    sim.check_unseen("the native adam_step", (master, grad, exp_avg, exp_avg_sq), written)
     return bool(_module().adam_step(master, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps,
                                     weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa),
                                     *(into or (None, None, None)), threads))
@@ -374,5 +378,6 @@ def sgd_step(master: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tenso
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"nesterov needs momentum > 0 and dampening == 0, got momentum={momentum}, "
                          f"dampening={dampening} (as torch.optim.SGD requires)")
+    sim.check_unseen("the native sgd_step", (grad,), (master, momentum_buf, param_out))
     return bool(_module().sgd_step(master, grad, momentum_buf, param_out, lr, momentum, dampening,
                                    weight_decay, nesterov, maximize, first_step, grad_scale_inv, _isa(isa)))

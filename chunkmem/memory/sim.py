@@ -18,7 +18,9 @@ a wait. The simulation keeps exactly that knowledge and no more:
   CHUNKMEM_SIM_CHECK=1, in the processes tests start) watches every ATen op. An op that touches a
   buffer a copy may still be writing, or changes one a copy may still be reading, before the side
   that runs the op (compute for device buffers, the host for host buffers) has learned that the copy
-  landed, raises `HazardError` naming the buffer, the copy and the op.
+  landed, raises `HazardError` naming the buffer, the copy and the op. So do the native CPU kernel's
+  calls, which the dispatcher never sees (`check_unseen`), and a copy issued onto bytes an earlier copy
+  on another stream still uses, unless it is fenced after that copy (`check_copy`).
 
 [Note: what "knows" means]
 Copies on one stream complete in order, so knowledge is a vector: per stream, the newest copy known
@@ -174,12 +176,16 @@ class SimulatedDevice:
     # -- copies ---------------------------------------------------------------------------------------
     def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
         copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.copy_(host), device, after)
+        check_copy(self, copy, device, written=True)
+        check_copy(self, copy, host, written=False)
         guard(self, copy, device, "device", write_only=False)
         guard(self, copy, host, "host", write_only=True)
         return copy
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
         copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.copy_(device), device)
+        check_copy(self, copy, device, written=False)
+        check_copy(self, copy, host, written=True)
         guard(self, copy, device, "device", write_only=True)
         guard(self, copy, host, "host", write_only=False)
         return copy
@@ -463,7 +469,9 @@ class HazardChecker(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._check_tensor(func, tensor, written)
 
-    def _check_tensor(self, func: Any, tensor: torch.Tensor, written: bool) -> None:
+    def _check_tensor(self, func: Any, tensor: torch.Tensor, written: bool,
+                      ordered: Callable[[Hazard], bool] | None = None) -> None:
+        """HazardError if `func` touching `tensor` races with a copy in flight (unless `ordered` after it)."""
         span = _span(tensor)
         if span is None:
             return
@@ -474,9 +482,33 @@ class HazardChecker(TorchDispatchMode):
         for hazard in hazards:
             if start >= hazard.end or hazard.start >= end or (hazard.write_only and not written):
                 continue
-            if hazard.device.knows(hazard.copy, hazard.side):
+            if hazard.device.knows(hazard.copy, hazard.side) or (ordered is not None and ordered(hazard)):
                 continue
             raise HazardError(_describe(func, written, hazard))
+
+
+def check_unseen(op: str, reads: Sequence[torch.Tensor | None], writes: Sequence[torch.Tensor | None]) -> None:
+    """Check an op the dispatcher does not see (the native CPU kernel's, a pybind call) as the checker checks ATen
+    ops: HazardError if it reads bytes a copy may still be writing, or writes bytes a copy may still be reading."""
+    checker = _active
+    if checker is None or not checker.hazards or checker.paused:
+        return
+    for tensors, written in ((reads, False), (writes, True)):
+        for tensor in tensors:
+            if tensor is not None:
+                checker._check_tensor(op, tensor, written)
+
+
+def check_copy(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, written: bool) -> None:
+    """HazardError if `copy`, being issued, touches bytes an earlier copy in flight uses without running after it (on
+    its stream, or fenced after it): on a GPU the two race, and the simulation could land them in either order."""
+    def ordered(hazard: Hazard) -> bool:
+        before = hazard.copy
+        return hazard.device is device and (before.stream == copy.stream or copy.deps[before.stream] >= before.id)
+
+    if _active is not None and _active.hazards:
+        _active._check_tensor(f"issuing the {copy.what} (copy #{copy.id}, fenced after no wait for the copy below)",
+                              tensor, written, ordered)
 
 
 def _describe(func: Any, written: bool, hazard: Hazard) -> str:

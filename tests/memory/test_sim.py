@@ -103,6 +103,44 @@ def test_only_overlapping_bytes_conflict():
         host[4:12].sum()
 
 
+def test_a_copy_into_bytes_another_stream_still_uses_raises_unless_fenced_after_it():
+    # An eviction's download still reads a slot when the next chunk's upload fills it: on a GPU the two race
+    # (the simulation could land them either way), unless the upload is ordered after the download.
+    dev = SimulatedDevice()
+    evicted = dev.host_alloc(8, torch.float32)
+    host, device = pair(dev)
+    device.fill_(1.0)
+    down = dev.download(device, evicted, "param.0")
+    with pytest.raises(HazardError, match=r"issuing the upload of param\.1 .* writes .* download of param\.0"):
+        dev.upload(host, device, "param.1")
+    up = dev.upload(host, device, "param.1", after=down)
+    dev.wait(up)
+    dev.wait_host(down)
+    assert torch.equal(evicted, torch.ones(8)), "the download read the old bytes"
+    assert torch.equal(device.to("cpu", copy=True), host)
+    # Two copies that only read a buffer do not race: two uploads from one host buffer.
+    dev.upload(host, dev.alloc(8, torch.float32))
+    dev.upload(host, dev.alloc(8, torch.float32))
+
+
+def test_the_native_kernel_is_checked_as_aten_ops_are():
+    # The native CPU optimizer is a pybind call the dispatcher never sees: reading a gradient whose download has
+    # not landed would compute on stale bytes, silently, unless it is checked too.
+    native = pytest.importorskip("chunkmem.memory.native")
+    if native.load() is None:
+        pytest.skip("the native extension is unavailable here")
+    dev = SimulatedDevice()
+    grad, master, exp_avg, exp_avg_sq = (dev.host_alloc(8, torch.float32).zero_() for _ in range(4))
+    token = dev.download(dev.alloc(8, torch.float32).fill_(1.0), grad, "grad.4")
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, step=1)
+    with pytest.raises(HazardError, match=r"host op the native adam_step reads .* download of grad\.4"):
+        native.adam_step(master, grad, exp_avg, exp_avg_sq, None, **args)
+    assert torch.equal(master, torch.zeros(8)), "refused before it ran"
+    dev.wait_host(token)
+    native.adam_step(master, grad, exp_avg, exp_avg_sq, None, **args)
+    assert (master < 0).all()
+
+
 def test_discarding_a_prefetch_lets_the_host_rewrite_its_source():
     dev = SimulatedDevice()
     host, device = pair(dev)

@@ -16,7 +16,8 @@ import chunkmem
 from chunkmem.chunks.hostcache import HostCache
 from chunkmem.errors import DiskTierError, MemoryBudgetError
 from chunkmem.memory.disk import IoToken
-from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, tiny_gpt2, train
+from tests.helpers import (assert_updates_close, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, tiny_gpt2, train,
+                           updates)
 from tests.multiproc import run_workers
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
@@ -216,7 +217,9 @@ def test_zero_two_ranks_with_the_disk_tier_equal_zero_without_it_bit_for_bit(tmp
     for a, b in zip(plain, disk):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(a["state"][k], v) for k, v in b["state"].items())
-    ref_losses, ref_state = reference(mlp(width=64, depth=6), ADAMW, mlp_batches(4, width=64), mlp_loss)
-    for name, value in ref_state.items():  # and ZeRO equals one process on the global batch, as tests/zero checks
-        assert torch.allclose(disk[0]["state"][name], value, rtol=1e-4, atol=1e-6), name
+    # And ZeRO equals one process on the global batch as tests/zero checks it: its reductions sum in another order,
+    # and Adam magnifies that last bit where a gradient is near zero, so the updates agree normwise.
+    initial = mlp(width=64, depth=6).state_dict()
+    _, ref_state = reference(mlp(width=64, depth=6), ADAMW, mlp_batches(4, width=64), mlp_loss)
+    assert_updates_close(updates(initial, ref_state), updates(initial, disk[0]["state"]), rtol=2e-3)
     assert list(tmp_path.iterdir()) == [], "each rank removed its files at exit"
