@@ -104,6 +104,9 @@ def _is_parameter(arg: Any, kind: type) -> bool:
                                      and isinstance(arg, nn.Parameter))
 
 
+_LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()  # every prepared model's hooks (already_hooked)
+
+
 def _grad_ready(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
     owner = hooks()
     if owner is not None:
@@ -122,9 +125,10 @@ class Hooks:
         # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
-        for sub in module.modules():
-            self.handles.append(sub.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
+        self.module = module
+        self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
+        self._module_hooks(True)
+        _LIVE.add(self)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
         # model is gone, its hook does nothing.
@@ -132,6 +136,24 @@ class Hooks:
         for param in module.parameters():  # its own: a manager's runtime holds other models' too
             if param.requires_grad:
                 self.handles.append(param.register_post_accumulate_grad_hook(ready))
+
+    def _module_hooks(self, on: bool) -> None:
+        """Put the forward hooks on every module, or take them off. A resident step needs none (they would return at
+        once), and a module with no hook takes PyTorch's short call path: 1.8 ms of a 44 ms launch-bound step of a
+        20-layer LLaMA (benchmarks/overhead.py's scenario). Taken off when a forward runs resident, put back when one
+        does not or a resident step gives way; between resident steps every parameter stays on the device (placement's
+        can_stay), so a module called on its own meanwhile needs no fetch. Ours run first before the module (a user's
+        pre-hook may read its parameters) and last after it (so may a user's post-hook), however often put back."""
+        if on == bool(self.module_handles):
+            return
+        if on:
+            for sub in self.module.modules():
+                self.module_handles.append(sub.register_forward_pre_hook(self._pre_forward, prepend=True))
+                self.module_handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
+        else:
+            for handle in self.module_handles:
+                handle.remove()
+            self.module_handles.clear()
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
@@ -164,6 +186,7 @@ class Hooks:
             runtime.grads.hide()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
+        self._module_hooks(not resident)
         # A forward without gradients (evaluation) is not part of the training step the plan follows, but for a
         # frozen model's under a manager.
         runtime.placer.off_path = not in_step or not (training or self.scores_in_step)
@@ -181,6 +204,7 @@ class Hooks:
                 yield modeless
             if resident and training:
                 runtime.end_resident_forward(inputs)
+                self._module_hooks(not runtime.placer.resident)  # outgrown: the rest of the step gives way
             runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
@@ -194,6 +218,8 @@ class Hooks:
             runtime.release_all()
 
     def remove(self) -> None:
+        _LIVE.discard(self)
+        self._module_hooks(False)
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
@@ -207,8 +233,9 @@ def already_hooked(module: nn.Module) -> str | None:
             return hook.args[0]() is not None  # a live prepared model's
         return isinstance(getattr(hook, "__self__", None), Hooks)
 
+    hooked = {id(sub) for hooks in list(_LIVE) for sub in hooks.module.modules()}  # with their hooks off too
     for name, sub in module.named_modules():
-        if any(ours(h) for h in sub._forward_pre_hooks.values()):
+        if id(sub) in hooked or any(ours(h) for h in sub._forward_pre_hooks.values()):
             return f"module {name or type(module).__name__}"
     for name, param in module.named_parameters():
         if any(ours(h) for h in (param._post_accumulate_grad_hooks or {}).values()):

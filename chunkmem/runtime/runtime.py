@@ -14,8 +14,8 @@ When the whole model fits, every chunk stays on the device and nothing of the ab
 decide; what it costs (Python at every module, op and moment) is all the overhead there is. So once a
 plan homes every group and every chunk is on the device (placement's Note on resident steps), a
 training forward whose inputs have the shapes of one that already ran under that plan without
-outgrowing it runs resident: no torch-function mode, module hooks that return at once, moments that
-read nothing. What stays: gradients lent to their chunks, the optimizer's updates, and the device peak,
+outgrowing it runs resident: no torch-function mode, no module hooks (taken off, so that each module takes
+PyTorch's short call path: Hooks._module_hooks), moments that read nothing. What stays: gradients lent to their chunks, the optimizer's updates, and the device peak,
 read when the forward ends (checked against the plan) and when the backward ends: a reading of the
 allocator gives the most it held since the last one (on CUDA, the copy engine's tracker), so two readings
 see the step's peak. The saved-tensor hooks stay only where the device reads no allocator (the simulation

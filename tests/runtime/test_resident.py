@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+import chunkmem
 from chunkmem.chunks.placement import Phase
+from chunkmem.runtime.hooks import Hooks
 from tests import zoo
 from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, prepared, tiny_gpt2, train
 from tests.test_zoo import plain_bf16
@@ -21,13 +23,22 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 ARCHS = zoo.available() + zoo.DATA_DEPENDENT
 
 
-def watched(model: nn.Module, loss_fn, flags: list[bool]):
-    """`loss_fn`, noting after each forward whether it ran resident."""
+def watched(model: nn.Module, loss_fn, flags: list[bool], hooked: list[bool] | None = None):
+    """`loss_fn`, noting after each forward whether it ran resident (and in `hooked`, whether the modules' forward
+    hooks are on for the backward and what follows)."""
     def loss(m: nn.Module, batch) -> torch.Tensor:
         value = loss_fn(m, batch)
         flags.append(model.runtime.placer.resident)
+        if hooked is not None:
+            hooked.append(module_hooks(model) > 0)
         return value
     return loss
+
+
+def module_hooks(cm: nn.Module) -> int:
+    """How many of chunkmem's forward hooks the prepared model's modules carry."""
+    return sum(isinstance(getattr(hook, "__self__", None), Hooks)
+               for m in cm.module.modules() for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
 @pytest.mark.slow
@@ -71,9 +82,33 @@ def test_inputs_of_a_new_shape_run_under_the_mode_once_then_resident() -> None:
     expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
     cm, opt = prepared(model, ADAMW)
     flags: list[bool] = []
-    assert train(cm, opt, batches, watched(cm, gpt2_loss, flags)) == expected
+    hooked: list[bool] = []
+    assert train(cm, opt, batches, watched(cm, gpt2_loss, flags, hooked)) == expected
     assert flags == [False, True, True, False, True, True, True]
     assert cm.runtime.placer.replans == 0, "the new shape ran the plan's accesses"
+    # A resident forward takes the modules' forward hooks off (PyTorch's short call path); one that is not puts them
+    # back, every one of them.
+    assert hooked == [not resident for resident in flags]
+    assert module_hooks(cm) == 0
+    cm(batches[0][:, :8])
+    assert module_hooks(cm) == 2 * len(list(model.modules()))
+
+
+def test_with_its_hooks_off_between_resident_steps_a_model_is_still_known_and_its_modules_still_compute() -> None:
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+                                   for s in range(3)]
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
+    cm, opt = prepared(model, ADAMW)
+    assert train(cm, opt, batches, gpt2_loss) == expected
+    assert cm.runtime.placer.served_resident is False and module_hooks(cm) == 0, "the last step ran resident"
+    # A module without parameters (no gradient hook tells that it is managed) inside another model.
+    other = nn.Sequential(nn.Linear(4, 4), cm.module.transformer.h[0].mlp.act)
+    with pytest.raises(ValueError, match=r"module 1 of this model is already managed by an earlier chunkmem.prepare"):
+        chunkmem.prepare(other, ADAMW(other.parameters()), chunkmem.Config(device="cpu"))
+    hidden = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():  # a module called on its own: every parameter is on the device
+        assert torch.equal(cm.module.transformer.h[1](hidden)[0], ref.transformer.h[1](hidden)[0])
 
 
 class Deepens(nn.Module):
@@ -107,6 +142,7 @@ def test_activations_that_outgrow_the_plan_end_the_resident_step_and_the_next_is
     losses += train(cm, opt, batches[3:4], loss)
     expected += train(ref, ref_opt, batches[3:4], mlp_loss)
     assert flags[3] is False and cm.runtime.placer.phase is Phase.RECORD
+    assert module_hooks(cm) > 0, "the step gave way: its backward and what follows take the full path"
     assert cm.memory_stats()["evictions"] > 0, "chunks gave way to the activations"
     cm.module[1].times = ref[1].times = 1
     losses += train(cm, opt, batches[4:], loss)
