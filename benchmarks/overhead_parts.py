@@ -17,6 +17,9 @@ nothing:
   resident              nothing patched: the steps after the warm-up run resident, as a fitting model's do
                         by default (runtime's Note on resident steps); every other variant, "full" included,
                         takes the full path every step, the path a model takes when chunks move
+  resident, module      resident, with the modules' forward hooks kept on (they return at once), as before
+  hooks kept            resident forwards took them off (Hooks._module_hooks): what taking them off gives back
+                        is this row's extra less the resident row's
 
 Each round visits the variants in a shuffled order and times one plain step and one step of that
 variant's model back to back, in a random order. "extra ms" is the median over rounds of the variant's time
@@ -55,14 +58,17 @@ from chunkmem.runtime.runtime import Runtime
 MODE = mock.patch.object(hooks, "FetchMode", lambda _runtime: contextlib.nullcontext())
 SAVED = mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", lambda *_: contextlib.nullcontext())
 MODULE_WORK = mock.patch.multiple(Runtime, enter=lambda *_: None, leave=lambda *_: None)
+_MODULE_HOOKS = hooks.Hooks._module_hooks
+KEEP_HOOKS = mock.patch.object(hooks.Hooks, "_module_hooks", lambda self, _on: _MODULE_HOOKS(self, True))
 VARIANTS: dict[str, tuple[Any, ...]] = {
     "full": (),
     "no mode": (MODE,),
     "no saved hooks": (SAVED,),
     "no per-op Python": (MODE, SAVED, MODULE_WORK),
     "resident": (),
+    "resident, module hooks kept": (KEEP_HOOKS,),
 }
-RESIDENT = "resident"  # the one variant whose steps run resident, as a fitting model's do by default
+RESIDENT = "resident"  # the variants whose steps run resident, as a fitting model's do by default
 
 
 @contextlib.contextmanager
@@ -91,7 +97,8 @@ def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.
 def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
             rounds: int, order: random.Random) -> dict[str, list[float]]:
     """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
-    steps = {name: _variant_step(make, loss, dtype, patches, name == RESIDENT) for name, patches in VARIANTS.items()}
+    steps = {name: _variant_step(make, loss, dtype, patches, name.startswith(RESIDENT))
+             for name, patches in VARIANTS.items()}
     plain = plain_step(make(), loss, DTYPES[dtype])
     plain()
     extra: dict[str, list[float]] = {"plain": [], **{name: [] for name in steps}}
