@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import random
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -71,6 +72,15 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
 RESIDENT = "resident"  # the variants whose steps run resident, as a fitting model's do by default
 
 
+def _thread_timed(fn: Callable[[], None]) -> float:
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+CLOCK: list[Callable[[Callable[[], None]], float]] = [timed]  # wall time, or with --cpu-time this thread's CPU time
+
+
 @contextlib.contextmanager
 def _without(patches: tuple[Any, ...]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -80,11 +90,11 @@ def _without(patches: tuple[Any, ...]) -> Iterator[None]:
 
 
 def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-                  patches: tuple[Any, ...], resident: bool = False) -> Step:
+                  patches: tuple[Any, ...], resident: bool = False, as_cuda: bool = False) -> Step:
     """A chunkmem model whose every step, from its warm-up on, runs without the given mechanisms (and on the full
-    path unless `resident`)."""
+    path unless `resident`; `as_cuda`: benchmarks/overhead.py's --as-cuda)."""
     with _without(patches):
-        step, _ = chunk_step(make(), loss, dtype, None, resident=resident)
+        step, _ = chunk_step(make(), loss, dtype, None, resident=resident, as_cuda=as_cuda)
 
     def run() -> None:
         with _without(patches):
@@ -95,9 +105,9 @@ def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.
 
 
 def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-            rounds: int, order: random.Random) -> dict[str, list[float]]:
+            rounds: int, order: random.Random, as_cuda: bool = False) -> dict[str, list[float]]:
     """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
-    steps = {name: _variant_step(make, loss, dtype, patches, name.startswith(RESIDENT))
+    steps = {name: _variant_step(make, loss, dtype, patches, name.startswith(RESIDENT), as_cuda)
              for name, patches in VARIANTS.items()}
     plain = plain_step(make(), loss, DTYPES[dtype])
     plain()
@@ -106,7 +116,7 @@ def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module
         for name in order.sample(list(steps), len(steps)):
             times = {}
             for side in order.sample(["plain", name], 2):
-                times[side] = timed(plain if side == "plain" else steps[name])
+                times[side] = CLOCK[0](plain if side == "plain" else steps[name])
             extra[name].append(times[name] - times["plain"])
             extra["plain"].append(times["plain"])
     return extra
@@ -116,8 +126,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, width=64, vocab=256, batch=1, seq=16, mlp_width=32)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--as-cuda", action="store_true", help="as benchmarks/overhead.py's")
+    parser.add_argument("--cpu-time", action="store_true", help="as benchmarks/overhead.py's: this thread's CPU "
+                        "time, torch computing on it alone (steady on a loaded machine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = _thread_timed
+        torch.set_num_threads(1)
 
     made = models(args)
     order = random.Random(0)
@@ -126,7 +142,7 @@ def main() -> None:
         make, batch = made[name]
         for dtype in args.dtypes:
             loss = loss_fn(name, batch, DTYPES[dtype])
-            extra = measure(make, loss, dtype, args.rounds, order)
+            extra = measure(make, loss, dtype, args.rounds, order, args.as_cuda)
             full = statistics.median(extra["full"])
             row: dict[str, Any] = {"model": name, "dtype": dtype,
                                    "plain ms": round(1000 * statistics.median(extra["plain"]), 2)}
