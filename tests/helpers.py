@@ -71,6 +71,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, los
     return losses
 
 
+def module_hooks(cm: nn.Module) -> int:
+    """How many of chunkmem's forward hooks the prepared model's modules carry (none while it runs resident)."""
+    from chunkmem.runtime.hooks import Hooks
+
+    return sum(isinstance(getattr(hook, "__self__", None), Hooks)
+               for m in cm.module.modules() for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
+
+
 def prepared(model: nn.Module, make_opt: Callable, **config) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A deep copy of `model` prepared by chunkmem in the CPU simulation."""
     copy_ = copy.deepcopy(model)

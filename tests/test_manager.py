@@ -16,7 +16,7 @@ from benchmarks.placement_problem import Instance
 from benchmarks.record import recording
 from benchmarks.several_models import load_dpo
 from chunkmem.chunks.placement import Phase
-from tests.helpers import updates
+from tests.helpers import module_hooks, updates
 from tests.multiproc import run_workers
 
 DPO = load_dpo()
@@ -116,6 +116,22 @@ def test_the_shared_plan_moves_what_the_exact_optimum_moves(share):
     best = solve(Instance.from_events(events, sizes, groups, limit, streamed=streamed), time_limit=60)
     assert len(seen) == 1 and best.optimal
     assert moved[-3:] == [best.bytes] * 3, (moved, best.bytes)
+
+
+def test_a_model_whose_forward_ran_resident_gets_its_hooks_back_once_another_takes_the_full_path():
+    # A step may run one model's forward resident (its module hooks off: runtime's Note on resident steps), then
+    # another's on the full path (inputs of a new shape): the first may recompute a checkpointed module in backward
+    # after chunks moved, and needs its hooks for that.
+    manager, (policy, optimizer, reference) = managed(None)
+    data = pairs(4)
+    for pair in data[:3]:
+        step(policy, optimizer, reference, pair)
+    logits = policy(data[3][0]).logits
+    assert manager.runtime.placer.resident and module_hooks(policy) == module_hooks(reference) == 0
+    reference(data[3][0][:, :12])  # gradients on: a training forward, of a new shape
+    assert not manager.runtime.placer.resident
+    assert module_hooks(policy) == module_hooks(reference) == 2 * len(list(policy.module.modules()))
+    logits.sum().backward()
 
 
 def test_a_frozen_model_gets_parameter_chunks_only_and_its_forwards_join_the_plan():

@@ -155,6 +155,17 @@ class Hooks:
                 handle.remove()
             self.module_handles.clear()
 
+    def _hooks_follow_residency(self) -> None:
+        """This model's module hooks off while its runtime serves a resident step; once it does not, on for every model
+        of the runtime (a manager's): one whose forward ran resident earlier in the step may recompute a checkpointed
+        module in backward, after another's forward took the full path and moved chunks."""
+        if self.runtime.placer.resident:
+            self._module_hooks(False)
+            return
+        for hooks in list(_LIVE):
+            if hooks.runtime is self.runtime:
+                hooks._module_hooks(True)
+
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
             return
@@ -186,7 +197,7 @@ class Hooks:
             runtime.grads.hide()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
-        self._module_hooks(not resident)
+        self._hooks_follow_residency()
         # A forward without gradients (evaluation) is not part of the training step the plan follows, but for a
         # frozen model's under a manager.
         runtime.placer.off_path = not in_step or not (training or self.scores_in_step)
@@ -204,7 +215,7 @@ class Hooks:
                 yield modeless
             if resident and training:
                 runtime.end_resident_forward(inputs)
-                self._module_hooks(not runtime.placer.resident)  # outgrown: the rest of the step gives way
+                self._hooks_follow_residency()  # outgrown: the rest of the step gives way
             runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False

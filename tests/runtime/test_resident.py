@@ -13,9 +13,8 @@ from torch import nn
 
 import chunkmem
 from chunkmem.chunks.placement import Phase
-from chunkmem.runtime.hooks import Hooks
 from tests import zoo
-from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, prepared, tiny_gpt2, train
+from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, module_hooks, prepared, tiny_gpt2, train
 from tests.test_zoo import plain_bf16
 
 pytest.importorskip("transformers")
@@ -33,12 +32,6 @@ def watched(model: nn.Module, loss_fn, flags: list[bool], hooked: list[bool] | N
             hooked.append(module_hooks(model) > 0)
         return value
     return loss
-
-
-def module_hooks(cm: nn.Module) -> int:
-    """How many of chunkmem's forward hooks the prepared model's modules carry."""
-    return sum(isinstance(getattr(hook, "__self__", None), Hooks)
-               for m in cm.module.modules() for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
 @pytest.mark.slow
