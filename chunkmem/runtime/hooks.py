@@ -139,11 +139,12 @@ class Hooks:
 
     def _module_hooks(self, on: bool) -> None:
         """Put the forward hooks on every module, or take them off. A resident step needs none (they would return at
-        once), and a module with no hook takes PyTorch's short call path: 1.8 ms of a 44 ms launch-bound step of a
-        20-layer LLaMA (benchmarks/overhead.py's scenario). Taken off when a forward runs resident, put back when one
-        does not or a resident step gives way; between resident steps every parameter stays on the device (placement's
-        can_stay), so a module called on its own meanwhile needs no fetch. Ours run first before the module (a user's
-        pre-hook may read its parameters) and last after it (so may a user's post-hook), however often put back."""
+        once), and a module with no hook takes PyTorch's short call path: 1.2 ms of a 40 ms launch-bound step of a
+        20-layer LLaMA (benchmarks/overhead_parts.py's resident rows). Taken off when a forward runs resident, put
+        back when one does not or a resident step gives way; between resident steps every parameter stays on the
+        device (placement's can_stay), so a module called on its own meanwhile needs no fetch. Ours run first before
+        the module (a user's pre-hook may read its parameters) and last after it (so may a user's post-hook),
+        however often put back."""
         if on == bool(self.module_handles):
             return
         if on:

@@ -11,23 +11,23 @@ buffer alive until the op that asked for it finishes: at most the few chunks one
 
 [Note: resident steps]
 When the whole model fits, every chunk stays on the device and nothing of the above has anything to
-decide; what it costs (Python at every module, op and moment) is all the overhead there is. So once a
-plan homes every group and every chunk is on the device (placement's Note on resident steps), a
-training forward whose inputs have the shapes of one that already ran under that plan without
-outgrowing it runs resident: no torch-function mode, no module hooks (taken off, so that each module takes
-PyTorch's short call path: Hooks._module_hooks), moments that read nothing. What stays: gradients lent to their chunks, the optimizer's updates, and the device peak,
-read when the forward ends (checked against the plan) and when the backward ends: a reading of the
-allocator gives the most it held since the last one (on CUDA, the copy engine's tracker), so two readings
-see the step's peak. The saved-tensor hooks stay only where the device reads no allocator (the simulation
-without its memory model: CHUNKMEM_SIM_MEMORY=0), whose non-model bytes are the activations they meter,
-and whose moments read them. Elsewhere autograd keeps the parameters it saves as they are: nothing moves
-before backward reads them, and a chunk that did leave would keep its slot, and its values, while a saved
-view refers to it (the arena's Note on chunk memory). The hooks cost a Python call per saved tensor and per
-use of it: a third of the host time a resident step added in benchmarks/overhead.py's launch-bound LLaMA.
-What the mode did is not needed: every parameter is on the device, and the models whose BatchNorm needed
-its cast in the warm-up never run resident. An out-of-memory error in a resident forward makes the
-wrapper run the forward again under the mode, with the random state it started from
-(ChunkedModel.forward).
+decide; what it costs (Python at every module, op and moment) is all the overhead there is. So once a plan
+homes every group and every chunk is on the device (placement's Note on resident steps), a training
+forward whose inputs have the shapes of one that already ran under that plan without outgrowing it runs
+resident: no torch-function mode, no module hooks (taken off, so that each module takes PyTorch's short
+call path: Hooks._module_hooks), moments that read nothing. What stays: gradients lent to their chunks,
+the optimizer's updates, and the device peak, read when the forward ends (checked against the plan) and
+when the backward ends: a reading of the allocator gives the most it held since the last one (on CUDA, the
+copy engine's tracker), so two readings see the step's peak. The saved-tensor hooks stay only where the
+device reads no allocator (the simulation without its memory model: CHUNKMEM_SIM_MEMORY=0), whose
+non-model bytes are the activations they meter, and whose moments read them. Elsewhere autograd keeps the
+parameters it saves as they are: nothing moves before backward reads them, and a chunk that did leave
+would keep its slot, and its values, while a saved view refers to it (the arena's Note on chunk memory).
+The hooks cost a Python call per saved tensor and per use of it: a third of the host time a resident step
+added in benchmarks/overhead.py's launch-bound LLaMA. What the mode did is not needed: every parameter is
+on the device, and the models whose BatchNorm needed its cast in the warm-up never run resident. An
+out-of-memory error in a resident forward makes the wrapper run the forward again under the mode, with the
+random state it started from (ChunkedModel.forward).
 
 [Note: lean forwards]
 When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
