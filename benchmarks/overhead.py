@@ -91,6 +91,12 @@ PHASES = ("fwd", "bwd", "opt")  # forward and loss, backward, the optimizer's st
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLOCK = [time.perf_counter]  # what timed_phases reads: wall time, or with --cpu-time this thread's CPU time
+
+
+def use_cpu_time() -> None:
+    """--cpu-time: CLOCK reads this thread's CPU time, and torch computes on this thread alone."""
+    CLOCK[0] = time.thread_time
+    torch.set_num_threads(1)
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
@@ -291,8 +297,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
-        CLOCK[0] = time.thread_time
-        torch.set_num_threads(1)
+        use_cpu_time()
 
     rows = build(args)
     order = random.Random(0)

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import random
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
@@ -51,7 +50,8 @@ from unittest import mock
 import torch
 
 from benchmarks.common import table, timed, write_json
-from benchmarks.overhead import DTYPES, Step, add_model_arguments, chunk_step, loss_fn, models, plain_step
+from benchmarks.overhead import (CLOCK, DTYPES, Step, add_model_arguments, chunk_step, loss_fn, models, plain_step,
+                                 use_cpu_time)
 from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
@@ -70,15 +70,6 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "resident, module hooks kept": (KEEP_HOOKS,),
 }
 RESIDENT = "resident"  # the variants whose steps run resident, as a fitting model's do by default
-
-
-def _thread_timed(fn: Callable[[], None]) -> float:
-    start = time.thread_time()
-    fn()
-    return time.thread_time() - start
-
-
-CLOCK: list[Callable[[Callable[[], None]], float]] = [timed]  # wall time, or with --cpu-time this thread's CPU time
 
 
 @contextlib.contextmanager
@@ -116,7 +107,7 @@ def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module
         for name in order.sample(list(steps), len(steps)):
             times = {}
             for side in order.sample(["plain", name], 2):
-                times[side] = CLOCK[0](plain if side == "plain" else steps[name])
+                times[side] = timed(plain if side == "plain" else steps[name], CLOCK[0])
             extra[name].append(times[name] - times["plain"])
             extra["plain"].append(times["plain"])
     return extra
@@ -132,8 +123,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
-        CLOCK[0] = _thread_timed
-        torch.set_num_threads(1)
+        use_cpu_time()
 
     made = models(args)
     order = random.Random(0)

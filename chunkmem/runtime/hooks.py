@@ -241,13 +241,13 @@ def already_hooked(module: nn.Module) -> str | None:
     """The name of the first submodule or parameter of `module` that another prepared model's hooks
     manage (its parameters are views into that model's chunks), or None."""
     def ours(hook: Any) -> bool:
-        if isinstance(hook, functools.partial) and hook.func is _grad_ready:
-            return hook.args[0]() is not None  # a live prepared model's
-        return isinstance(getattr(hook, "__self__", None), Hooks)
+        return isinstance(hook, functools.partial) and hook.func is _grad_ready and hook.args[0]() is not None
 
-    hooked = {id(sub) for hooks in list(_LIVE) for sub in hooks.module.modules()}  # with their hooks off too
+    # Every live prepared model's modules, their forward hooks on or off (a model whose hooks are on is kept alive by
+    # them); a parameter by its gradient hook, which may sit in a module of another model.
+    hooked = {id(sub) for hooks in list(_LIVE) for sub in hooks.module.modules()}
     for name, sub in module.named_modules():
-        if id(sub) in hooked or any(ours(h) for h in sub._forward_pre_hooks.values()):
+        if id(sub) in hooked:
             return f"module {name or type(module).__name__}"
     for name, param in module.named_parameters():
         if any(ours(h) for h in (param._post_accumulate_grad_hooks or {}).values()):
