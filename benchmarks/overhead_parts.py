@@ -20,6 +20,9 @@ nothing:
   resident, module      resident, with the modules' forward hooks kept on (they return at once), as before
   hooks kept            resident forwards took them off (Hooks._module_hooks): what taking them off gives back
                         is this row's extra less the resident row's
+  resident, gradient    resident, with the parameters' gradient hooks kept on (each gradient taken into its
+  hooks kept            chunk as autograd makes it), as before resident backwards took them off and took the
+                        gradients at the backward's end (Hooks._grad_hooks)
 
 Each round visits the variants in a shuffled order and times one plain step and one step of that
 variant's model back to back, in a random order. "extra ms" is the median over rounds of the variant's time
@@ -59,8 +62,9 @@ from chunkmem.runtime.runtime import Runtime
 MODE = mock.patch.object(hooks, "FetchMode", lambda _runtime: contextlib.nullcontext())
 SAVED = mock.patch.object(torch.autograd.graph, "saved_tensors_hooks", lambda *_: contextlib.nullcontext())
 MODULE_WORK = mock.patch.multiple(Runtime, enter=lambda *_: None, leave=lambda *_: None)
-_MODULE_HOOKS = hooks.Hooks._module_hooks
+_MODULE_HOOKS, _GRAD_HOOKS = hooks.Hooks._module_hooks, hooks.Hooks._grad_hooks
 KEEP_HOOKS = mock.patch.object(hooks.Hooks, "_module_hooks", lambda self, _on: _MODULE_HOOKS(self, True))
+KEEP_GRAD_HOOKS = mock.patch.object(hooks.Hooks, "_grad_hooks", lambda self, _on: _GRAD_HOOKS(self, True))
 VARIANTS: dict[str, tuple[Any, ...]] = {
     "full": (),
     "no mode": (MODE,),
@@ -68,6 +72,7 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "no per-op Python": (MODE, SAVED, MODULE_WORK),
     "resident": (),
     "resident, module hooks kept": (KEEP_HOOKS,),
+    "resident, gradient hooks kept": (KEEP_GRAD_HOOKS,),
 }
 RESIDENT = "resident"  # the variants whose steps run resident, as a fitting model's do by default
 

@@ -168,6 +168,7 @@ class ChunkedModel(nn.Module):
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
+        runtime.adopt_grads()
         grads = runtime.data.grad_views(self.own_records)
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)

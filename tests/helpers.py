@@ -79,6 +79,14 @@ def module_hooks(cm: nn.Module) -> int:
                for m in cm.module.modules() for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()))
 
 
+def grad_hooks(cm: nn.Module) -> int:
+    """How many of the prepared model's parameters carry chunkmem's gradient hook (none while it runs resident)."""
+    from chunkmem.runtime.hooks import _grad_ready
+
+    return sum(getattr(hook, "func", None) is _grad_ready
+               for p in cm.module.parameters() for hook in (p._post_accumulate_grad_hooks or {}).values())
+
+
 def prepared(model: nn.Module, make_opt: Callable, **config) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A deep copy of `model` prepared by chunkmem in the CPU simulation."""
     copy_ = copy.deepcopy(model)

@@ -19,14 +19,15 @@ from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
 MECHANISMS = {"mode": (hooks.FetchMode, "__torch_function__"), "saved": (Runtime, "pack"),
-              "module": (Runtime, "enter"), "hooks": (hooks.Hooks, "_pre_forward")}
+              "module": (Runtime, "enter"), "hooks": (hooks.Hooks, "_pre_forward"), "grad": (Runtime, "grad_ready")}
 VARIANTS = {
-    "full": {"mode", "saved", "module", "hooks"},
-    "no mode": {"saved", "module", "hooks"},
-    "no saved hooks": {"mode", "module", "hooks"},
-    "no per-op Python": {"hooks"},  # the module hooks' calls are left, their work taken out
+    "full": {"mode", "saved", "module", "hooks", "grad"},
+    "no mode": {"saved", "module", "hooks", "grad"},
+    "no saved hooks": {"mode", "module", "hooks", "grad"},
+    "no per-op Python": {"hooks", "grad"},  # the module hooks' calls are left, their work taken out
     "resident": {"saved"},
     "resident, module hooks kept": {"saved", "hooks"},
+    "resident, gradient hooks kept": {"saved", "grad"},
 }
 
 

@@ -4,7 +4,8 @@ model as on the plain one.
 
 [Note: gradients shown]
 Backward writes each gradient into its chunk (runtime.grad_ready) and leaves `p.grad` None, since autograd
-would otherwise add the next backward's gradient into it a second time. When a backward ends, `show` points
+would otherwise add the next backward's gradient into it a second time (a resident backward leaves autograd's
+`p.grad` where it is, and its end lends it to the chunk: Runtime.adopt_grads). When a backward ends, `show` points
 each `p.grad` at its gradient, where it lives: the tensor lent to a chunk on the device, a view of the chunk's
 device payload, or a view of its host payload once the downloads into it have landed (read fenced, like every
 payload). A gradient and its parameter must be on one device: a group that streams has its gradient on the

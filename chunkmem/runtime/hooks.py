@@ -128,14 +128,12 @@ class Hooks:
         self.module = module
         self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
         self._module_hooks(True)
-        _LIVE.add(self)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
         # model is gone, its hook does nothing.
-        ready = functools.partial(_grad_ready, weakref.ref(self))
-        for param in module.parameters():  # its own: a manager's runtime holds other models' too
-            if param.requires_grad:
-                self.handles.append(param.register_post_accumulate_grad_hook(ready))
+        self.ready = functools.partial(_grad_ready, weakref.ref(self))
+        self._grad_hooks(True)
+        _LIVE.add(self)
 
     def _module_hooks(self, on: bool) -> None:
         """Put the forward hooks on every module, or take them off. A resident step needs none (they would return at
@@ -156,16 +154,35 @@ class Hooks:
                 handle.remove()
             self.module_handles.clear()
 
+    def _grad_hooks(self, on: bool) -> None:
+        """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
+        needs none: autograd leaves each gradient in `p.grad` and the backward's end takes them all into their chunks
+        at once (Runtime.adopt_grads), 2.9 ms less host time in a 40 ms launch-bound step of a 20-layer LLaMA
+        (benchmarks/overhead_parts.py's resident rows)."""
+        if on == bool(self.handles):
+            return
+        if on:
+            for param in self.module.parameters():  # its own: a manager's runtime holds other models' too
+                if param.requires_grad:
+                    self.handles.append(param.register_post_accumulate_grad_hook(self.ready))
+        else:
+            for handle in self.handles:
+                handle.remove()
+            self.handles.clear()
+        self.runtime.grads_unhooked(self, not on)
+
     def _hooks_follow_residency(self) -> None:
-        """This model's module hooks off while its runtime serves a resident step; once it does not, on for every model
-        of the runtime (a manager's): one whose forward ran resident earlier in the step may recompute a checkpointed
-        module in backward, after another's forward took the full path and moved chunks."""
+        """This model's module and gradient hooks off while its runtime serves a resident step; once it does not, on
+        for every model of the runtime (a manager's): one whose forward ran resident earlier in the step may recompute
+        a checkpointed module in backward, after another's forward took the full path and moved chunks."""
         if self.runtime.placer.resident:
             self._module_hooks(False)
+            self._grad_hooks(False)
             return
         for hooks in list(_LIVE):
             if hooks.runtime is self.runtime:
                 hooks._module_hooks(True)
+                hooks._grad_hooks(True)
 
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
@@ -232,24 +249,22 @@ class Hooks:
     def remove(self) -> None:
         _LIVE.discard(self)
         self._module_hooks(False)
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
+        self._grad_hooks(False)
+        self.runtime.grads_unhooked(self, False)  # removed for good, not off
 
 
 def already_hooked(module: nn.Module) -> str | None:
     """The name of the first submodule or parameter of `module` that another prepared model's hooks
     manage (its parameters are views into that model's chunks), or None."""
-    def ours(hook: Any) -> bool:
-        return isinstance(hook, functools.partial) and hook.func is _grad_ready and hook.args[0]() is not None
-
-    # Every live prepared model's modules, their forward hooks on or off (a model whose hooks are on is kept alive by
-    # them); a parameter by its gradient hook, which may sit in a module of another model.
-    hooked = {id(sub) for hooks in list(_LIVE) for sub in hooks.module.modules()}
+    # Every live prepared model's modules and trainable parameters, their hooks on or off (a model whose hooks are on
+    # is kept alive by them); a parameter may sit in a module of another model (a manager names frozen ones).
+    live = list(_LIVE)
+    hooked = {id(sub) for hooks in live for sub in hooks.module.modules()}
     for name, sub in module.named_modules():
         if id(sub) in hooked:
             return f"module {name or type(module).__name__}"
     for name, param in module.named_parameters():
-        if any(ours(h) for h in (param._post_accumulate_grad_hooks or {}).values()):
+        if param.requires_grad and any(param in hooks.runtime.store.records for hooks in live):
             return f"parameter {name}"
     return None

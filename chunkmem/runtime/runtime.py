@@ -10,24 +10,25 @@ chunk may leave the device between forward and backward. An unpacked view keeps 
 buffer alive until the op that asked for it finishes: at most the few chunks one op reads.
 
 [Note: resident steps]
-When the whole model fits, every chunk stays on the device and nothing of the above has anything to
-decide; what it costs (Python at every module, op and moment) is all the overhead there is. So once a plan
-homes every group and every chunk is on the device (placement's Note on resident steps), a training
-forward whose inputs have the shapes of one that already ran under that plan without outgrowing it runs
-resident: no torch-function mode, no module hooks (taken off, so that each module takes PyTorch's short
-call path: Hooks._module_hooks), moments that read nothing. What stays: gradients lent to their chunks,
-the optimizer's updates, and the device peak, read when the forward ends (checked against the plan) and
-when the backward ends: a reading of the allocator gives the most it held since the last one (on CUDA, the
-copy engine's tracker), so two readings see the step's peak. The saved-tensor hooks stay only where the
-device reads no allocator (the simulation without its memory model: CHUNKMEM_SIM_MEMORY=0), whose
-non-model bytes are the activations they meter, and whose moments read them. Elsewhere autograd keeps the
-parameters it saves as they are: nothing moves before backward reads them, and a chunk that did leave
-would keep its slot, and its values, while a saved view refers to it (the arena's Note on chunk memory).
-The hooks cost a Python call per saved tensor and per use of it: a third of the host time a resident step
-added in benchmarks/overhead.py's launch-bound LLaMA. What the mode did is not needed: every parameter is
-on the device, and the models whose BatchNorm needed its cast in the warm-up never run resident. An
-out-of-memory error in a resident forward makes the wrapper run the forward again under the mode, with the
-random state it started from (ChunkedModel.forward).
+When the whole model fits, every chunk stays on the device and nothing of the above has anything to decide;
+what it costs (Python at every module, op and moment) is all the overhead there is. So once a plan homes every
+group and every chunk is on the device (placement's Note on resident steps), a training forward whose inputs
+have the shapes of one that already ran under that plan without outgrowing it runs resident: no torch-function
+mode, no module hooks (taken off, so that each module takes PyTorch's short call path: Hooks._module_hooks),
+no gradient hooks (autograd leaves each gradient in `p.grad`, and the backward's end lends them all to their
+chunks at once: adopt_grads), moments that read nothing. What stays: gradients lent to their chunks, the
+optimizer's updates, and the device peak, read when the forward ends (checked against the plan) and when the
+backward ends: a reading of the allocator gives the most it held since the last one (on CUDA, the copy
+engine's tracker), so two readings see the step's peak. The saved-tensor hooks stay only where the device
+reads no allocator (the simulation without its memory model: CHUNKMEM_SIM_MEMORY=0), whose non-model bytes are
+the activations they meter, and whose moments read them. Elsewhere autograd keeps the parameters it saves as
+they are: nothing moves before backward reads them, and a chunk that did leave would keep its slot, and its
+values, while a saved view refers to it (the arena's Note on chunk memory). The hooks cost a Python call per
+saved tensor and per use of it: a third of the host time a resident step added in benchmarks/overhead.py's
+launch-bound LLaMA. What the mode did is not needed: every parameter is on the device, and the models whose
+BatchNorm needed its cast in the warm-up never run resident. An out-of-memory error in a resident forward
+makes the wrapper run the forward again under the mode, with the random state it started from
+(ChunkedModel.forward).
 
 [Note: lean forwards]
 When chunks move, the module hooks and moments have work to do, but the torch-function mode mostly does
@@ -160,6 +161,8 @@ class Runtime:
                              config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
         self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
+        self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
+        self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
                                for m in module.modules()}
@@ -527,11 +530,54 @@ class Runtime:
         record.param.grad = None
         if grad is None:
             return
+        self._end_of_backward_called()
+        self._take_grad(record, grad)
+
+    def _end_of_backward_called(self) -> None:
+        """`_backward_done` runs when the running backward ends (queued once per backward)."""
         task = torch._C._current_graph_task_id()
         # -1: a pipeline's own call. A backward that raised never called back: the next one queues its end again.
         if task != -1 and task != self.backward_task:
             self.backward_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def grads_unhooked(self, hooks: object, off: bool) -> None:
+        """A model's gradient hooks went off (Hooks._grad_hooks) or came back."""
+        if off:
+            self.unhooked.add(id(hooks))
+            self.strays = True
+        else:
+            self.unhooked.discard(id(hooks))
+
+    def adopt_grads(self) -> None:
+        """The gradients autograd left in `p.grad` while gradient hooks were off go to their chunks, as grad_ready
+        would have taken them: at the end of a backward that reached the model's outputs, and before gradients are
+        read (a step, clipping, zero_grad) for one that did not (a penalty on parameters alone), whose gradients
+        wait in `p.grad` meanwhile, where the next backward adds to them as autograd does. In a resident step each is
+        lent to its chunk as it is, and `p.grad` keeps it (shown: grads.py's Note)."""
+        if not self.strays:
+            return
+        shown, resident = self.grads.shown, self.placer.resident
+        for group in self.store.trainable_groups():
+            chunk = group.grad
+            for record in group.members:
+                grad = record.param.grad
+                if grad is None or record in shown:  # a shown one autograd adds into; replaced, the step takes it
+                    continue
+                if resident and not chunk.state.on_device:  # its first gradient this step: it materializes
+                    self.placer.access([chunk], "grad", group.index)
+                if resident and chunk.lending and record.grad_state is TensorState.FREE and grad.is_contiguous():
+                    chunk.write_device()
+                    chunk.lend(record.slot.offset, grad)
+                    record.move_grad("write")
+                    shown[record] = grad
+                else:
+                    record.param.grad = None
+                    self._take_grad(record, grad)
+        self.strays = bool(self.unhooked)
+
+    def _take_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        """Write `grad`, `record`'s fresh gradient, into its chunk."""
         if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
             self.grads.hide([record])
             return
@@ -581,6 +627,8 @@ class Runtime:
         gradient made on the device into a streamed group's, shown on the host."""
         if self.grads.shown:
             self.grads.hide()
+        if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
+            self._end_of_backward_called()
         if self.warmup:
             # A loss's backward, over the logits, comes first, and no chunk access before it makes room. In the
             # warm-up only, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model
@@ -597,6 +645,7 @@ class Runtime:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
         readable by what runs next (`fence_uploads`)."""
         self.backward_task = -1
+        self.adopt_grads()
         self.placer.backwards += 1
         if self.placer.resident:
             self._note_peak(self.nonmodel_bytes())
@@ -623,6 +672,7 @@ class Runtime:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept = False
+        self.adopt_grads()
         self.grads.hide(only)
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]

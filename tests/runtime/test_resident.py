@@ -14,7 +14,8 @@ from torch import nn
 import chunkmem
 from chunkmem.chunks.placement import Phase
 from tests import zoo
-from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, module_hooks, prepared, tiny_gpt2, train
+from tests.helpers import (gpt2_loss, grad_hooks, mlp, mlp_batches, mlp_loss, module_hooks, prepared, tiny_gpt2,
+                           train)
 from tests.test_zoo import plain_bf16
 
 pytest.importorskip("transformers")
@@ -29,7 +30,7 @@ def watched(model: nn.Module, loss_fn, flags: list[bool], hooked: list[bool] | N
         value = loss_fn(m, batch)
         flags.append(model.runtime.placer.resident)
         if hooked is not None:
-            hooked.append(module_hooks(model) > 0)
+            hooked.append(module_hooks(model) > 0 and grad_hooks(model) > 0)
         return value
     return loss
 
@@ -79,12 +80,64 @@ def test_inputs_of_a_new_shape_run_under_the_mode_once_then_resident() -> None:
     assert train(cm, opt, batches, watched(cm, gpt2_loss, flags, hooked)) == expected
     assert flags == [False, True, True, False, True, True, True]
     assert cm.runtime.placer.replans == 0, "the new shape ran the plan's accesses"
-    # A resident forward takes the modules' forward hooks off (PyTorch's short call path); one that is not puts them
-    # back, every one of them.
+    # A resident forward takes the modules' forward hooks and the parameters' gradient hooks off (PyTorch's short
+    # call path); one that is not puts them back, every one of them.
     assert hooked == [not resident for resident in flags]
-    assert module_hooks(cm) == 0
+    assert module_hooks(cm) == grad_hooks(cm) == 0
     cm(batches[0][:, :8])
     assert module_hooks(cm) == 2 * len(list(model.modules()))
+    assert grad_hooks(cm) == len(list(model.parameters()))
+
+
+def test_a_resident_backward_leaves_each_gradient_as_autograd_made_it_and_its_chunk_holds_it() -> None:
+    """Its gradient hooks off, a resident backward takes the gradients into their chunks when it ends (lent: the
+    tensor autograd made is the chunk's range and `p.grad`): accumulation over micro-batches and clipping by the
+    global norm as in plain PyTorch, bit for bit."""
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+                                   for s in range(8)]
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches[:6], gpt2_loss, accumulate=2, clip=0.5)
+    cm, opt = prepared(model, ADAMW)
+    flags: list[bool] = []
+    assert train(cm, opt, batches[:6], watched(cm, gpt2_loss, flags), accumulate=2, clip=0.5) == expected
+    assert flags == [False, False, True, True, True, True], "the warm-up's two backwards, then resident"
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    for one in (ref, cm):
+        gpt2_loss(one, batches[6]).backward()
+    assert grad_hooks(cm) == 0
+    for (name, param), mine in zip(ref.named_parameters(), cm.module.parameters()):
+        record = cm.runtime.store.records[mine]
+        assert torch.equal(mine.grad, param.grad), name
+        assert cm.runtime.data.grad_views([record])[0].data_ptr() == mine.grad.data_ptr(), "lent to its chunk"
+
+
+@pytest.mark.parametrize("when", ["before", "after", "alone"])
+def test_a_backward_that_misses_the_outputs_in_a_resident_step_reaches_the_step(when: str) -> None:
+    """A backward of a penalty on parameters alone never reaches the model's outputs, whose backward's end takes the
+    gradients of a resident step: they wait in `p.grad`, where the next backward adds to them, until a step (or
+    clipping, or zero_grad) reads the gradients. Before the loss's backward, after it, or instead of it."""
+    model, batches = tiny_gpt2(), [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
+                                   for s in range(4)]
+
+    def step(one: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+        loss = gpt2_loss(one, batch)
+        penalty = sum(p.float().square().sum() for p in list(one.parameters())[-3:])
+        if when == "before":
+            penalty.backward()
+        if when != "alone":
+            loss.backward()
+        if when != "before":
+            penalty.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    cm, opt = prepared(model, ADAMW)
+    assert [step(cm, opt, b) for b in batches] == [step(ref, ref_opt, b) for b in batches]
+    assert cm.memory_stats()["resident_steps"] == 3
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
 def test_with_its_hooks_off_between_resident_steps_a_model_is_still_known_and_its_modules_still_compute() -> None:
