@@ -137,7 +137,7 @@ class Hooks:
 
     def _module_hooks(self, on: bool) -> None:
         """Put the forward hooks on every module, or take them off. A resident step needs none (they would return at
-        once), and a module with no hook takes PyTorch's short call path: 1.2 ms of a 40 ms launch-bound step of a
+        once), and a module with no hook takes PyTorch's short call path: 1.9 ms of a 39 ms launch-bound step of a
         20-layer LLaMA (benchmarks/overhead_parts.py's resident rows). Taken off when a forward runs resident, put
         back when one does not or a resident step gives way; between resident steps every parameter stays on the
         device (placement's can_stay), so a module called on its own meanwhile needs no fetch. Ours run first before
@@ -157,7 +157,7 @@ class Hooks:
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
         needs none: autograd leaves each gradient in `p.grad` and the backward's end takes them all into their chunks
-        at once (Runtime.adopt_grads), 2.9 ms less host time in a 40 ms launch-bound step of a 20-layer LLaMA
+        at once (Runtime.adopt_grads): 2.3 ms less host time in a 39 ms launch-bound step of a 20-layer LLaMA
         (benchmarks/overhead_parts.py's resident rows)."""
         if on == bool(self.handles):
             return
