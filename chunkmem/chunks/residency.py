@@ -116,8 +116,10 @@ class Residency:
                     return
                 # The budget was right for chunks but the device is full (non-model data grew beyond the
                 # warm-up's record).
+                # The message, not the error: a handler keeping records (pytest's) would keep its traceback's frames,
+                # and with them a failing backward's graph.
                 log.warning("device out of memory bringing %s (%s): evicting chunks not in use until it fits; "
-                            "if this repeats, lower Config.device_memory", chunk.name, error)
+                            "if this repeats, lower Config.device_memory", chunk.name, str(error))
                 try:
                     self.retry_out_of_memory(error, lambda: self._bring(chunk, reason))
                 except torch.OutOfMemoryError as failed:

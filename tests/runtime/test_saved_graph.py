@@ -5,6 +5,7 @@ Python's collector cannot see, so the device held them for good."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -36,20 +37,25 @@ def test_a_forward_whose_output_is_dropped_without_backward_frees_what_it_saved(
 
 
 def test_after_cudas_error_in_backward_a_smaller_batch_trains_as_plain_pytorch(sim_memory):
-    """LLaMA in fp32 at 5% of its model data beside 1.15 x plain's activation peak: backward finds no block for a
-    weight's gradient in the warm-up (nothing falls back there): refused, naming the bytes (it was CUDA's error).
+    """LLaMA in fp32 at 1% of its model data beside 1.15 x plain's activation peak: in the warm-up's backward a chunk
+    finds no room beside the activations (nothing falls back there): refused, naming the bytes. (At 5%, where it
+    was a weight's gradient with no block, it trains now that released slots leave the device: arena.py's Note.)
     The user retries with half the batch, as accelerate's find_executable_batch_size does after CUDA's error: the
     failed step's activations are gone with its graph, and training goes on bit-identical to plain PyTorch on the
     smaller batches. Before, they stayed on the device and the retry was refused."""
     arch = zoo.by_name("llama")
     model, batches = arch.build(), arch.batches(3)
     ref = copy.deepcopy(model)
-    budget, divisor = h100_rule(model, batches[0], 0.05, sim_memory)
+    budget, divisor = h100_rule(model, batches[0], 0.01, sim_memory)
     memory = sim_memory(divisor)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                chunkmem.Config(device="cpu", device_memory=budget))
-    with pytest.raises(chunkmem.MemoryBudgetError, match="backward needs"):
+    try:  # caught and dropped, as the retrying loop does (pytest.raises would keep the frames, the loss among them)
         zoo.loss(cm, batches[0]).backward()
+        refusal = ""
+    except chunkmem.MemoryBudgetError as error:
+        refusal = str(error)
+    assert re.search(r"needs \d+ bytes on the device", refusal), refusal
     assert memory.allocator.allocated == cm.memory_stats()["device_chunk_bytes"], "only chunks left on the device"
     opt.zero_grad()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
