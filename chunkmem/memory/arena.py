@@ -9,11 +9,12 @@ hands its payload back to this arena, not to the allocator, and the next chunk o
 (a slot): activations never see chunk memory, and chunk memory never fragments. The arena holds what chunks
 use plus slots kept free for the next ones; when the chunk budget shrinks (activations grow during the
 warm-up, a step gives way to a larger input) free slots go back to the allocator (`fit`), the only time
-chunk memory and activations trade bytes. They go back to the device, not to the allocator's cache (`_release`
+chunk memory and activations trade bytes. They go back to the device, not to the allocator's cache (`fit`
 empties it): cached, a slot's segment took the next activations (best fit), and the next slot, needed while a
 few of them still lived there, found only holes (GPT-NeoX and Swin in fp32 at a twentieth of their model data,
 chunks of three times their largest parameter: CUDA's error in a later step's backward; benchmarks/budget_sweep.py
-at a twentieth went from 60 runs training, 14 refused, 2 CUDA errors to 68, 7 and 1). What that costs on a GPU:
+at a twentieth went from 60 runs training, 14 refused, 2 CUDA errors to 68, 8 and 0: the README's rows on
+budget_sweep_cpu_low_shares_*.json). What that costs on a GPU:
 each release frees the allocator's other wholly free segments too (torch.cuda.empty_cache), and cudaFree waits
 for the device; it happens only where a step's plan lowers the chunk budget below the slots held, a few times
 a step at small budgets (not measured on a GPU yet).
@@ -114,9 +115,9 @@ class SlotArena:
     def fit(self, room: int) -> None:
         """Hold at most `room` bytes of slots from now on: free slots go back to the allocator until they fit."""
         self.room = room
-        held = self.footprint
+        before = self.footprint
         self._release(lambda held: held > room)
-        if self.footprint != held:  # to the device, where no activation carves them (the Note)
+        if self.footprint != before:  # to the device, where no activation carves them (the Note)
             self.device.empty_cache()
 
     def release(self) -> int:
