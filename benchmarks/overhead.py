@@ -91,13 +91,13 @@ PHASES = ("fwd", "bwd", "opt")  # forward and loss, backward, the optimizer's st
 SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLOCK = [time.perf_counter]  # what timed_phases reads: wall time, or with --cpu-time this thread's CPU time
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
 def use_cpu_time() -> None:
     """--cpu-time: CLOCK reads this thread's CPU time, and torch computes on this thread alone."""
     CLOCK[0] = time.thread_time
     torch.set_num_threads(1)
-ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
 def _nothing() -> None:

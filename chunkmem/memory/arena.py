@@ -1,23 +1,22 @@
 """Device memory that is the chunks' own: payloads live in slots chunkmem keeps, not in blocks it hands back.
 
 [Note: chunk memory]
-Chunks are large (hundreds of MiB on a 1B model) and all of one size per dtype. Allocated and freed through
-the caching allocator at every upload and eviction, their blocks were carved up by activations in between,
-and the next chunk found no hole big enough: the lent H100 ran out of memory in steps whose chunk and
-activation bytes were well within the budget, with 402 MiB reserved but free. So a chunk leaving the device
-hands its payload back to this arena, not to the allocator, and the next chunk of that size takes it as it is
-(a slot): activations never see chunk memory, and chunk memory never fragments. The arena holds what chunks
-use plus slots kept free for the next ones; when the chunk budget shrinks (activations grow during the
-warm-up, a step gives way to a larger input) free slots go back to the allocator (`fit`), the only time
-chunk memory and activations trade bytes. They go back to the device, not to the allocator's cache (`fit`
-empties it): cached, a slot's segment took the next activations (best fit), and the next slot, needed while a
-few of them still lived there, found only holes (GPT-NeoX and Swin in fp32 at a twentieth of their model data,
-chunks of three times their largest parameter: CUDA's error in a later step's backward; benchmarks/budget_sweep.py
-at a twentieth went from 60 runs training, 14 refused, 2 CUDA errors to 68, 8 and 0: the README's rows on
-budget_sweep_cpu_low_shares_*.json). What that costs on a GPU:
-each release frees the allocator's other wholly free segments too (torch.cuda.empty_cache), and cudaFree waits
-for the device; it happens only where a step's plan lowers the chunk budget below the slots held, a few times
-a step at small budgets (not measured on a GPU yet).
+Chunks are large (hundreds of MiB on a 1B model) and all of one size per dtype. Allocated and freed through the
+caching allocator at every upload and eviction, their blocks were carved up by activations in between, and the
+next chunk found no hole big enough: the lent H100 ran out of memory in steps whose chunk and activation bytes
+were well within the budget, with 402 MiB reserved but free. So a chunk leaving the device hands its payload back
+to this arena, not to the allocator, and the next chunk of that size takes it as it is (a slot): activations
+never see chunk memory, and chunk memory never fragments. The arena holds what chunks use plus slots kept free
+for the next ones; when the chunk budget shrinks (activations grow during the warm-up, a step gives way to a
+larger input) free slots go back to the allocator (`fit`), the only time chunk memory and activations trade
+bytes. They go back to the device, not to the allocator's cache (`fit` empties it): cached, a slot's segment took
+the next activations (best fit), and the next slot, needed while a few of them still lived there, found only
+holes (GPT-NeoX and Swin in fp32 at a twentieth of their model data, chunks of three times their largest
+parameter: CUDA's error in a later step's backward; benchmarks/budget_sweep.py at a twentieth went from 60 runs
+training, 14 refused, 2 CUDA errors to 68, 8 and 0: the README's rows on budget_sweep_cpu_low_shares_*.json).
+What that costs on a GPU: each release frees the allocator's other wholly free segments too
+(torch.cuda.empty_cache), and cudaFree waits for the device; it happens only where a step's plan lowers the chunk
+budget below the slots held, a few times a step at small budgets (not measured on a GPU yet).
 
 Why not a private torch.cuda.MemPool: its free blocks are never released while the pool lives (not at the
 allocator's cap, not by empty_cache), so chunk memory could not shrink for activations; and a block freed

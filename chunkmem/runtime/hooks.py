@@ -150,9 +150,7 @@ class Hooks:
                 self.module_handles.append(sub.register_forward_pre_hook(self._pre_forward, prepend=True))
                 self.module_handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
         else:
-            for handle in self.module_handles:
-                handle.remove()
-            self.module_handles.clear()
+            _drop(self.module_handles)
 
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
@@ -166,9 +164,7 @@ class Hooks:
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(self.ready))
         else:
-            for handle in self.handles:
-                handle.remove()
-            self.handles.clear()
+            _drop(self.handles)
         self.runtime.grads_unhooked(self, not on)
 
     def _hooks_follow_residency(self) -> None:
@@ -250,8 +246,14 @@ class Hooks:
         _LIVE.discard(self)
         self._module_hooks(False)
         self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
-        self._grad_hooks(False)
+        _drop(self.handles)
         self.runtime.grads_unhooked(self, False)  # removed for good, not off
+
+
+def _drop(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def already_hooked(module: nn.Module) -> str | None:
