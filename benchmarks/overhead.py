@@ -44,6 +44,12 @@ update of its streamed groups.
 simulation without its memory model reads no allocator, so its activations are metered through the hooks, which
 cost the launch-bound rows several milliseconds a step that a GPU's host does not spend.
 
+`--fused` runs both sides' AdamW with fused=True, as the GPU speed issue's plain PyTorch does: on a CPU torch.optim
+otherwise loops over the parameters, one call each, which a chunk group's update over its packed range does not, so
+the default flatters chunkmem's optimizer phase. A launch-bound model has as many chunk groups as the issue's 1.16B
+LLaMA (9) when its embedding is to a layer as that model's is (about 1.3 layers): `--vocab 1024` at width 64; at
+`--vocab 256` it has 42, each a call of chunkmem's optimizer that the 1.16B model does not make.
+
 `--copied` adds, fitting and at 50%, rows whose chunkmem model copies each gradient into its chunk on the
 device instead of lending the chunk autograd's tensor (chunk's Note on lent ranges), timed against the same
 plain step in the same rounds: what lending saves.
@@ -94,6 +100,12 @@ CLOCK = [time.perf_counter]  # what timed_phases reads: wall time, or with --cpu
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
 
 
+def use_fused() -> None:
+    """--fused: AdamW(fused=True) on both sides, torch's one-pass kernel, as the GPU speed issue's plain PyTorch."""
+    global ADAMW
+    ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)
+
+
 def use_cpu_time() -> None:
     """--cpu-time: CLOCK reads this thread's CPU time, and torch computes on this thread alone."""
     CLOCK[0] = time.thread_time
@@ -126,8 +138,9 @@ def loss_fn(name: str, batch: torch.Tensor, dtype: torch.dtype) -> Callable[[tor
 
 
 def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.Tensor], dtype: torch.dtype,
-               make_optimizer: Callable[[list], torch.optim.Optimizer] = ADAMW) -> Step:
+               make_optimizer: Callable[[list], torch.optim.Optimizer] | None = None) -> Step:
     """One plain PyTorch training step; in bf16 with fp32 master weights and states beside the bf16 model."""
+    make_optimizer = make_optimizer or ADAMW
     if dtype == torch.float32:
         optimizer = make_optimizer(list(model.parameters()))
 
@@ -294,10 +307,15 @@ def main() -> None:
                              "thread alone: the host work of a step, steady on a loaded machine, where wall time "
                              "also counts waits for other processes (the simulation's copy thread is not counted: a "
                              "GPU's copy engines move those bytes)")
+    parser.add_argument("--fused", action="store_true",
+                        help="AdamW(fused=True) on both sides, as the GPU speed issue's plain PyTorch (the default: "
+                             "torch.optim's own choice, its per-parameter loop on a CPU)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
         use_cpu_time()
+    if args.fused:
+        use_fused()
 
     rows = build(args)
     order = random.Random(0)

@@ -9,6 +9,7 @@ one that cast LLaMA's rotary frequencies (a buffer) to bf16, which chunkmem keep
 
 from __future__ import annotations
 
+import functools
 import time
 import types
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from benchmarks import overhead
 from benchmarks.common import gpt2
 from benchmarks.overhead import DTYPES, PHASES, chunk_step, loss_fn, mlp, plain_step, timed_phases
 from benchmarks.placement import llama
@@ -23,9 +25,14 @@ from benchmarks.placement import llama
 TINY = {"mlp": lambda: mlp(3, 16), "gpt2": lambda: gpt2(2, 32, 64, 8), "llama": lambda: llama(2, 32, 64, 8)}
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(TINY))
-def test_the_plain_step_lands_on_chunkmems_bits(name: str, dtype: str) -> None:
+def test_the_plain_step_lands_on_chunkmems_bits(name: str, dtype: str, fused: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with both sides' AdamW fused (--fused): torch's kernel over each parameter against the same kernel over a
+    chunk group's packed range, elementwise, so the same bits."""
+    monkeypatch.setattr(overhead, "ADAMW", functools.partial(torch.optim.AdamW, lr=1e-4, fused=fused))
     make = TINY[name]
     batch = torch.randn(4, 16) if name == "mlp" else torch.randint(0, 64, (2, 8))
     loss = loss_fn(name, batch, DTYPES[dtype])
