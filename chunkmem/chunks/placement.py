@@ -41,7 +41,7 @@ import torch
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.plan import INFINITY, Action, Plan, next_uses, victim
-from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_chunks
+from chunkmem.chunks.planning import SAFETY_FRACTION, Event, GroupChunks, Step, decide_homes, steady_sequence
 from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ChunkGroup, ParamStore
@@ -451,12 +451,13 @@ class Placer:
         self.sent_early = 0
 
     def _same(self, events: list[Event], planned: Step) -> bool:
-        """Whether a step's `events` made the plan's accesses with non-model data within the margin of the plan's."""
+        """Whether a step's `events` made the plan's accesses with non-model data within the margin of the plan's,
+        both as the plan counts them: a homed low-precision group's update with its scratch (planning's Note on
+        update scratch). Compared raw, every such update differed by its scratch, and each step planned anew."""
         margin = int(self.limit * SAFETY_FRACTION)
-        steady = list(steady_chunks(events, self.by_index, self.homes))
-        return len(steady) == len(planned.accesses) and \
-            all(chunks == access.chunks and abs(event.nonmodel - nonmodel) <= margin
-                for (event, chunks), access, nonmodel in zip(steady, planned.accesses, planned.nonmodel))
+        accesses, nonmodel = steady_sequence(events, self.by_index, self.homes)
+        return accesses == planned.accesses and \
+            all(abs(now - then) <= margin for now, then in zip(nonmodel, planned.nonmodel))
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""
