@@ -13,9 +13,11 @@ SHAPES = {"cuda": dict(hidden_size=2048, intermediate_size=5632, num_hidden_laye
                        num_key_value_heads=16, vocab_size=32000, max_position_embeddings=1024),
           "cpu": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=20, num_attention_heads=4,
                       num_key_value_heads=4, vocab_size=2000, max_position_embeddings=128),
-          # launch-bound (issue 36's other size): kernels cost next to nothing, so a GPU waits on the host
+          # launch-bound (issue 36's other size): kernels cost next to nothing, so a GPU waits on the host. Its
+          # embedding is to a layer as the 1.16B model's is (about 1.3 layers), so that it has that model's 9 chunk
+          # groups, each a call the optimizer makes (benchmarks/overhead.py's --vocab 1024; 256 gave 42)
           "tiny": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=20, num_attention_heads=4,
-                       num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)}
+                       num_key_value_heads=4, vocab_size=1024, max_position_embeddings=64)}
 BATCH = {"cuda": (4, 1024), "cpu": (4, 64), "tiny": (1, 16)}
 DIVISOR = 256  # the simulation's scale: its allocator's sizes too
 

@@ -108,7 +108,7 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
     step, timed_steps, before = stages_of(lambda: cm(batch, labels=batch).loss, optimizer), max(1, steps - 2), None
     try:
         timed(step, 2, device, warmup=0)  # the warm-up and the first step on its plan
-        before, worker = cm.memory_stats(), cm.runtime.ahead
+        before, worker, replans = cm.memory_stats(), cm.runtime.ahead, cm.runtime.placer.replans
         worked = (worker.busy_s, worker.hidden_s) if worker is not None else (0.0, 0.0)
         got: dict[str, Any] = {"stages": timed(step, timed_steps, device, warmup=0)}
         if worker is not None:  # the share of the worker's host updates that ran before backward ended
@@ -117,6 +117,8 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
     except torch.OutOfMemoryError as error:  # what the budgets issue saw: accepted, then out of memory
         got = {"error": str(error)[:300], "where": traceback.format_exc(limit=-4)[-1500:]}
     stats, placer, memory = cm.memory_stats(), cm.runtime.placer, getattr(cm.runtime.device, "memory", None)
+    if before:  # timed steps planned anew at their end (a Python pass over every access): the allocator's readings
+        got["replans"] = placer.replans - replans  # moved beyond the margin, or the accesses changed
     moved = {key: (stats[key] - before[key]) / timed_steps if before else None for key in ("h2d_bytes", "d2h_bytes")}
     reserved = torch.cuda.max_memory_reserved() if device == "cuda" else memory.allocator.peak_reserved if memory \
         else 0

@@ -30,6 +30,7 @@ def test_the_speed_table_has_plain_and_a_streaming_row_with_its_bound(tmp_path: 
     assert streamed["raw"]["host_update_s"] > 0, "some groups updated on the host and the kernel was timed on them"
     assert streamed["raw"]["oom_fallbacks"] == 0 and 0 < streamed["raw"]["held_over_budget"] <= 1.0, \
         "the budgets columns: the simulated allocator's most reserved bytes within the budget"
+    assert streamed["raw"]["replans"] in (0, 1), "its one timed step planned anew at its end, or not"
 
 
 def test_a_share_names_its_row_its_worker_and_its_budget() -> None:
