@@ -65,9 +65,13 @@ def h200() -> tuple[dict[str, tuple[float, ...]], float, float]:
     return measured, runs[1]["offload"]["bandwidth"], model_data / rows["10%"]["host_update_s"]
 
 
-def speeds() -> tuple[dict[str, dict[str, float]], float, float, float]:
-    """Host time per stage by budget (launch-bound, as CUDA), copy bandwidth, host update speed."""
-    launch = json.loads((RESULTS / "overhead_launch_bound_llama20_as_cuda.json").read_text())
+LAUNCH = "overhead_launch_bound_llama20_as_cuda.json"  # the host time per stage the table's code took
+
+
+def speeds(launch_file: str = LAUNCH) -> tuple[dict[str, dict[str, float]], float, float, float]:
+    """Host time per stage by budget (launch-bound, as CUDA: `launch_file` of benchmarks/results), copy bandwidth,
+    host update speed."""
+    launch = json.loads((RESULTS / launch_file).read_text())
     host = {}
     for row in launch["rows"]:
         if row["dtype"] == "bf16":
@@ -112,6 +116,10 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", action="store_true",
                         help="also record each budget at the other chunk sizes `chunkmem plan --chunk-sizes` tries "
                              "(chunks/layout.py's chunk_size_bands) and predict each")
+    parser.add_argument("--launch", default=LAUNCH,
+                        help="the launch-bound host time per stage (a benchmarks/overhead.py result in "
+                             "benchmarks/results): the default is the code the H100 table ran; a later one predicts "
+                             "later code, its 'error' column then against the table's older code")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -127,14 +135,15 @@ def main() -> None:
     probe = record(model, ids, None, small_chunk)
     data = sum(probe.sizes.values())
     activations = max((e.nonmodel for e in probe.events), default=0)
-    host, h2d, d2h, host_update = speeds()
+    table_host, h2d, d2h, host_update = speeds()  # the host time of the code the table measured: for the fit
+    host = speeds(args.launch)[0]  # that of the code predicted
     measured = MEASURED
     if args.against == "h200":
         measured, bandwidth, host_update = h200()
         h2d = d2h = bandwidth
     plain = {"fwd": measured["plain"][1], "bwd": measured["plain"][2]}
     update_bytes = data * probe.scale  # every chunk: parameters, gradients, master, states
-    fitted = update_bytes / max(1e-9, measured["no budget"][3] - host["fits"]["optim"])
+    fitted = update_bytes / max(1e-9, measured["no budget"][3] - table_host["fits"]["optim"])
     plain_ms = [plain["fwd"] * 1000, plain["bwd"] * 1000, measured["plain"][3] * 1000]
     rows = [{"run": "plain", "predicted s": round(sum(plain.values()) + measured["plain"][3], 3), "host update s": "-",
              "fwd / bwd / opt ms": " / ".join(f"{x:.0f}" for x in plain_ms), "GB up / down": "-", "copy s": "-",
