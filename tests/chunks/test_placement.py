@@ -15,6 +15,7 @@ from benchmarks.common import gpt2
 from benchmarks.optimum import solve
 from benchmarks.record import Recorded, record
 from chunkmem.chunks.placement import Phase
+from chunkmem.chunks.planning import SAFETY_FRACTION
 from tests import zoo
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, train
 
@@ -319,7 +320,7 @@ def test_steps_that_repeat_the_plan_follow_it_without_planning_again(dtype, shar
     placer = cm.runtime.placer
     assert 0 < len(placer.homes) < len(placer.groups), "some groups homed, some streamed"
     scratch = max(g.scratch for g in placer.groups if g.index in placer.homes)
-    assert dtype == "fp32" or scratch > int(placer.limit * 0.05), "the bf16 case needs scratch beyond the margin"
+    assert dtype == "fp32" or scratch > int(placer.limit * SAFETY_FRACTION), "bf16: scratch beyond the margin"
     # The first plan starts from what the warm-up left resident; the plan made after the first step on it is kept.
     assert placer.replans == 0 and all(plan is plans[1] for plan in plans[1:]), "one plan, followed by every step"
     if dtype == "fp32":
