@@ -68,20 +68,24 @@ def h200() -> tuple[dict[str, tuple[float, ...]], float, float]:
 LAUNCH = "overhead_launch_bound_llama20_as_cuda.json"  # the host time per stage the table's code took
 
 
-def speeds(launch_file: str = LAUNCH) -> tuple[dict[str, dict[str, float]], float, float, float]:
-    """Host time per stage by budget (launch-bound, as CUDA: `launch_file` of benchmarks/results), copy bandwidth,
-    host update speed."""
+def host_times(launch_file: str = LAUNCH) -> dict[str, dict[str, float]]:
+    """chunkmem's host time per stage by budget, launch-bound as CUDA runs it (`launch_file` of benchmarks/results)."""
     launch = json.loads((RESULTS / launch_file).read_text())
     host = {}
     for row in launch["rows"]:
         if row["dtype"] == "bf16":
             fwd, bwd, opt = (max(0.0, float(x)) / 1000 for x in row["extra ms fwd / bwd / opt"].split(" / "))
             host[row["budget"]] = {"fwd": fwd, "bwd": bwd, "optim": opt}
+    return host
+
+
+def speeds() -> tuple[float, float, float]:
+    """Copy bandwidth up and down, host update speed."""
     selftest = json.loads((RESULTS / "selftest_h100_8eca4ba.json").read_text())
     copies = next(c for c in selftest["selftest"]["checks"] if c["check"] == "copy bandwidth")["figures"]["256 MiB"]
     adam = json.loads((RESULTS / "cpu_adam_cpu.json").read_text())
     host_update = max(float(r["GB/s (best)"]) for r in adam["rows"] if r["method"] == "chunkmem") * 1e9
-    return host, copies["engine_h2d_GBps"] * 1e9, copies["engine_d2h_GBps"] * 1e9, host_update
+    return copies["engine_h2d_GBps"] * 1e9, copies["engine_d2h_GBps"] * 1e9, host_update
 
 
 def record(model: torch.nn.Module, ids: torch.Tensor, budget: int | None, chunk: int,
@@ -135,8 +139,8 @@ def main() -> None:
     probe = record(model, ids, None, small_chunk)
     data = sum(probe.sizes.values())
     activations = max((e.nonmodel for e in probe.events), default=0)
-    table_host, h2d, d2h, host_update = speeds()  # the host time of the code the table measured: for the fit
-    host = speeds(args.launch)[0]  # that of the code predicted
+    h2d, d2h, host_update = speeds()
+    table_host, host = host_times(), host_times(args.launch)  # the code the table measured (for the fit); predicted
     measured = MEASURED
     if args.against == "h200":
         measured, bandwidth, host_update = h200()

@@ -114,6 +114,8 @@ class SlotArena:
     def fit(self, room: int) -> None:
         """Hold at most `room` bytes of slots from now on: free slots go back to the allocator until they fit."""
         self.room = room
+        if self.footprint <= room:  # the plan's budget changes at accesses: most changes leave the slots as they are
+            return
         before = self.footprint
         self._release(lambda held: held > room)
         if self.footprint != before:  # to the device, where no activation carves them (the Note)
