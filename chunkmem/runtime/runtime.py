@@ -1,8 +1,8 @@
 """The chunk runtime of one model: parameters in chunks, the budget, and what hooks call into.
 
 [Note: how parameters reach the device]
-Forward: a module's pre-hook acquires its own parameters (their chunks come to the device and are
-pinned) and its post-hook releases them. A parameter used outside its module (tied weights,
+Forward: a module's pre-hook acquires its parameters (their chunks come to the device and are
+pinned) and its post-hook releases them: a unit's, those of its whole subtree (units.py's Note). A parameter used outside its module (tied weights,
 `F.linear(x, other.weight)`) is caught by `FetchMode` and held for the one op that receives it.
 Backward: autograd's saved tensors that are views into a device chunk are packed as (chunk,
 offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
@@ -81,6 +81,7 @@ from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
+from chunkmem.runtime.units import access_units
 from chunkmem.runtime.values import ModelData
 from chunkmem.zero.agreement import as_agreed, check_agreed
 from chunkmem.zero.collectives import agree
@@ -164,8 +165,12 @@ class Runtime:
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
-        self.module_records = {m: [self.store.records[p] for p in m.parameters(recurse=False)]
-                               for m in module.modules()}
+        records = self.store.records
+        if self.shards is None:  # units.py's Note on access units
+            acquires, self.idle_modules = access_units(module, lambda p: records[p].group.param.name)
+        else:
+            acquires, self.idle_modules = {m: list(m.parameters(recurse=False)) for m in module.modules()}, set()
+        self.module_records = {m: [records[p] for p in params] for m, params in acquires.items()}
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like,

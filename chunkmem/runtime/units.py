@@ -1,0 +1,52 @@
+"""Which modules bring parameters to the device when they start (runtime's Note on how parameters reach the device).
+
+[Note: access units]
+Every module's pre- and post-forward hook acquiring its own parameters cost a streaming step of the launch-bound
+20-layer LLaMA (benchmarks/overhead.py) about 37 us of host time per module call, 266 calls a forward: a sixth of
+the host time a streaming step added, and all of it what a GPU waits for when kernels are short. Yet most modules
+lie, with their siblings, inside one parameter chunk: a decoder layer, an attention block. So the outermost module
+whose parameters all lie in one chunk, and that is called (not a ModuleList), is a unit: its pre-forward acquires
+every parameter of its subtree and its post-forward releases them, and the hooks of the modules inside it return at
+once. Any other module acquires its own parameters (none, for a module without any: it still has its moments), and
+its children are looked at in turn. A unit pins the chunk the modules inside it would have pinned one after the
+other, from the unit's start to its end rather than between its modules, where the plan keeps it anyway (it is used
+next). The modules inside a unit keep their moments (without an access) where moments decide something: in the
+warm-up and in a step that gave way, where chunks give way to activations at every moment (placement's Notes), and
+when an observer wants them (a trace). A steady step's moments only read memory, which the next access reads again:
+there the hooks inside a unit cost two Python calls that return at once.
+
+A module inside a unit that runs outside a forward (called on its own, recomputed in backward under activation
+checkpointing) acquires the parameters of its subtree, as a unit would. One that runs inside another module's forward
+(shared with a module elsewhere) acquires nothing: the torch-function mode fetches its parameters op by op (FetchMode),
+as it does any parameter used outside its module, and forwards stop running lean. Under ZeRO every module acquires its
+own parameters (its gather units are zero/units.py's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+
+def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str]
+                 ) -> tuple[dict[nn.Module, list[nn.Parameter]], set[nn.Module]]:
+    """The parameters each module of `module` acquires when it starts (`chunk_of` names a parameter's chunk), and the
+    modules that acquire nothing in a forward: those inside a unit (see the Note). One of those run outside a forward
+    acquires its subtree's parameters, as a unit would."""
+    acquires: dict[nn.Module, list[nn.Parameter]] = {}
+    idle: set[nn.Module] = set()
+
+    def walk(sub: nn.Module) -> None:
+        if sub in acquires or sub in idle:  # a module reached again through another parent
+            return
+        if len({chunk_of(p) for p in sub.parameters()}) == 1 and type(sub).forward is not nn.Module.forward:
+            idle.update(m for m in sub.modules() if m is not sub)
+            acquires.update({m: list(m.parameters()) for m in sub.modules() if m not in acquires})
+            return
+        acquires[sub] = list(sub.parameters(recurse=False))
+        for child in sub.children():
+            walk(child)
+
+    walk(module)
+    return acquires, idle
