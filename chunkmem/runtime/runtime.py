@@ -2,8 +2,9 @@
 
 [Note: how parameters reach the device]
 Forward: a module's pre-hook acquires its parameters (their chunks come to the device and are
-pinned) and its post-hook releases them: a unit's, those of its whole subtree (units.py's Note). A parameter used outside its module (tied weights,
-`F.linear(x, other.weight)`) is caught by `FetchMode` and held for the one op that receives it.
+pinned) and its post-hook releases them: a unit's, those of its whole subtree (units.py's Note). A
+parameter used outside its module (tied weights, `F.linear(x, other.weight)`) is caught by `FetchMode`
+and held for the one op that receives it.
 Backward: autograd's saved tensors that are views into a device chunk are packed as (chunk,
 offset, shape, stride) rather than as the tensor, and unpacking fetches the chunk again, so a
 chunk may leave the device between forward and backward. An unpacked view keeps the old device
@@ -81,7 +82,7 @@ from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
-from chunkmem.runtime.units import access_units
+from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
 from chunkmem.runtime.values import ModelData
 from chunkmem.zero.agreement import as_agreed, check_agreed
 from chunkmem.zero.collectives import agree
@@ -166,7 +167,7 @@ class Runtime:
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         records = self.store.records
-        if self.shards is None:  # units.py's Note on access units
+        if self.shards is None and size * config.torch_dtype.itemsize <= self.limit * UNIT_CHUNK_SHARE:  # units' Note
             acquires, self.idle_modules = access_units(module, lambda p: records[p].group.param.name)
         else:
             acquires, self.idle_modules = {m: list(m.parameters(recurse=False)) for m in module.modules()}, set()

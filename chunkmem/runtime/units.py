@@ -15,6 +15,14 @@ warm-up and in a step that gave way, where chunks give way to activations at eve
 when an observer wants them (a trace). A steady step's moments only read memory, which the next access reads again:
 there the hooks inside a unit cost two Python calls that return at once.
 
+A unit holds its chunk through the activations of its modules, and no moment inside it can make the chunk give way
+to them: where the plan has room for that chunk beside the step's peak, that is no loss, but where a chunk is large
+against the budget (BERT and RoBERTa in fp32 at a twentieth of their model data, in chunks of three times their
+largest parameter: a chunk 29% of the budget), a later step whose batch held more activations than the plan's record
+found no room beside the held chunk, and was refused in its fifth or sixth step. So units are made only where a chunk
+is at most UNIT_CHUNK_SHARE of the device budget: the margin the plan keeps for what it cannot foresee (planning's
+SAFETY_FRACTION). Elsewhere every module acquires its own parameters, as before units.
+
 A module inside a unit that runs outside a forward (called on its own, recomputed in backward under activation
 checkpointing) acquires the parameters of its subtree, as a unit would. One that runs inside another module's forward
 (shared with a module elsewhere) acquires nothing: the torch-function mode fetches its parameters op by op (FetchMode),
@@ -27,6 +35,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
+
+from chunkmem.chunks.planning import SAFETY_FRACTION
+
+UNIT_CHUNK_SHARE = SAFETY_FRACTION  # units only where a chunk is at most this share of the device budget (the Note)
 
 
 def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str]

@@ -11,11 +11,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chunkmem.runtime.units import access_units
+from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
 from tests import zoo
 from tests.helpers import least_accepted, param_bytes, prepared, train
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+@pytest.fixture(autouse=True)
+def units_at_any_budget(monkeypatch):
+    """These tiny models stream only under budgets a few chunks large: units there too (runtime's UNIT_CHUNK_SHARE)."""
+    monkeypatch.setattr("chunkmem.runtime.runtime.UNIT_CHUNK_SHARE", 1.0)
 
 
 def _chunks(cm: nn.Module, module: nn.Module) -> set[str]:
@@ -147,3 +153,16 @@ def test_a_model_in_one_chunk_is_one_unit_and_in_a_chunk_per_parameter_each_modu
     assert acquires[model[0]] == list(model[0].parameters()) and acquires[model[1]] == [] and acquires[model[2]] == []
     assert acquires[model[2][0]] == list(model[2][0].parameters()) and not idle & {*model[:3], model[2][0]}
     assert acquires[model[3]] == [] and acquires[model[3][0]] == list(model[3][0].parameters())  # a list is not called
+
+
+def test_units_are_made_only_where_a_chunk_is_a_small_share_of_the_budget(monkeypatch):
+    monkeypatch.setattr("chunkmem.runtime.runtime.UNIT_CHUNK_SHARE", UNIT_CHUNK_SHARE)  # the rule itself
+    model = _blocks()
+    config = dict(chunk_size=2 * sum(p.numel() for p in model[1].parameters()))
+    chunk_bytes = 4 * config["chunk_size"]
+    for budget, units in ((None, True), (int(chunk_bytes / UNIT_CHUNK_SHARE), True),
+                          (int(chunk_bytes / UNIT_CHUNK_SHARE) - 1, False)):
+        cm, _ = prepared(model, ADAMW, device_memory=budget, **config)
+        assert bool(cm.runtime.idle_modules) == units, budget
+        assert all(set(records) == {cm.runtime.store.records[p] for p in m.parameters(recurse=False)}
+                   for m, records in cm.runtime.module_records.items()) != units
