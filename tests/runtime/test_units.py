@@ -61,6 +61,22 @@ def test_every_parameter_is_acquired_once_on_its_path_by_a_unit_in_one_chunk_or_
     assert units and runtime.idle_modules
 
 
+@pytest.mark.parametrize("arch", [a for a in zoo.available()
+                                  if a.name in ("llama", "gpt2", "t5", "mixtral", "bert", "vit")], ids=lambda a: a.name)
+def test_a_streaming_architecture_in_units_trains_on_plain_pytorchs_bits(arch):
+    model, batches = arch.build(), arch.batches(4)
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, zoo.loss)
+    largest = max(p.numel() for p in model.parameters())
+    config = dict(chunk_size=2 * largest)
+    cm, opt = prepared(model, ADAMW, device_memory=least_accepted(model, ADAMW, low=param_bytes(model) // 2, **config),
+                       **config)
+    assert train(cm, opt, batches, zoo.loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert cm.runtime.idle_modules and cm.memory_stats()["evictions"] > 0
+    assert cm.runtime.lean_allowed, "every parameter acquired by a unit or its own module: none fetched by the mode"
+
+
 class Block(nn.Module):
     """A pre-norm MLP block whose MLP is checkpointed on its own (finer than a Hugging Face layer's checkpoint)."""
 
