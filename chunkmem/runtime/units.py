@@ -2,7 +2,7 @@
 
 [Note: access units]
 Every module's pre- and post-forward hook acquiring its own parameters cost a streaming step of the launch-bound
-20-layer LLaMA (benchmarks/overhead.py) about 37 us of host time per module call, 266 calls a forward: a sixth of
+20-layer LLaMA (benchmarks/overhead.py) about 37 us of host time per module call, 266 calls a forward: a fifth of
 the host time a streaming step added, and all of it what a GPU waits for when kernels are short. Yet most modules
 lie, with their siblings, inside one parameter chunk: a decoder layer, an attention block. So the outermost module
 whose parameters all lie in one chunk, and that is called (not a ModuleList), is a unit: its pre-forward acquires
@@ -53,7 +53,7 @@ def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str]
         if sub in acquires or sub in idle:  # a module reached again through another parent
             return
         if len({chunk_of(p) for p in sub.parameters()}) == 1 and type(sub).forward is not nn.Module.forward:
-            idle.update(m for m in sub.modules() if m is not sub)
+            idle.update(m for m in sub.modules() if m is not sub and m not in acquires)  # not one met elsewhere
             acquires.update({m: list(m.parameters()) for m in sub.modules() if m not in acquires})
             return
         acquires[sub] = list(sub.parameters(recurse=False))

@@ -169,6 +169,10 @@ def test_a_model_in_one_chunk_is_one_unit_and_in_a_chunk_per_parameter_each_modu
     assert acquires[model[0]] == list(model[0].parameters()) and acquires[model[1]] == [] and acquires[model[2]] == []
     assert acquires[model[2][0]] == list(model[2][0].parameters()) and not idle & {*model[:3], model[2][0]}
     assert acquires[model[3]] == [] and acquires[model[3][0]] == list(model[3][0].parameters())  # a list is not called
+    other = nn.Linear(4, 4)
+    shared = nn.Sequential(model[0], nn.Sequential(model[0], nn.Linear(4, 4)), other)  # model[0] met first on its own
+    acquires, idle = access_units(shared, lambda p: "other" if p in set(other.parameters()) else "one")
+    assert shared[1] not in idle and shared[1][1] in idle and model[0] not in idle  # a unit wherever it is called
 
 
 def test_units_are_made_only_where_a_chunk_is_a_small_share_of_the_budget(monkeypatch):
