@@ -1,5 +1,5 @@
 """Access units (units.py's Note): the outermost called module whose parameters lie in one chunk acquires them all,
-the modules inside it nothing; one inside a unit that runs outside it is served by the torch-function mode."""
+the modules inside it nothing; one inside a unit that runs outside a forward acquires its subtree's itself."""
 
 from __future__ import annotations
 
