@@ -18,7 +18,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.chunks.observe import wants_moments
 from chunkmem.runtime.runtime import Runtime
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
@@ -127,7 +126,6 @@ class Hooks:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
         self.module = module
-        self.moments_inside = False  # whether an observer wants the moments of modules inside units (set in `forward`)
         self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
         self._module_hooks(True)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
@@ -192,7 +190,7 @@ class Hooks:
             self.outside[1].__enter__()
         if self._acquires(module):
             self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
-        elif self.moments_inside or not self.runtime.placer.steady:  # a moment without an access (units.py's Note)
+        elif self._moment_inside():
             self.runtime.emit("pre_forward", "fwd", self.names[module])
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
@@ -202,7 +200,7 @@ class Hooks:
         acquired = self._acquires(module)
         if acquired:
             self.runtime.leave(module)
-        if acquired or self.moments_inside or not self.runtime.placer.steady:
+        if acquired or self._moment_inside():
             self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
             mode, self.outside = self.outside[1], None
@@ -212,6 +210,11 @@ class Hooks:
         """Whether `module` acquires parameters when it runs (units.py's Note): a unit, a module outside every unit,
         and one inside a unit that runs outside a forward."""
         return module not in self.runtime.idle_modules or (self.outside is not None and self.outside[0] is module)
+
+    def _moment_inside(self) -> bool:
+        """Whether a module that acquires nothing has its moments (units.py's Note): where they decide something (the
+        warm-up, a step that gave way) or an observer wants them (a trace)."""
+        return self.runtime.observed or not self.runtime.placer.steady
 
     @contextlib.contextmanager
     def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:
@@ -228,7 +231,6 @@ class Hooks:
         # A forward without gradients (evaluation) is not part of the training step the plan follows, but for a
         # frozen model's under a manager.
         runtime.placer.off_path = not in_step or not (training or self.scores_in_step)
-        self.moments_inside = any(wants_moments(o) for o in runtime.observers)
         if runtime.shards is not None:  # nor of the order of gathers the next step follows
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True

@@ -172,6 +172,7 @@ class Runtime:
         else:
             acquires, self.idle_modules = {m: list(m.parameters(recurse=False)) for m in module.modules()}, set()
         self.module_records = {m: [records[p] for p in params] for m, params in acquires.items()}
+        self.observed = False  # an observer wants every moment (a trace); set when a forward begins
         # ZeRO's transient buffers are reserved out of the budget; chunks get the rest (zero's Note on them).
         self.chunk_limit = self.limit - (self.shards.reserve(self.limit, working_set) if self.shards else 0)
         self.activations = ActivationMeter(config.offload_activations, self._host_like,
@@ -432,8 +433,8 @@ class Runtime:
         pipeline stage's: its schedule interleaves micro-batches)."""
         placer = self.placer
         fitted = inputs is not None and (not training or inputs in self.fitted_inputs)
-        simple = self.resident_allowed and self.shards is None and self.host_cache is None \
-            and not any(wants_moments(o) for o in self.observers) \
+        self.observed = any(wants_moments(o) for o in self.observers)
+        simple = self.resident_allowed and self.shards is None and self.host_cache is None and not self.observed \
             and not self.activations.offload
         if placer.resident and not fitted:  # the rest of this step takes the full path
             placer.resident = False
