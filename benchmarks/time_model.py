@@ -113,7 +113,8 @@ def main() -> None:
                         help="h200: the lent H200's table, bandwidth and host update, and its 9 parameter chunks")
     parser.add_argument("--overlap", action="store_true",
                         help="also predict each budget with the host update of streamed groups overlapping backward "
-                             "(timing.predict's `overlap`: not built yet, what it would buy)")
+                             "(Config.overlap_update: timing.predict's `overlap`), without and with copies of the "
+                             "gradients (kept in a loop that writes them between backward and step())")
     parser.add_argument("--homes-by-time", action="store_true",
                         help="also record each budget with homes chosen by time (the planner's host_weight at these "
                              "speeds: copy bandwidth / host update speed) rather than bytes alone, and predict it")
@@ -162,6 +163,8 @@ def main() -> None:
         rows.append(_row(name, got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
         if budget is not None and args.overlap:
             rows.append(_row(f"{name}, overlapped", predict(recorded, speed, overlap=True)) | {"bound s": "-"})
+            copied = predict(recorded, speed, overlap=True, copy_grads=True)
+            rows.append(_row(f"{name}, overlapped, gradients copied", copied) | {"bound s": "-"})
         if budget is not None and args.homes_by_time:
             timed = record(model, ids, budget, small_chunk, host_weight=h2d / host_update)
             got = predict(timed, speed)

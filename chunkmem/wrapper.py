@@ -179,8 +179,13 @@ class ChunkedModel(nn.Module):
             total = _global_norm(runtime, total, norm_type)
         # torch.nn.utils.clip_grads_with_norm_ reads `p.grad`; these are views, so apply its rule here.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # Host gradients need the coefficient on the host anyway. Multiplied by 1 they keep every bit, so they are
+        # left unwritten: an update made ahead from them stays adoptable (runtime/ahead.py's Note).
+        on_host = [g for g in grads if g.device.type == "cpu"]
+        scales_host = bool(on_host) and coef.item() != 1.0
         for grad in grads:
-            grad.mul_(coef.to(grad.device))
+            if grad.device.type != "cpu" or scales_host:
+                grad.mul_(coef.to(grad.device))
         return total
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]

@@ -54,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.hostpool import HostPool, PlainAllocator
 from chunkmem.memory.landing import CopyThread, idle_priority_available
-from chunkmem.memory.simmemory import SimulatedMemory, simulated_memory
+from chunkmem.memory.simmemory import SimulatedMemory, moving_versions, simulated_memory
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
@@ -451,7 +451,7 @@ class HazardChecker(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.hazards and not self.paused:
             self._check(func, args, kwargs)
-        return func(*args, **kwargs)
+        return moving_versions(func, args, kwargs)
 
     def _arguments(self, func: Any) -> tuple[tuple[str, bool], ...]:
         """(name, written) of the op's arguments; none for views and metadata ops, which touch no bytes."""

@@ -152,6 +152,18 @@ def stop_simulated_memory() -> None:
         hook.__exit__(None, None, None)
 
 
+def moving_versions(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func(*args, **kwargs)` from a dispatch mode, with the version counters of the tensors an in-place foreach op
+    changed moved, as outside one. Under any dispatch mode torch 2.13 leaves them as they were (a plain call moves
+    them): a change made through `torch._foreach_mul_` (torch's clip_grad_norm_, foreach optimizers) would go unseen
+    in the simulation where CUDA sees it (an update made ahead adopted over gradients that clipping scaled). Moved
+    twice under two modes, they still tell a change; autograd compares them for equality only."""
+    out = func(*args, **kwargs)
+    if func.__name__.startswith("_foreach_") and func._schema.arguments[0].alias_info is not None:
+        torch.autograd.graph.increment_version(args[0])
+    return out
+
+
 class _Placing(TorchDispatchMode):
     """Charges the new tensors of every op that reads a device tensor (the module's docstring), and refuses an
     op that mixes device tensors with pinned host ones, as a GPU does."""
@@ -160,14 +172,14 @@ class _Placing(TorchDispatchMode):
         kwargs = kwargs or {}
         memory = _memory
         if memory is None or not memory.blocks:
-            return func(*args, **kwargs)
+            return moving_versions(func, args, kwargs)
         blocks = memory.blocks
         inputs = _storages(args, kwargs)
         if not any(address in blocks for address in inputs):
-            return func(*args, **kwargs)
+            return moving_versions(func, args, kwargs)
         if memory.host and not inputs.isdisjoint(memory.host) and func not in _CROSSING:
             _refuse_mixed(func, args, kwargs, memory.host, blocks)
-        out = func(*args, **kwargs)
+        out = moving_versions(func, args, kwargs)
         if func is _TO_COPY and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu":
             return out  # a download: host memory on a GPU
         for tensor in _tensors(out):

@@ -5,18 +5,25 @@ On a GPU the host update of the chunk groups that stream is the longest part of 
 the model data of benchmarks/gpu_offload.py's 1.16B LLaMA on the lent H100), and it waited for backward to end,
 though a group's gradients are complete long before: its last one lands on the host mid-backward. So once
 backward has written every gradient of a host group (each overwritten once: nothing accumulated), a worker
-thread waits for their downloads to land, keeps a copy of them, and runs the native kernel on that copy *into
-spare buffers* (master, states and the low-precision parameter copy), leaving the chunks as they were. The host
-joins the worker when backward ends, so code between backward and `step()` (clipping, logging) runs alone.
-`step()` adopts a group's result (the spare buffers become its payloads, the old payloads the next spares; the
-parameter copy is copied in, since parameters view their chunk) when nothing the update read has changed:
+thread waits for their downloads to land and runs the native kernel on them *into spare buffers* (master, states
+and the low-precision parameter copy), leaving the chunks as they were. The host joins the worker when backward
+ends, so code between backward and `step()` (clipping, logging) runs alone. `step()` adopts a group's result (the
+spare buffers become its payloads, the old payloads the next spares; the parameter copy is copied in, since
+parameters view their chunk) when nothing the update read has changed:
 - the gradients: their chunk's version counter, which every in-place write moves (through `p.grad` too), or,
-  where it moved, their bytes against the copy (clipping by a coefficient of 1 writes the same bytes);
+  where it moved, their bytes against a copy the worker kept of them before the update (torch's
+  clip_grad_norm_ multiplies by a coefficient of 1 when the norm is below the limit: the same bytes). The copy
+  is a pass over the gradients on the thread that bounds a streaming step (the time model charges it), so it is
+  kept only after a step whose gradients were written between backward and `step()`: an update made without one
+  whose gradients were then written is redone (`unkept` counts them), and the next step keeps copies. The
+  prepared model's own clip_grad_norm_ leaves host gradients unwritten at a coefficient of 1, so a loop that
+  clips through it (finetune, the Trainer) keeps none;
 - the arguments of the kernel: hyperparameters, step count, loss scale (an fp16 overflow skips the step, and
   adopts nothing).
-Else the group updates as it would have, and `redone` counts it. An adopted update is the same kernel on the
-same bytes, so its results are the bits of the update after backward. What a backward that raised started is
-void: the next backward drops it, and starts nothing ahead itself.
+Else the group updates as it would have, and `redone` counts it. A gradient written into a group during
+backward after its update started (added to one already written) voids that update. An adopted update is the same
+kernel on the same bytes, so its results are the bits of the update after backward. What a backward that raised
+started is void: the next backward drops it, and starts nothing ahead itself.
 A step whose updates made ahead were all redone (clipping that scales every step, say) makes none for the next step,
 then for 2, 4, ... up to MAX_REST steps while that goes on (`rested` counts them); a step that adopts one ends it.
 Redone work is not free: it takes the host's memory bandwidth from the copies beside it.
@@ -78,7 +85,9 @@ class Job:
     args: dict[str, Any]  # what native.adam_step was given
     spares: Spares
     done: Future
+    kept: bool  # the worker kept a copy of the gradients (spares.grad) and updated from it
     version: int = -1  # the gradient chunk's version counter when backward ended
+    void: bool = False  # a gradient was written into the group after the update started (the Note)
 
 
 class Ahead:
@@ -97,13 +106,16 @@ class Ahead:
         self.single = False  # the last step had one backward
         self.adopted = 0  # group updates adopted by step()
         self.redone = 0  # made ahead, then redone by step() (something they read changed)
+        self.unkept = 0  # of those, made without a copy of gradients that were written after backward (the Note)
+        self.keep = False  # updates made ahead keep a copy of their gradients (the Note)
+        self.written_after: bool | None = None  # whether step() found gradients written after backward (None: no job)
         self.busy_s = 0.0  # the worker's time on updates (waits for downloads included)
         self.hidden_s = 0.0  # the part of it before backward ended: what overlapped backward
         self.over_budget: set[int] = set()  # groups whose spares Config.host_memory cannot hold
         self.resting = 0  # steps left that make nothing ahead (the Note: after a step whose updates were all redone)
         self.rest = 1  # how many the next rest lasts
         self.rested = 0  # steps that made nothing ahead, resting
-        self.counted = (0, 0)  # (adopted, redone) when this step began
+        self.counted = (0, 0)  # (adopted, redone less unkept) when this step began
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
@@ -120,6 +132,8 @@ class Ahead:
         count = self.overwritten.get(index, 0)
         if accumulated or count < 0:
             self.overwritten[index] = -1  # this group waits for step()
+            if index in self.jobs:  # its update started from gradients this one adds to
+                self.jobs[index].void = True
             return
         self.overwritten[index] = count + 1
         if count + 1 == len(record.group.members):
@@ -145,8 +159,8 @@ class Ahead:
         token = group.grad.read_ahead()
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
-        self.jobs[group.index] = Job(group, args, spares,
-                                     self.worker.submit(self._update, token, grad, inputs, spares, args, threads))
+        done = self.worker.submit(self._update, token, grad, inputs, spares, args, threads, self.keep)
+        self.jobs[group.index] = Job(group, args, spares, done, self.keep)
 
     def _allowed(self, group: ChunkGroup) -> bool:
         runtime = self.runtime
@@ -182,15 +196,16 @@ class Ahead:
         return spares
 
     def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
-                args: dict[str, Any], threads: int) -> tuple[float, float]:
-        """On the worker: wait for the gradients to land, copy them, update into the spares. Returns when it
-        started and ended (time.perf_counter)."""
+                args: dict[str, Any], threads: int, keep: bool) -> tuple[float, float]:
+        """On the worker: wait for the gradients to land, copy them if `keep`, update into the spares. Returns when
+        it started and ended (time.perf_counter)."""
         start = time.perf_counter()
         if token is not None:
             self.runtime.device.wait_landed(token)
-        spares.grad.copy_(grad)
+        if keep:
+            grad = spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
-        native.adam_step(master, spares.grad, exp_avg, exp_avg_sq, spares.param,
+        native.adam_step(master, grad, exp_avg, exp_avg_sq, spares.param,
                          into=(spares.master, spares.exp_avg, spares.exp_avg_sq), threads=threads, **args)
         return start, time.perf_counter()
 
@@ -215,8 +230,11 @@ class Ahead:
             return False
         job.done.result()  # done unless its backward failed before it ended
         spares = job.spares
-        if job.args != args or (grad._version != job.version and not torch.equal(grad, spares.grad)):
+        written = grad._version != job.version
+        self.written_after = bool(self.written_after) or written
+        if job.void or job.args != args or (written and not (job.kept and torch.equal(grad, spares.grad))):
             self.redone += 1
+            self.unkept += written and not job.kept
             return False
         spares.master = group.master.swap_host(spares.master)
         spares.exp_avg = group.chunks["exp_avg"].swap_host(spares.exp_avg)
@@ -231,8 +249,11 @@ class Ahead:
         self.jobs.clear()
         self.overwritten.clear()
         self.single, self.backwards, self.task = self.backwards == 1, 0, None
-        adopted, redone = self.adopted - self.counted[0], self.redone - self.counted[1]
-        self.counted = (self.adopted, self.redone)
+        if self.written_after is not None:  # copies of the gradients are kept next step if they were written
+            self.keep, self.written_after = self.written_after, None
+        # Updates redone for want of a copy of gradients are no sign that the next step's would be.
+        adopted, redone = self.adopted - self.counted[0], (self.redone - self.unkept) - self.counted[1]
+        self.counted = (self.adopted, self.redone - self.unkept)
         if self.resting:
             self.resting -= 1
             self.rested += 1

@@ -711,6 +711,7 @@ class Runtime:
         stats["ahead_adopted"] = self.ahead.adopted if self.ahead is not None else 0
         stats["ahead_redone"] = self.ahead.redone if self.ahead is not None else 0
         stats["ahead_rested"] = self.ahead.rested if self.ahead is not None else 0
+        stats["ahead_unkept"] = self.ahead.unkept if self.ahead is not None else 0
         stats.update(self.device.host_pool.stats())
         if self.host_cache is not None:
             stats.update(self.host_cache.stats())

@@ -195,12 +195,12 @@ class _Replay:
         return sum(self.sizes[c] for c in event.chunks)
 
 
-def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False) -> Predicted:
+def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grads: bool = False) -> Predicted:
     """Replay `recorded` at `speeds` (the Note above). `overlap`: a streamed group's host update runs on a thread of
     its own as soon as its gradients have landed, while backward goes on, into spare buffers that the optimizer's
     step adopts (Config.overlap_update, runtime/ahead.py, when nothing makes step() redo it: no clipping that scales,
-    no overflow); it first keeps a copy of the gradients, to tell whether the step may adopt the update, and its
-    parameters go up once the step has adopted it, after backward."""
+    no overflow); its parameters go up once the step has adopted it, after backward. `copy_grads`: it first keeps a copy
+    of the gradients (ahead.py does in a loop that writes them between backward and step(): torch's clip_grad_norm_)."""
     replay = _Replay(recorded, speeds)
     deferred: list[int] = []  # streamed groups updating on their own thread (`overlap`)
     steady = {id(event): chunks for event, chunks in steady_chunks(recorded.events, replay.groups, recorded.homes)}
@@ -237,7 +237,7 @@ def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False) -> Predic
         group = replay.groups[index]
         seconds = replay.update_bytes(index) / speeds.host_update
         replay.host_update_s += seconds
-        kept = 2 * replay.sizes[group.grad] / speeds.host_update  # the copy of its gradients, read and written
+        kept = 2 * replay.sizes[group.grad] / speeds.host_update if copy_grads else 0.0  # read and written
         end = replay.run("update", replay.group_landed.get(index, replay.landed), kept + seconds)
         replay.ready[group.param] = replay.copy("h2d", group.param, max(end, backward_end))
         ends["optim"] = max(ends["optim"], replay.ready[group.param])

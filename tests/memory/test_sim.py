@@ -211,3 +211,19 @@ def test_a_storage_that_dies_while_the_checker_forgets_takes_its_hazards_with_it
     checker.forget(done)
     assert not addresses & set(checker.hazards), "a dead storage's hazards are gone, not put back"
     dev.wait(token)
+
+
+def test_an_in_place_foreach_op_moves_version_counters_under_the_simulations_modes_as_it_does_without():
+    """Under a dispatch mode torch leaves them as they were; the simulation's modes move them as a CUDA run (no
+    mode) does, so a change made through `_foreach_mul_` (torch's clip_grad_norm_) is seen (runtime/ahead.py)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack(), "the suite runs the simulation's modes (conftest)"
+    flat = torch.zeros(8)
+    views = [flat[:4], flat[4:]]
+    before = flat._version
+    torch._foreach_mul_(views, 2.0)
+    assert flat._version > before
+    before = flat._version
+    torch._foreach_mul(views, 2.0)
+    assert flat._version == before, "an op that writes nothing moves nothing"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from chunkmem.memory import native
-from chunkmem.memory.sim import SimulatedDevice
+from chunkmem.memory import native, sim
+from chunkmem.memory.sim import HazardError, SimulatedDevice
 from tests import zoo
 from tests.helpers import gpt2_batches, gpt2_loss, least_accepted, param_bytes, prepared, tiny_gpt2, train
 
@@ -72,13 +72,29 @@ def test_clipping_is_exact_adopted_where_it_changed_no_byte_redone_where_it_did(
     assert_same(ahead, run(model, budget, False, batches, clip=clip))
     counts = ahead[2].runtime.ahead
     assert (counts.adopted > 0, counts.redone > 0) == (adopted, not adopted)
-    # A step whose updates made ahead were all redone makes none in the next (step 3 of 4 here).
-    assert counts.rested == (0 if adopted else 1)
+    if adopted:  # the model's clip_grad_norm_ left the host gradients unwritten: no copy of them was needed
+        assert counts.unkept == 0 and not counts.keep
+    else:  # step 2's were redone for want of a copy, step 3's with one: step 4 makes none
+        assert counts.unkept > 0 and counts.rested == 1
+
+
+def test_torch_clipping_by_one_has_updates_keep_a_copy_of_their_gradients_and_adopts_them(gpt2) -> None:
+    def edit(i: int, model: nn.Module, opt) -> None:  # writes every gradient, multiplied by 1
+        nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+
+    model, _, budget = gpt2
+    batches = gpt2_batches(5)
+    ahead = edited(model, budget, True, batches, edit)
+    assert_same(ahead, edited(model, budget, False, batches, edit))
+    counts = ahead[2].runtime.ahead
+    # Step 2 made its updates without a copy and redoes them; steps 3-5 keep copies and adopt theirs.
+    assert counts.redone == counts.unkept > 0 and counts.adopted > 0 and counts.rested == 0 and counts.keep
+    assert ahead[2].runtime.memory_stats()["ahead_unkept"] == counts.unkept
 
 
 def test_after_a_step_whose_updates_were_all_redone_the_next_makes_none_and_then_they_are_adopted_again(gpt2) -> None:
     def edit(i: int, model: nn.Module, opt) -> None:
-        if i == 1:  # the first step with updates made ahead: all of them are redone
+        if i in (1, 2):  # the first steps with updates made ahead: all of them are redone (without a copy, with one)
             for param in model.parameters():
                 if param.grad is not None:
                     param.grad.mul_(0.5)
@@ -88,7 +104,7 @@ def test_after_a_step_whose_updates_were_all_redone_the_next_makes_none_and_then
     ahead = edited(model, budget, True, batches, edit)
     assert_same(ahead, edited(model, budget, False, batches, edit))
     counts = ahead[2].runtime.ahead
-    assert counts.rested == 1 and counts.redone > 0 and counts.adopted > 0, "steps 4-6 adopt theirs again"
+    assert counts.rested == 1 and counts.redone > counts.unkept > 0 and counts.adopted > 0, "steps 5-6 adopt again"
     assert ahead[2].runtime.memory_stats()["ahead_rested"] == 1
 
 
@@ -144,13 +160,18 @@ def test_an_fp16_step_skipped_for_an_overflow_adopts_nothing_and_keeps_the_bits(
     assert runtime.ahead.adopted > 0 and runtime.ahead.redone == 0
 
 
-def test_a_worker_that_reads_gradients_before_their_downloads_land_gives_other_bits(
-        gpt2, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The simulation's downloads land only when the host learns of them (CHUNKMEM_SIM_LANDING=wait): a worker that
-    skipped its wait would update from the gradients of the step before. So the suite would catch it."""
+def test_a_worker_that_reads_gradients_before_their_downloads_land_is_caught(gpt2,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker sees the kernel read gradient bytes whose downloads may still be in flight. Without it, the
+    simulation's downloads land only when the host learns of them (CHUNKMEM_SIM_LANDING=wait): a worker that skipped
+    its wait would update from the gradients of the step before, and give other bits. So the suite would catch it."""
     model, batches, budget = gpt2
     right = run(model, budget, True, batches)
     monkeypatch.setattr(SimulatedDevice, "wait_landed", lambda self, token: None)
+    if sim._active is not None:
+        with pytest.raises(HazardError, match="native adam_step reads .* download of grad"):
+            run(model, budget, True, batches)
+    monkeypatch.setattr(sim, "check_unseen", lambda *args: None)
     wrong = run(model, budget, True, batches)
     assert right[0][:2] == wrong[0][:2], "the first steps take no update ahead"
     assert any(not torch.equal(right[1][k], v) for k, v in wrong[1].items())

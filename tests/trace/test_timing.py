@@ -57,10 +57,10 @@ def test_a_streamed_group_waits_for_its_gradient_updates_on_the_host_and_sends_i
     assert got.bound(2e-3, speeds) == pytest.approx(3e-3)  # the host update alone
 
 
-def test_host_updates_overlapping_backward_start_as_their_gradients_land_and_keep_a_copy_of_them_first() -> None:
+def test_host_updates_overlapping_backward_start_as_their_gradients_land_copying_them_first_where_asked() -> None:
     """`overlap` (issue 36's speculative update, predicted): each streamed group updates on a thread of its own once
-    its gradients have landed, in the order they land, copying them first (read and written: 2 ms here); its
-    parameters go up once backward has ended (the step adopts the update)."""
+    its gradients have landed, in the order they land, with `copy_grads` copying them first (read and written: 2 ms
+    here); its parameters go up once backward has ended (the step adopts the update)."""
     groups = [GroupChunks(i, f"p{i}", f"g{i}", (f"m{i}",), nbytes=4 * MB, streamed=MB) for i in (0, 1)]
     sizes = {name: MB for i in (0, 1) for name in (f"p{i}", f"g{i}")} | {"m0": 2 * MB, "m1": 2 * MB}
     events = [Event("use", ("p1",), -1, 0), Event("grad", ("g1",), 1, 0), Event("use", ("p0",), -1, 0),
@@ -73,8 +73,10 @@ def test_host_updates_overlapping_backward_start_as_their_gradients_land_and_kee
     # 5 ms per module's backward; g1 down 5-6 ms, g0 10-11; after backward: g0 updates 11-15, p0 up 15-16, g1 15-19,
     # p1 up 19-20.
     assert after.step_s == pytest.approx(20e-3)
-    during = predict(recorded, speeds, overlap=True)
+    during = predict(recorded, speeds, overlap=True, copy_grads=True)
     # g1 copied and updated 6-12, p1 up 12-13 (backward ended at 10); g0 (landed at 11) 12-18, p0 up 18-19.
     assert during.step_s == pytest.approx(19e-3)
+    # Without copies: g1 updated 6-10, p1 up 10-11; g0 11-15, p0 up 15-16.
+    assert predict(recorded, speeds, overlap=True).step_s == pytest.approx(16e-3)
     assert during.host_update_s == after.host_update_s == pytest.approx(8e-3), "the copies are not the update"
     assert (during.h2d_bytes, during.d2h_bytes) == (after.h2d_bytes, after.d2h_bytes) == (2 * MB, 2 * MB)
