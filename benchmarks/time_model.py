@@ -172,9 +172,13 @@ def main() -> None:
             rows.append(_row(f"{name}, homes by time", got) | {"bound s": bound})
         if budget is not None and args.chunk_sizes:
             for size in chunk_size_bands(named, besides=chunk):
-                got = predict(record(model, ids, budget, size // NARROW ** 2 + 1), speed)
+                sized = record(model, ids, budget, size // NARROW ** 2 + 1)
+                got = predict(sized, speed)
                 bound = round(got.bound(measured["plain"][0], speed), 3)
                 rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M", got) | {"bound s": bound})
+                if args.overlap:
+                    rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M, overlapped", predict(sized, speed, overlap=True))
+                                | {"bound s": bound})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"

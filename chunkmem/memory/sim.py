@@ -118,6 +118,10 @@ class SimulatedDevice:
                                              before_free=self.synchronize)
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
+        # Per thread, the newest copy of each stream that thread waited for (`wait_landed`): it, and nobody else,
+        # may touch what that copy and the earlier ones on its stream wrote, as a CUDA thread that synchronized on an
+        # event may.
+        self._waited = threading.local()
         self._ids = itertools.count(1)
         self._in_flight: list[Copy] = []  # not landed yet, oldest first
         landing = landing if landing is not None else os.environ.get("CHUNKMEM_SIM_LANDING", "background")
@@ -222,6 +226,8 @@ class SimulatedDevice:
         copy = _copy(token)
         while copy.land is not None:
             time.sleep(LANDING_POLL_S)
+        waited = self._waited.__dict__.setdefault("ids", dict.fromkeys(STREAMS, 0))
+        waited[copy.stream] = max(waited[copy.stream], copy.id)
 
     def discard(self, token: object) -> None:
         """The copy's result will not be read: it lands whenever it lands, and no access races with it."""
@@ -310,9 +316,10 @@ class SimulatedDevice:
         self._in_flight = [c for c in self._in_flight if c.land is not None]
 
     def knows(self, copy: Copy, side: str) -> bool:
-        """Whether `side` ("device": compute, which also learns what the host learns; "host") knows
-        that `copy` has landed."""
-        if self.host_knows[copy.stream] >= copy.id:
+        """Whether `side` ("device": compute, which also learns what the host learns; "host": the host, or the thread
+        asking, if it waited for the copy) knows that `copy` has landed."""
+        waited = self._waited.__dict__.get("ids")
+        if self.host_knows[copy.stream] >= copy.id or (waited is not None and waited[copy.stream] >= copy.id):
             return True
         return side == "device" and self.compute_knows[copy.stream] >= copy.id
 

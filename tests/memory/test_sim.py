@@ -93,6 +93,38 @@ def test_a_download_lands_when_the_host_waits_and_guards_both_ends():
     device.fill_(1.0)
 
 
+def test_a_thread_that_waited_for_a_download_may_read_what_it_wrote_and_the_host_still_may_not():
+    """Device.wait_landed (a worker beside the host: runtime/ahead.py) teaches the waiting thread alone, as a CUDA
+    thread that synchronized on the copy's event; the native kernel's reads are checked as ATen ops are."""
+    import threading
+
+    dev = SimulatedDevice(landing="random:0")
+    host = dev.host_alloc(8, torch.float32).zero_()
+    token = dev.download(dev.alloc(8, torch.float32).fill_(5.0), host, "grad.2")
+    read: list[BaseException | None] = []
+
+    def worker(wait: bool) -> None:
+        try:
+            if wait:
+                dev.wait_landed(token)
+            sim.check_unseen("the native adam_step", [host], [])
+            read.append(None)
+        except HazardError as error:
+            read.append(error)
+
+    for wait in (False, True):
+        thread = threading.Thread(target=worker, args=(wait,))
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.01)
+            dev.alloc(1, torch.float32)  # the device goes on: copies land at random moments
+    assert isinstance(read[0], HazardError) and read[1] is None
+    with pytest.raises(HazardError, match=r"host op .* reads .* download of grad\.2 .*wait_host"):
+        host.sum()
+    dev.wait_host(token)
+    assert torch.equal(host, torch.full((8,), 5.0))
+
+
 def test_only_overlapping_bytes_conflict():
     dev = SimulatedDevice()
     host = dev.host_alloc(16, torch.float32).zero_()
