@@ -177,8 +177,8 @@ def main() -> None:
                 bound = round(got.bound(measured["plain"][0], speed), 3)
                 rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M", got) | {"bound s": bound})
                 if args.overlap:
-                    rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M, overlapped", predict(sized, speed, overlap=True))
-                                | {"bound s": bound})
+                    overlapped = predict(sized, speed, overlap=True)
+                    rows.append(_row(f"{name}, chunk {size / 1e6:.0f}M, overlapped", overlapped) | {"bound s": bound})
     for row in rows:
         seen = measured.get(row["run"])
         row["measured s"] = round(seen[0], 4) if seen else "-"

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
@@ -104,6 +105,20 @@ class ChunkRef:
 
 
 LAZY_ROOM, LAZY_ROOM_MAX = 0.02, 256 << 20  # Runtime.outside's room for what loads lazily: a share, at most
+
+
+def _grad_sizes() -> list[int]:
+    """The bytes of each gradient the running backward node makes (those its next nodes take in, as autograd
+    recorded them); none outside a node."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return []
+    sizes = []
+    for function, index in node.next_functions:
+        if function is not None:
+            meta = function._input_metadata[index]
+            sizes.append(math.prod(meta.shape) * meta.dtype.itemsize)
+    return sizes
 
 
 class Runtime:
@@ -359,28 +374,35 @@ class Runtime:
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
 
     def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
-        """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates their gradient
-        next, and an allocation of autograd's cannot be retried once it fails. So where the allocator may lack room
-        for it, chunks nothing uses leave (`_room_for`). With none left to leave, where no hole holds it either (the
-        cap less the live tensors is smaller, or a block of its size is refused), the op is certain to fail, and a
-        MemoryBudgetError names the bytes rather than the allocator's error from inside autograd; else the op goes
-        on. Cheap unless the allocator may hold that much: `nonmodel` (the reading just made) and the arena bound
-        what it holds. A block is taken for the gradient only as that last resort: reserved and given back before
-        every such op (Residency.reserve), it drew the op's other blocks into its hole, and Phi, which trained,
-        failed. Room for the gradient of the op's input too (a block of `largest_block`) made chunks leave that
-        then found no room to come back (Phi at 10% of its model data, with coarse chunks)."""
+        """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates the gradients of its
+        inputs next (that parameter's and an activation's, as autograd's node says: `_grad_sizes`), and an allocation
+        of autograd's cannot be retried once it fails. So where the allocator may lack room for them, chunks nothing
+        uses leave (`_room_for`). With none left to leave, where no hole holds them either (the cap less the live
+        tensors is smaller, or blocks of their sizes are refused), the op is certain to fail, and a MemoryBudgetError
+        names the bytes rather than the allocator's error from inside autograd; else the op goes on. Cheap unless the
+        allocator may hold that much: `nonmodel` (the reading just made) and the arena bound what it holds, and the
+        largest block non-model data took bounds the activation's gradient. Blocks are taken for the gradients only
+        as that last resort: reserved and given back before every such op (Residency.reserve), they drew the op's
+        other blocks into their holes, and Phi, which trained, failed. Room for a block of `largest_block` beside the
+        parameter's gradient, rather than the node's own sizes, made chunks leave that then found no room to come
+        back (Phi at 10% of its model data, with coarse chunks); room for the parameter's alone left LLaMA and
+        Mistral in fp32 at 2% of their model data to die of the allocator's error on the activation's gradient."""
         group = self.store.group_of(chunk)
-        sizes = [numel * chunk.dtype.itemsize]
+        sizes = [numel * chunk.dtype.itemsize, self.largest_block]
         if group is None or not group.trainable or self.shards is not None or \
                 nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
             return
+        sizes = _grad_sizes() or sizes[:1]
+        if nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
+            return
         room = self._room_for(sizes, chunk)
-        if room is not None and not (room[1] >= sizes[0] and self._allocates(numel, chunk.dtype)):
+        if room is not None and not (room[1] >= sum(sizes) and self._allocates(sizes)):
             raise MemoryBudgetError(
-                f"backward needs {sizes[0]} bytes on the device for a gradient of parameters in {chunk.name}, but with "
-                f"{chunk.name} itself ({chunk.nbytes} bytes) the only chunk left there, the allocator has no block for "
-                f"it under Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB): the tensors there "
-                f"leave {room[1]} bytes of what it may take, {room[0]} of them beyond the holes between them: "
+                f"backward needs {sum(sizes)} bytes on the device for the gradients of an op on parameters in "
+                f"{chunk.name} (blocks of {', '.join(map(str, sizes))} bytes), but with {chunk.name} itself "
+                f"({chunk.nbytes} bytes) the only chunk left there, the allocator has no blocks for them under "
+                f"Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB): the tensors there leave "
+                f"{room[1]} bytes of what it may take, {room[0]} of them beyond the holes between them: "
                 f"{ACTIVATION_FIXES}, or lower Config.chunk_size")
 
     def _segments(self, sizes: list[int]) -> int:
@@ -417,11 +439,11 @@ class Runtime:
             if keep is not None:
                 keep.pins -= 1
 
-    def _allocates(self, numel: int, dtype: torch.dtype) -> bool:
-        """Whether the allocator has a block for `numel` elements of `dtype` now (one is taken and given back: the
+    def _allocates(self, sizes: list[int]) -> bool:
+        """Whether the allocator has blocks of these byte sizes now, all at once (they are taken and given back: the
         last resort of `_room_for_grad`, where only the holes between live blocks are left, and only it knows them)."""
         try:
-            self.device.alloc(numel, dtype)
+            [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in sizes]
         except torch.OutOfMemoryError:
             return False
         return True
