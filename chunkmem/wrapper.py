@@ -181,8 +181,7 @@ class ChunkedModel(nn.Module):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # Host gradients need the coefficient on the host anyway. Multiplied by 1 they keep every bit, so they are
         # left unwritten: an update made ahead from them stays adoptable (runtime/ahead.py's Note).
-        on_host = [g for g in grads if g.device.type == "cpu"]
-        scales_host = bool(on_host) and coef.item() != 1.0
+        scales_host = any(g.device.type == "cpu" for g in grads) and coef.item() != 1.0
         for grad in grads:
             if grad.device.type != "cpu" or scales_host:
                 grad.mul_(coef.to(grad.device))

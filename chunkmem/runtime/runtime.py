@@ -443,9 +443,10 @@ class Runtime:
         """Whether the allocator has blocks of these byte sizes now, all at once (they are taken and given back: the
         last resort of `_room_for_grad`, where only the holes between live blocks are left, and only it knows them)."""
         try:
-            [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in sizes]
+            blocks = [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in sizes]
         except torch.OutOfMemoryError:
             return False
+        del blocks  # given back together
         return True
 
     # -- resident steps and lean forwards (the Notes on them) ------------------------------------------------------

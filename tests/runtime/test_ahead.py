@@ -140,6 +140,37 @@ def test_a_new_learning_rate_or_an_edited_gradient_between_backward_and_step_is_
     assert ahead[2].runtime.ahead.redone > 0 and ahead[2].runtime.ahead.adopted > 0
 
 
+def test_a_gradient_written_into_a_group_after_its_update_started_voids_that_update(gpt2) -> None:
+    """Late in backward (the embedding's output gradient), backward tells the worker that a gradient was added into
+    a group whose update already started: that update is redone by step(), not adopted."""
+    voided: list[int] = []
+
+    def late(grad: torch.Tensor, cm: nn.Module) -> None:
+        ahead = cm.runtime.ahead
+        if ahead is not None and ahead.jobs and not voided:
+            index = next(iter(ahead.jobs))
+            record = next(r for r in cm.runtime.store.records.values() if r.group.index == index)
+            ahead.written(record, True)
+            voided.append(index)
+
+    def hooked(model: nn.Module, budget: int, overlap: bool) -> tuple:
+        cm, opt = prepared(model, ADAMW, device_memory=budget, overlap_update=overlap, **NATIVE)
+
+        def embedded(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+            if out.requires_grad:
+                out.register_hook(lambda grad: late(grad, cm))
+
+        cm.module.transformer.wte.register_forward_hook(embedded)
+        losses = train(cm, opt, batches, gpt2_loss)
+        return losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm
+
+    model, batches, budget = gpt2
+    ahead = hooked(model, budget, True)
+    assert_same(ahead, hooked(model, budget, False))
+    counts = ahead[2].runtime.ahead
+    assert voided and counts.redone == 1 and counts.unkept == 0 and counts.adopted > 0
+
+
 def test_accumulated_gradients_start_nothing_ahead(gpt2) -> None:
     model, batches, budget = gpt2
     ahead = run(model, budget, True, batches * 2, accumulate=2)
