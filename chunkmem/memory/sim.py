@@ -226,7 +226,9 @@ class SimulatedDevice:
         copy = _copy(token)
         while copy.land is not None:
             time.sleep(LANDING_POLL_S)
-        waited = self._waited.__dict__.setdefault("ids", dict.fromkeys(STREAMS, 0))
+        waited = getattr(self._waited, "ids", None)
+        if waited is None:
+            waited = self._waited.ids = dict.fromkeys(STREAMS, 0)
         waited[copy.stream] = max(waited[copy.stream], copy.id)
 
     def discard(self, token: object) -> None:
@@ -318,7 +320,7 @@ class SimulatedDevice:
     def knows(self, copy: Copy, side: str) -> bool:
         """Whether `side` ("device": compute, which also learns what the host learns; "host": the host, or the thread
         asking, if it waited for the copy) knows that `copy` has landed."""
-        waited = self._waited.__dict__.get("ids")
+        waited = getattr(self._waited, "ids", None)
         if self.host_knows[copy.stream] >= copy.id or (waited is not None and waited[copy.stream] >= copy.id):
             return True
         return side == "device" and self.compute_knows[copy.stream] >= copy.id

@@ -234,7 +234,8 @@ class Ahead:
         self.written_after = bool(self.written_after) or written
         if job.void or job.args != args or (written and not (job.kept and torch.equal(grad, spares.grad))):
             self.redone += 1
-            self.unkept += written and not job.kept
+            if written and not job.kept:
+                self.unkept += 1
             return False
         spares.master = group.master.swap_host(spares.master)
         spares.exp_avg = group.chunks["exp_avg"].swap_host(spares.exp_avg)
