@@ -52,3 +52,14 @@ def test_the_reserved_memory_checks_worker_holds_its_budget_in_the_simulation(si
     figures = selftest.budget_worker(fraction, "cpu")
     assert figures["oom_fallbacks"] == 0 and figures["h2d_bytes"] > 0, "it trains, and chunks move"
     assert 0.5 < selftest.reserved_over_budget(figures) <= 1.0, figures
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_the_parity_checks_budgets_train_and_stream_in_the_simulation(sim_memory, fraction):
+    # The lent H200 ran out of memory here at 0.5: a 1 MiB block took a 20 MiB segment the budget had no room for.
+    sim_memory(1)
+    reference, data = selftest.parity_setup()
+    cm, losses = selftest.parity_run(reference, fraction, "cpu", data)
+    stats = cm.memory_stats()
+    assert len(losses) == len(data) and stats["oom_fallbacks"] == 0
+    assert stats["lean_forwards"] > 0 and stats["h2d_bytes"] > 0, "it streams"
