@@ -233,7 +233,8 @@ def parity_setup() -> tuple[nn.Module, list]:
     return mlp(1024, 8), batches(1024, 32, 4)
 
 
-def parity_run(reference: nn.Module, fraction: float | None, device: str, data: list) -> tuple[nn.Module, list[float]]:
+def parity_run(reference: nn.Module, fraction: float | None, device: str,
+               data: list) -> tuple[chunkmem.ChunkedModel, list[float]]:
     """check_parity's run of a copy of `reference` on `device` with room for `fraction` of its model data (None: no
     budget), and its losses. The room has a large segment more than the share: a chunk or a weight's gradient of 1 to
     10 MiB (this model's are 4 MiB) takes one of 20 MiB, which budget_for's small segments do not cover (the lent
