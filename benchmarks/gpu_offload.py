@@ -114,6 +114,7 @@ def run_chunkmem(device: str, budget: int | None, steps: int, shape: str | None,
         if worker is not None:  # the share of the worker's host updates that ran before backward ended
             busy = worker.busy_s - worked[0]
             got["ahead_hidden_share"] = (worker.hidden_s - worked[1]) / busy if busy else None
+            got["ahead_busy_s"] = busy / timed_steps  # a step's: its updates, and its waits for their downloads
     except torch.OutOfMemoryError as error:  # what the budgets issue saw: accepted, then out of memory
         got = {"error": str(error)[:300], "where": traceback.format_exc(limit=-4)[-1500:]}
     stats, placer, memory = cm.memory_stats(), cm.runtime.placer, getattr(cm.runtime.device, "memory", None)
@@ -276,7 +277,8 @@ def _row(name: str, budget: int, got: dict[str, Any], plain: dict[str, Any] | No
         row["note"] = f"holds {got['holds'] / 2**30:.1f} GiB"
     if got.get("ahead_hidden_share") is not None:
         row["note"] = (f"ahead: {got['ahead_adopted']} adopted, {got['ahead_redone']} redone, "
-                       f"{got['ahead_rested']} steps rested, {got['ahead_hidden_share']:.0%} before backward ended")
+                       f"{got['ahead_rested']} steps rested, {got['ahead_busy_s'] * 1000:.0f} ms a step, "
+                       f"{got['ahead_hidden_share']:.0%} before backward ended")
     return row
 
 

@@ -33,9 +33,17 @@ first backward after a step that had one backward (with accumulation, every grou
 buffers cost host memory: 16 bytes per parameter of the groups updated ahead (fp32 master and states, and
 a low-precision copy of the gradient and of the parameter). They count against Config.host_memory like chunks: a
 group whose spares would take host memory past it is updated in `step()`, as without this option, and one
-warning says so (the pool would otherwise hand them out as pageable memory beyond the budget). The kernel's
-OpenMP team leaves one of torch's threads to the thread that runs backward (on a GPU it launches the kernels the
-GPU waits for); not yet measured on a GPU machine.
+warning says so (the pool would otherwise hand them out as pageable memory beyond the budget).
+
+[Note: the worker's threads]
+On the lent H200 (1.16B LLaMA, half its model data) updates made ahead on 15 of 16 threads made the step slower,
+0.437 s against 0.335. The backward stage, which ends waiting for the worker, took 272 ms against 83; with 51% of
+the worker's time before backward ended and the update alone taking 150 ms, backward itself took 139 to 199 ms.
+The thread that launches backward's kernels, the copy engine's and the OpenMP team shared 16 cores;
+benchmarks/host_threads.py, in the same run, saw a launching thread keep 46% of its rate beside a team of 15 and
+74% beside one of 8 (the team's update at 110 and 72 GB/s). So while backward runs an update takes half of
+torch's threads, and once backward has ended and the host waits for the worker, all of them. Not yet measured on
+a GPU: benchmarks/gpu_session.sh's 0.5+ahead row will say whether it pays.
 """
 
 from __future__ import annotations
@@ -116,6 +124,7 @@ class Ahead:
         self.rest = 1  # how many the next rest lasts
         self.rested = 0  # steps that made nothing ahead, resting
         self.counted = (0, 0)  # (adopted, redone less unkept) when this step began
+        self.joined = False  # backward ended and the host waits for the worker (the Note on the worker's threads)
 
     def written(self, record: ParamRecord, accumulated: bool) -> None:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
@@ -124,7 +133,7 @@ class Ahead:
             if self.task is not None:  # the one before did not end: it raised, and what it started is void
                 self.backwards += 1
                 self.jobs.clear()  # (the worker runs them out in turn, before any job that reuses their spares)
-            self.task = task
+            self.task, self.joined = task, False
             self.overwritten.clear()
         if self.backwards or not self.single or self.resting:
             return
@@ -149,7 +158,6 @@ class Ahead:
         if param_group is None or not optimizer.steps_adam:
             return
         args = optimizer.adam_args(group.members, param_group, self.inv_scale())
-        threads = max(1, torch.get_num_threads() - 1)  # a core left to the thread that runs backward
         chunks = [group.master, *(group.chunks[k] for k in STATES)]
         if not all(_settled(c) for c in chunks):
             return
@@ -159,7 +167,7 @@ class Ahead:
         token = group.grad.read_ahead()
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
-        done = self.worker.submit(self._update, token, grad, inputs, spares, args, threads, self.keep)
+        done = self.worker.submit(self._update, token, grad, inputs, spares, args, self.keep)
         self.jobs[group.index] = Job(group, args, spares, done, self.keep)
 
     def _allowed(self, group: ChunkGroup) -> bool:
@@ -196,12 +204,14 @@ class Ahead:
         return spares
 
     def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
-                args: dict[str, Any], threads: int, keep: bool) -> tuple[float, float]:
-        """On the worker: wait for the gradients to land, copy them if `keep`, update into the spares. Returns when
-        it started and ended (time.perf_counter)."""
+                args: dict[str, Any], keep: bool) -> tuple[float, float]:
+        """On the worker: wait for the gradients to land, copy them if `keep`, update into the spares, on half of
+        torch's threads while backward runs and all of them once the host waits for the worker (the Note on the
+        worker's threads). Returns when it started and ended (time.perf_counter)."""
         start = time.perf_counter()
         if token is not None:
             self.runtime.device.wait_landed(token)
+        threads = torch.get_num_threads() if self.joined else max(1, torch.get_num_threads() // 2)
         if keep:
             grad = spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
@@ -213,6 +223,7 @@ class Ahead:
         """Backward ended: the host learns the gradients' downloads landed, as its own reads would (in the simulation
         they may land only then), joins the worker, and notes each gradient chunk's version."""
         self.backwards += 1
+        self.joined = True
         end = time.perf_counter()
         for job in self.jobs.values():
             job.version = self.runtime.residency.to_host(job.group.grad)._version

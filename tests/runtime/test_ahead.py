@@ -171,6 +171,36 @@ def test_a_gradient_written_into_a_group_after_its_update_started_voids_that_upd
     assert voided and counts.redone == 1 and counts.unkept == 0 and counts.adopted > 0
 
 
+def test_updates_take_half_the_threads_while_backward_runs_and_all_once_the_host_waits(gpt2, monkeypatch) -> None:
+    """Late in backward the test waits for the updates started so far, so that some run while backward does."""
+    calls: list[tuple[int, bool]] = []  # each worker update's team, and whether backward had ended
+    kernel = native.adam_step
+
+    def recorded(*args, threads: int = 0, **kwargs):
+        calls.append((threads, cm.runtime.ahead.joined))
+        return kernel(*args, threads=threads, **kwargs)
+
+    def late(grad: torch.Tensor) -> None:
+        cm.runtime.device.synchronize()  # the gradients' downloads land (the simulation's `wait` landing: once known)
+        for job in list(cm.runtime.ahead.jobs.values()):
+            job.done.result()
+
+    model, batches, budget = gpt2
+    cm, opt = prepared(model, ADAMW, device_memory=budget, overlap_update=True, **NATIVE)
+
+    def embedded(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.requires_grad:
+            out.register_hook(late)
+
+    cm.module.transformer.wte.register_forward_hook(embedded)
+    monkeypatch.setattr(native, "adam_step", recorded)
+    train(cm, opt, batches, gpt2_loss)
+    full = torch.get_num_threads()
+    ahead = [threads for threads, joined in calls if threads and not joined]
+    assert ahead and all(threads == max(1, full // 2) for threads in ahead), calls
+    assert all(threads == full for threads, joined in calls if threads and joined), calls
+
+
 def test_accumulated_gradients_start_nothing_ahead(gpt2) -> None:
     model, batches, budget = gpt2
     ahead = run(model, budget, True, batches * 2, accumulate=2)
