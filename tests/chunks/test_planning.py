@@ -76,16 +76,21 @@ def _cost(events, groups, sizes, limit, homes) -> int:
     return step_cost(Step.of(events, groups, homes, sizes, limit), groups, sizes)
 
 
-@pytest.mark.parametrize("peak,homed", [(35, 2), (40, 1)])
-def test_homes_fit_when_their_chunks_and_gradients_fit_the_one_budget_the_activation_peak_leaves(peak, homed):
-    # Activations peak at the end of forward; the budget is what that peak leaves at every access (planning's Note
-    # on one budget a step). Both groups' kept chunks (40) and, in backward, their gradient chunks (20) must fit it.
+@pytest.mark.parametrize("peak,one_budget,homed", [(35, True, 2), (50, False, 2), (55, False, 1)])
+def test_every_group_is_homed_where_all_chunks_fit_beside_each_accesss_non_model_data(peak, one_budget, homed):
+    # Activations peak at the end of forward, then go as backward writes the gradient chunks (planning's Note on a
+    # step that holds everything). Both groups' kept chunks (40), with a chunk (10) to spare, fit beside a peak of
+    # 50 though not the one budget a step (100 - 50 - 5 = 45 for 40 and, in backward, 20 of gradients). At 55 they
+    # do not: the one budget (40) holds one group's chunks and gradient.
     groups = [group(0), group(1)]
     events, sizes = training_step(groups, nonmodel=0, peak=peak), sizes_of(groups)
-    limit = 100  # 100 - 35 - 5 = 60 for chunks: 40 + 20 fit; 100 - 40 - 5 = 55: they do not, one group does
+    limit = 100
     by_index = {g.index: g for g in groups}
-    assert fits(Step.of(events, by_index, {0, 1}, sizes, limit), by_index, sizes) == (homed == 2)
-    assert len(decide_homes(events, groups, sizes, limit).homes) == homed
+    assert fits(Step.of(events, by_index, {0, 1}, sizes, limit), by_index, sizes) == one_budget
+    step = decide_homes(events, groups, sizes, limit)
+    assert len(step.homes) == homed
+    if homed == 2:
+        assert min(step.budgets) == sum(sizes.values()), "all homed: the plan moves nothing"
 
 
 def test_chunks_held_around_an_access_count_in_its_budget_and_stay_resident():
