@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # One pass of everything the CUDA issues ask a lent GPU for, in one call of at most 8 minutes, on a machine whose
 # python3 has a CUDA build of torch and transformers: the machine's facts, the native parts' build, the speed and
-# budgets table of the 1.16B LLaMA (benchmarks/gpu_offload.py: plain, chunkmem at 50/25/100/10% of the model data
-# and without a budget, at 50% with host updates made ahead, at 25% with homes chosen by bytes alone against the
-# default's by time, FSDP2's CPU offload and chunkmem in the memory FSDP2 held; each chunkmem row with its
-# out-of-memory fallbacks and the bytes the device held against its budget), the same for a launch-bound LLaMA,
-# the gpu-marked tests, the host update's speed by thread count (benchmarks/host_threads.py) and `chunkmem selftest`,
-# the parts that matter most first. Each part runs in processes of its
-# own under its own time limit, so a crash or a hang ends that part only: a test that kills pytest is noted and the
-# tests after it run in a fresh pytest. status.txt (each part's exit status) and parts.tgz (each part's log and
-# JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the parts
-# done) go to $OUT.
+# budgets table of the 1.16B LLaMA (benchmarks/gpu_offload.py: plain, chunkmem at 100/50/25/10% of the model data
+# and without a budget, at 50% with host updates made ahead, FSDP2's CPU offload and chunkmem in the memory FSDP2
+# held, as far as the part's limit goes; each chunkmem row with its out-of-memory fallbacks and the bytes the device
+# held against its budget), the gpu-marked tests, the self-test's checks the last run did not see pass, and the
+# same table for a launch-bound LLaMA, the parts that matter most first (the host update's speed by thread count,
+# benchmarks/host_threads.py, measured in run 5, is skipped unless THREADS_S is given). Each part runs in processes
+# of its own under its own time limit, so a crash or a hang ends that part only: a test that kills pytest is noted
+# and the tests after it run in a fresh pytest. status.txt (each part's exit status) and parts.tgz (each part's log
+# and JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the
+# parts done) go to $OUT.
 # Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, THREADS_S, SELFTEST_S,
-# TINY_S; at most 520 s in all; a limit of 0 skips the part. A second call can run fewer rows and checks: SHARES (gpu_offload's
-# --shares), SELFTEST_ONLY (check names, comma-separated).
-# Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s. The lent machine has
-# no pytest-timeout and no network: unpack its wheel into build/gpu-pkgs here (pip download pytest-timeout --no-deps;
-# python -m zipfile -e <wheel> build/gpu-pkgs), carry that folder and put it on PYTHONPATH.
+# TINY_S; at most 520 s in all with the machine's 30; a limit of 0 skips the part. Rows and checks: SHARES
+# (gpu_offload's --shares), SELFTEST_ONLY (check names, comma-separated; empty: every check).
+# Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s. The lent H200's
+# image has pytest-timeout (2026-12); where a machine has none, unpack its wheel into build/gpu-pkgs here (pip
+# download pytest-timeout --no-deps; python -m zipfile -e <wheel> build/gpu-pkgs), carry that folder and put it on
+# PYTHONPATH. A machine kept warm between calls keeps the build: a second call can set BUILD_S=30.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -41,16 +42,16 @@ part machine 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version
   python3 -c "import os, sys, torch, transformers; print(sys.version.split()[0], torch.__version__, \"cuda\",
   torch.version.cuda, \"transformers\", transformers.__version__, torch.cuda.get_device_name(), os.cpu_count(),
   \"cpus\")"'
-part build "${BUILD_S:-100}" python3 -c 'from chunkmem.memory import native
+part build "${BUILD_S:-90}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
-part offload "${OFFLOAD_S:-200}" python3 -m benchmarks.gpu_offload --steps 4 \
-  --shares "${SHARES:-0.5,0.5+ahead,0.25,0.25+bytes,1.0,0.1,none}" --json "$logs/gpu_offload.json"
+part offload "${OFFLOAD_S:-190}" python3 -m benchmarks.gpu_offload --steps 4 \
+  --shares "${SHARES:-1.0,0.5+ahead,0.5,0.25,0.1,none}" --json "$logs/gpu_offload.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
 # stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
-deadline=$(($(date +%s) + ${TESTS_S:-80}))
+deadline=$(($(date +%s) + ${TESTS_S:-110}))
 deselect=()
 # Each failure's reason printed as it happens (pytest prints them at the end, which a time limit cuts off), and no
 # test longer than 100 s (the sanitizer's runs take longest) where pytest-timeout is installed.
@@ -68,10 +69,12 @@ for round in 1 2 3 4; do
 done
 
 # Issue 36's host threads: the native update's speed by OpenMP team size, alone and beside a launching thread.
-part host_threads "${THREADS_S:-20}" python3 -m benchmarks.host_threads --json "$logs/host_threads.json"
+part host_threads "${THREADS_S:-0}" python3 -m benchmarks.host_threads --json "$logs/host_threads.json"
 
-IFS=, read -ra only <<<"${SELFTEST_ONLY:-}"  # check names, comma-separated; none: every check
-part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \
+# Check names, comma-separated (empty: every check); by default those the last run did not see pass.
+unseen="cuda vs plain and simulation,reserved memory vs budget,nccl,copy/compute overlap"
+IFS=, read -ra only <<<"${SELFTEST_ONLY-$unseen}"
+part selftest "${SELFTEST_S:-60}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \
   ${only[@]:+--only "${only[@]}"}
 part offload_tiny "${TINY_S:-40}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
   --json "$logs/gpu_offload_tiny.json"

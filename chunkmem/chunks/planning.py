@@ -29,7 +29,8 @@ makes; benchmarks/time_model.py --homes-by-time compares them.
 [Note: a step that holds everything]
 Where every group's chunks fit beside the non-model data of each access of the recorded step (gradient chunks from
 their first write, as backward frees the activations they replace) with SAFETY_FRACTION of the non-model peak to
-spare, and at least the largest chunk, every group is homed and nothing moves: the steps after run resident
+spare, at least the largest chunk, and what an earlier step held beyond this record (or the room a fallback asked
+for), every group is homed and nothing moves: the steps after run resident
 (placement's Note on resident steps), like a run without a budget. The one budget a step (below), with its margin
 of SAFETY_FRACTION of the whole budget, did not leave that room: the 1.16B LLaMA on the lent H200, at a budget of
 its model data and 1.15 times plain PyTorch's activation peak (30.3 GB; the run without a budget held 28.8),
@@ -252,8 +253,9 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
     everything = frozenset(by_index) - frozenset(streamed)
     if not streamed and everything:
         whole = step(everything)
-        top = max(max(whole.nonmodel, default=0), peak)
-        spare = max(int(top * SAFETY_FRACTION), max(sizes.values()))
+        recorded = max(whole.nonmodel, default=0)
+        top = max(recorded, peak)  # an earlier step's more (or room left after a fallback) raises every access's
+        spare = top - recorded + max(int(top * SAFETY_FRACTION), max(sizes.values()))
         if fits(whole, by_index, sizes, [limit - nonmodel - spare for nonmodel in whole.nonmodel]):
             # Everything fits beside the non-model data of each access (the Note on a step that holds everything).
             return dataclasses.replace(whole, budgets=[max(b, sum(sizes.values())) for b in whole.budgets])
