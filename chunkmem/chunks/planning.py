@@ -30,12 +30,11 @@ makes; benchmarks/time_model.py --homes-by-time compares them.
 Where every group's chunks fit beside the non-model data of each access of the recorded step (gradient chunks from
 their first write, as backward frees the activations they replace) with SAFETY_FRACTION of the non-model peak to
 spare, at least the largest chunk, and what an earlier step held beyond this record (or the room a fallback asked
-for), every group is homed and nothing moves: the steps after run resident
-(placement's Note on resident steps), like a run without a budget. The one budget a step (below), with its margin
-of SAFETY_FRACTION of the whole budget, did not leave that room: the 1.16B LLaMA on the lent H200, at a budget of
-its model data and 1.15 times plain PyTorch's activation peak (30.3 GB; the run without a budget held 28.8),
-streamed two groups, at 1.89 times plain's step against 0.90 without a budget. A step that holds more non-model
-data than its record gives way as any does.
+for), every group is homed and nothing moves: the steps after run resident (placement's Note on resident steps),
+like a run without a budget. The one budget a step (below), with its margin of SAFETY_FRACTION of the whole budget,
+did not leave that room: the 1.16B LLaMA on the lent H200, at a budget of its model data and 1.15 times plain
+PyTorch's activation peak (30.3 GB; the run without a budget held 28.8), streamed two groups, at 1.89 times plain's
+step against 0.90 without a budget. A step that holds more non-model data than its record gives way as any does.
 
 [Note: update scratch]
 A low-precision group homed on the device updates there, over its packed range at once, and the update allocates
