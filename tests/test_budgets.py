@@ -457,6 +457,15 @@ def test_an_fp32_run_whose_temporaries_find_no_room_at_once_updates_in_slices_as
     assert stats["update_runs_split"] > 0
 
 
+@pytest.mark.slow
+def test_an_fp32_run_updated_one_tensor_at_a_time_finds_its_temporaries_in_the_blocks_reserved(sim_memory):
+    """ResNet (BatchNorm) in fp32 at its whole model data (benchmarks/budget_sweep.py --shares 1.0): the run stepping
+    together on the device at the end of step 0 reserved two blocks of its largest parameter, and torch's
+    single-tensor Adam, in one call, kept a 32-element denominator alive in one of them while the next parameter's
+    two temporaries needed both: CUDA's out-of-memory error in the optimizer. A parameter per call fits."""
+    trains_as_plain(zoo.by_name("resnet"), 1.0, sim_memory)
+
+
 def train_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list) -> list[float]:
     losses = []
     for batch in batches:

@@ -130,18 +130,25 @@ def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[
                 part: int | None = None) -> list[int]:
     """The blocks (bytes) torch.optim allocates on the device updating `params` of param group `group` in one call:
     none fused; with foreach, a temporary of each parameter at once; else two at a time, each parameter's size: two
-    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class).
-    With `part`, contiguous parameters update in slices of at most that many elements (`Together.update`)."""
-    fused, foreach = group.get("fused"), group.get("foreach")
-    if fused is None and foreach is None:
-        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class), a
+    call per parameter (`ChunkOptimizer._reserve_run`: in one call over several, a third stays alive). With `part`,
+    contiguous parameters update in slices of at most that many elements (`Together.update`)."""
     sizes = [(p.numel() if part is None or not p.is_contiguous() else min(part, p.numel())) * p.element_size()
              for p in params]
-    if fused or foreach:
-        return [] if fused else sizes
+    if not single_tensor(group, params):
+        return [] if group.get("fused") else sizes
     small = segment_for(1)
     largest = {segment_for(n) == small: n for n in sorted(sizes)}  # the largest of each pool, last written
     return [n for n in largest.values() for _ in range(2)]
+
+
+def single_tensor(group: dict, params: list[torch.Tensor]) -> bool:
+    """Whether torch.optim updates `params` of param group `group` one at a time (neither fused nor foreach, as
+    set or by torch's default for where they are)."""
+    fused, foreach = group.get("fused"), group.get("foreach")
+    if fused is None and foreach is None:
+        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return not (fused or foreach)
 
 
 def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
@@ -455,13 +462,16 @@ class ChunkOptimizer(Optimizer):
         error, the run's parameters as they were."""
         segment_for, residency = self.runtime.device.segment_for, self.runtime.residency
         runs = [(group, params) for group, params, *_ in together.lists.values()]
+        largest = part = max(p.numel() for _, params in runs for p in params)
         try:
             residency.reserve([n for group, params in runs for n in run_scratch(group, params, segment_for)],
                               together.chunks)
-            return None
+            # torch's single-tensor loop keeps a parameter's last temporary alive while the next one allocates
+            # its two: in one call, three blocks, in whatever holes the two reserved leave (the budget sweep's
+            # ResNet at its whole model data ran out so); a call per parameter frees all of them in between.
+            return largest if any(single_tensor(group, params) for group, params in runs) else None
         except torch.OutOfMemoryError:
             pass
-        largest = part = max(p.numel() for _, params in runs for p in params)
         while True:
             one = max((run_scratch(group, [p], segment_for, part) for group, params in runs for p in params), key=sum)
             try:  # chunks give way for the largest parameter's; its slices try the room left
