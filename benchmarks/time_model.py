@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import chunkmem
 from benchmarks.common import table, write_json
 from chunkmem.chunks.layout import chunk_size_bands, search_chunk_size
 from chunkmem.trace import timing
-from chunkmem.trace.timing import Predicted, Recorded, Speeds, predict
+from chunkmem.trace.timing import Cores, Predicted, Recorded, Speeds, predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NARROW = 8  # the recorded model's width divisor; parameters and chunks shrink by NARROW ** 2
@@ -55,17 +56,34 @@ def h200() -> tuple[dict[str, tuple[float, ...]], float, float]:
     """The lent H200's table (benchmarks/results/gpu_session_h200.json, each row from the latest run that has it)
     as MEASURED is the H100's; the latest run's copy bandwidth (the benchmark's pinned 256 MiB copy, the slower way);
     its host update speed (the native kernel timed on every group, in the 10% row, where all of them updated on the
-    host)."""
+    host). Its "50% ahead" row ran updates made ahead on 15 of its 16 threads."""
     runs = json.loads((RESULTS / "gpu_session_h200.json").read_text())["runs"]
     rows = {r["run"]: r["raw"] for run in runs for r in run["offload"]["rows"] if "stages" in r["raw"]}
     measured = {}
-    for name, row in (("plain", "plain"), ("no budget", "none"), ("50%", "50%"), ("25%", "25%"), ("10%", "10%")):
+    for name, row in (("plain", "plain"), ("no budget", "none"), ("50%", "50%"), ("25%", "25%"), ("10%", "10%"),
+                      (f"50%, overlapped, {H200_THREADS - 1} threads", "50% ahead")):
         if row not in rows:  # each row from the latest run that has it
             continue
         stages = rows[row]["stages"]
         measured[name] = (sum(stages.values()), stages["fwd"], stages["bwd"], stages["optim"])
     model_data = runs[0]["offload"]["plain"]["model_data"]
     return measured, runs[-1]["offload"]["bandwidth"], model_data / rows["10%"]["host_update_s"]
+
+
+H200_THREADS = 16
+
+
+def h200_cores(backward_team: int, team: int) -> Cores:
+    """The lent H200's cores (timing's Note on contention), from the latest run that measured them: plain PyTorch's
+    own host time per stage (the launch-bound 20-layer LLaMA, plain's row), and the host update's speed and a
+    launching thread's kept rate by team size (benchmarks/host_threads.py)."""
+    runs = json.loads((RESULTS / "gpu_session_h200.json").read_text())["runs"]
+    tiny = [r["raw"]["stages"] for run in runs if "offload_tiny" in run for r in run["offload_tiny"]["rows"]
+            if r["run"] == "plain" and "stages" in r.get("raw", {})]
+    threads = next(run["host_threads"] for run in reversed(runs) if "host_threads" in run)
+    return Cores(plain_host=tiny[-1], update={r["threads"]: r["GB/s alone"] * 1e9 for r in threads},
+                 kept={r["threads"]: float(r["launches kept"].rstrip("%")) / 100 for r in threads},
+                 backward_team=backward_team, team=team)
 
 
 LAUNCH = "overhead_launch_bound_llama20_as_cuda.json"  # the host time per stage the table's code took
@@ -145,10 +163,11 @@ def main() -> None:
     activations = max((e.nonmodel for e in probe.events), default=0)
     h2d, d2h, host_update = speeds()
     table_host, host = host_times(), host_times(args.launch)  # the code the table measured (for the fit); predicted
-    measured = MEASURED
-    if args.against == "h200":
+    measured, cores, old_cores = MEASURED, None, None
+    if args.against == "h200":  # its cores: updates made ahead on half its threads while backward runs, as now
         measured, bandwidth, host_update = h200()
         h2d = d2h = bandwidth
+        cores, old_cores = h200_cores(H200_THREADS // 2, H200_THREADS), h200_cores(H200_THREADS - 1, H200_THREADS - 1)
     plain = {"fwd": measured["plain"][1], "bwd": measured["plain"][2]}
     update_bytes = data * probe.scale  # every chunk: parameters, gradients, master, states
     fitted = update_bytes / max(1e-9, measured["no budget"][3] - table_host["fits"]["optim"])
@@ -161,11 +180,14 @@ def main() -> None:
         recorded = probe if budget is None else record(model, ids, budget, small_chunk)
         name = "no budget" if budget is None else f"{float(share):.0%}"
         launch = host["fits"] if budget is None else host.get(name, host["25%"])  # 10%: the smallest measured
-        speed = Speeds(h2d, d2h, host_update, fitted, plain, launch)
+        speed = Speeds(h2d, d2h, host_update, fitted, plain, launch, cores)
         got = predict(recorded, speed)
         rows.append(_row(name, got) | {"bound s": round(got.bound(measured["plain"][0], speed), 3)})
         if budget is not None and args.overlap:
             rows.append(_row(f"{name}, overlapped", predict(recorded, speed, overlap=True)) | {"bound s": "-"})
+            if old_cores is not None:  # as the H200 ran it (b0466b6): 15 of its 16 threads throughout
+                old = predict(recorded, dataclasses.replace(speed, cores=old_cores), overlap=True)
+                rows.append(_row(f"{name}, overlapped, {old_cores.team} threads", old) | {"bound s": "-"})
             copied = predict(recorded, speed, overlap=True, copy_grads=True)
             rows.append(_row(f"{name}, overlapped, gradients copied", copied) | {"bound s": "-"})
         if budget is not None and args.homes_by_time:

@@ -257,7 +257,8 @@ def decide_homes(events: Sequence[Event], groups: Sequence[GroupChunks], sizes: 
         spare = top - recorded + max(int(top * SAFETY_FRACTION), max(sizes.values()))
         if fits(whole, by_index, sizes, [limit - nonmodel - spare for nonmodel in whole.nonmodel]):
             # Everything fits beside the non-model data of each access (the Note on a step that holds everything).
-            return dataclasses.replace(whole, budgets=[max(b, sum(sizes.values())) for b in whole.budgets])
+            held = sum(sizes.values())
+            return dataclasses.replace(whole, budgets=[max(b, held) for b in whole.budgets])
     if feasible(everything) and moved(everything) == passes * sum(by_index[i].streamed for i in streamed):
         return step(everything)  # all home and nothing else moves: no homes do better (nor is a search quick)
     seeds = [frozenset(), _greedy(groups, sizes, feasible)]

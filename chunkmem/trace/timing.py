@@ -16,6 +16,14 @@ the stage it ran in) and the plan it follows:
 Prefetches are issued one access ahead, as the placer does. The model knows nothing of the caching allocator's
 out-of-memory fallbacks: a step that needs them is slower than it says.
 
+With updates made ahead (`overlap`), the host update runs on a team of OpenMP threads while the host launches
+backward's kernels, and they share the cores: the lent H200's backward took 139-199 ms beside a team of 15 of its
+16 threads, against 83 ms without (runtime/ahead.py's Note on the worker's threads). Given `Speeds.cores`, the host
+also issues plain PyTorch's own launches (its launch-bound step), an update runs at its team's measured speed, and
+a host event issued while a team runs takes 1 / (the share of its rate a launching thread kept beside a team that
+size) as long: measured by benchmarks/host_threads.py. The team's busy times depend on when backward's gradients
+land, which the slower host delays, so the replay runs again over the last pass's busy times until they settle.
+
 `record` runs a step of a prepared model under its plan and keeps what the replay needs; a model recorded narrower
 than the one predicted (the same layers, hidden sizes divided by n: chunks n**2 smaller) replays at the full
 model's bytes with `scale` n**2 (benchmarks/time_model.py, `chunkmem plan --simulate`).
@@ -48,6 +56,24 @@ class Speeds:
     device_update: float  # the same on the device, for homed groups
     compute: dict[str, float]  # seconds of kernels per stage in the plain step ("fwd", "bwd")
     host: dict[str, float]  # seconds of host work chunkmem adds per stage and step
+    cores: Cores | None = None  # how the host's cores are shared with updates made ahead; None: not at all
+
+
+@dataclasses.dataclass(frozen=True)
+class Cores:
+    """The host's cores as a step with updates made ahead shares them (the Note above): measured speeds by team
+    size (threads of the host update's OpenMP team)."""
+
+    plain_host: dict[str, float]  # seconds of plain PyTorch's own host work per stage, launch-bound
+    update: dict[int, float]  # team size -> the host update's bytes per second
+    kept: dict[int, float]  # team size -> share of its rate a thread launching small ops keeps beside it
+    backward_team: int  # threads updating while backward runs
+    team: int  # threads updating once it has ended
+
+    @staticmethod
+    def at(measured: dict[int, float], team: int) -> float:
+        """The figure measured at the team size nearest `team`."""
+        return measured[min(measured, key=lambda n: (abs(n - team), n))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,13 +221,26 @@ class _Replay:
         return sum(self.sizes[c] for c in event.chunks)
 
 
+CONTENTION_PASSES = 4  # replays over the last pass's team busy times (the Note): the H200's table settles in 2
+
+
 def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grads: bool = False) -> Predicted:
     """Replay `recorded` at `speeds` (the Note above). `overlap`: a streamed group's host update runs on a thread of
     its own as soon as its gradients have landed, while backward goes on, into spare buffers that the optimizer's
     step adopts (Config.overlap_update, runtime/ahead.py, when nothing makes step() redo it: no clipping that scales,
     no overflow); its parameters go up once the step has adopted it, after backward. `copy_grads`: it first keeps a copy
     of the gradients (ahead.py does in a loop that writes them between backward and step(): torch's clip_grad_norm_)."""
-    replay = _Replay(recorded, speeds)
+    got, teams = _replayed(recorded, speeds, overlap, copy_grads, [])
+    for _ in range(CONTENTION_PASSES if overlap and speeds.cores is not None else 0):
+        got, teams = _replayed(recorded, speeds, overlap, copy_grads, teams)
+    return got
+
+
+def _replayed(recorded: Recorded, speeds: Speeds, overlap: bool, copy_grads: bool,
+              teams: list[tuple[float, float, int]]) -> tuple[Predicted, list[tuple[float, float, int]]]:
+    """One replay (`predict`), its host slowed where `teams` (start, end, threads) ran updates in the pass before;
+    with the teams this one ran."""
+    replay, cores = _Replay(recorded, speeds), speeds.cores
     deferred: list[int] = []  # streamed groups updating on their own thread (`overlap`)
     steady = {id(event): chunks for event, chunks in steady_chunks(recorded.events, replay.groups, recorded.homes)}
     per_stage = {stage: sum(1 for x in recorded.stages if x == stage) for stage in STAGES}
@@ -211,7 +250,10 @@ def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grad
         actions.setdefault(action.at, {}).setdefault(action.verb, []).append(action.chunk)
     index, ends = 0, dict.fromkeys(STAGES, 0.0)
     for event, stage in zip(recorded.events, recorded.stages):
-        issued = replay.run("host", 0.0, speeds.host.get(stage, 0.0) / max(1, per_stage[stage]))
+        cost = speeds.host.get(stage, 0.0) + (cores.plain_host.get(stage, 0.0) if cores is not None else 0.0)
+        beside = [n for a, b, n in teams if a <= replay.free["host"] < b]
+        slowed = Cores.at(cores.kept, beside[0]) if cores is not None and beside else 1.0
+        issued = replay.run("host", 0.0, cost / max(1, per_stage[stage]) / slowed)
         chunks = steady.get(id(event))
         if chunks is not None:  # on the device, as the plan places it
             prefetch = actions.get(index + 1, {}).get("prefetch", [])
@@ -232,13 +274,14 @@ def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grad
             end = replay.run("host", replay.landed, seconds)
             replay.ready[group.param] = replay.copy("h2d", group.param, end)
             ends[stage] = max(ends[stage], replay.ready[group.param])
-    backward_end = ends["bwd"]
+    backward_end, ran = ends["bwd"], list[tuple[float, float, int]]()
     for index in sorted(deferred, key=lambda i: replay.group_landed.get(i, replay.landed)):
         group = replay.groups[index]
-        seconds = replay.update_bytes(index) / speeds.host_update
-        replay.host_update_s += seconds
-        kept = 2 * replay.sizes[group.grad] / speeds.host_update if copy_grads else 0.0  # read and written
-        end = replay.run("update", replay.group_landed.get(index, replay.landed), kept + seconds)
+        replay.host_update_s += replay.update_bytes(index) / speeds.host_update
+        kept = 2 * replay.sizes[group.grad] if copy_grads else 0.0  # read and written
+        start = max(replay.free["update"], replay.group_landed.get(index, replay.landed))
+        end = replay.run("update", start, _team_seconds(replay.update_bytes(index) + kept, start, backward_end,
+                                                         speeds, ran))
         replay.ready[group.param] = replay.copy("h2d", group.param, max(end, backward_end))
         ends["optim"] = max(ends["optim"], replay.ready[group.param])
     step = max(replay.free.values())
@@ -251,7 +294,23 @@ def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grad
     copy_s = sum(b - a for a, b in copies)
     hidden = sum(_overlap(interval, replay.busy["compute"]) for interval in copies)
     return Predicted(step, stage_s, replay.moved["h2d"], replay.moved["d2h"], copy_s,
-                     hidden / copy_s if copy_s else 1.0, replay.host_update_s)
+                     hidden / copy_s if copy_s else 1.0, replay.host_update_s), ran
+
+
+def _team_seconds(nbytes: float, start: float, backward_end: float, speeds: Speeds,
+                  ran: list[tuple[float, float, int]]) -> float:
+    """How long an update of `nbytes` made ahead from `start` takes: without `speeds.cores`, at the host update's
+    speed; with them, at the backward team's until backward ends, then at the whole team's; each team's time is
+    added to `ran`."""
+    cores = speeds.cores
+    if cores is None:
+        return nbytes / speeds.host_update
+    slow, fast = Cores.at(cores.update, cores.backward_team), Cores.at(cores.update, cores.team)
+    early = min(nbytes, max(0.0, backward_end - start) * slow)
+    late_start = start + early / slow
+    ran.append((start, late_start, cores.backward_team))
+    ran.append((late_start, late_start + (nbytes - early) / fast, cores.team))
+    return early / slow + (nbytes - early) / fast
 
 
 def _overlap(interval: tuple[float, float], busy: list[tuple[float, float]]) -> float:
