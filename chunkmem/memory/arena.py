@@ -18,6 +18,12 @@ What that costs on a GPU: each release frees the allocator's other wholly free s
 (torch.cuda.empty_cache), and cudaFree waits for the device; it happens only where a step's plan lowers the chunk
 budget below the slots held, a few times a step at small budgets (not measured on a GPU yet).
 
+Before a plan reserves them (`reserve`: the warm-up), slots are taken as chunks first come, while activations come
+and go: a new slot, under a budget, first empties the cache too, or it is carved out of a segment an activation
+left, and the rest of that segment is a hole only a smaller block fits. Coarse ResNet in bf16 at its whole model
+data (budget_sweep.py --shares 1.0) was refused in its warm-up's optimizer step so: its bf16 chunks had taken halves
+of fp32-sized segments, and its fp32 chunks found only those halves. Once a slot, in the warm-up alone.
+
 Why not a private torch.cuda.MemPool: its free blocks are never released while the pool lives (not at the
 allocator's cap, not by empty_cache), so chunk memory could not shrink for activations; and a block freed
 while its eviction's copy still runs is not reused until the copy ends, so the pool grows by a chunk at every
@@ -64,6 +70,7 @@ class SlotArena:
         self.footprint = 0  # bytes of every slot held, in use or free
         self.peak = 0
         self.allocations = 0  # slots allocated from the device
+        self.planned = False  # a plan reserved the slots (`reserve`): until then they are taken as chunks come
 
     def take(self, numel: int, dtype: torch.dtype) -> Taken:
         """A payload of `numel` x `dtype` from a free slot, or from a new one; free slots of other sizes go back
@@ -74,6 +81,8 @@ class SlotArena:
             room = self.room
             if room is not None:
                 self._release(lambda held: held + nbytes > room, keep=nbytes)
+            if not self.planned and self.device.capped():  # apart from the segments activations left (the Note)
+                self.device.empty_cache()
             slot = self._new(nbytes)
         self._used[slot.base.data_ptr()] = slot
         return Taken(slot.base.view(dtype), slot.last_copy)
@@ -87,6 +96,7 @@ class SlotArena:
     def reserve(self, slots: dict[int, int]) -> None:
         """Hold `slots[bytes]` slots of each size, no other free ones, allocated now: called when a plan is made and
         no activation is alive, so that the slots lie apart from the next step's activations (the Note)."""
+        self.planned = True
         for nbytes, queue in self._free.items():
             wanted = max(0, slots.get(nbytes, 0) - self._in_use(nbytes))
             while len(queue) > wanted:
