@@ -221,7 +221,7 @@ class _Replay:
         return sum(self.sizes[c] for c in event.chunks)
 
 
-CONTENTION_PASSES = 4  # replays over the last pass's team busy times (the Note): the H200's table settles in 2
+CONTENTION_PASSES = 4  # most replays over the last pass's team busy times (the Note), until the step stays
 
 
 def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grads: bool = False) -> Predicted:
@@ -232,7 +232,10 @@ def predict(recorded: Recorded, speeds: Speeds, overlap: bool = False, copy_grad
     of the gradients (ahead.py does in a loop that writes them between backward and step(): torch's clip_grad_norm_)."""
     got, teams = _replayed(recorded, speeds, overlap, copy_grads, [])
     for _ in range(CONTENTION_PASSES if overlap and speeds.cores is not None else 0):
+        before = got.step_s
         got, teams = _replayed(recorded, speeds, overlap, copy_grads, teams)
+        if got.step_s == before:
+            break
     return got
 
 
