@@ -527,8 +527,8 @@ class ChunkOptimizer(Optimizer):
         for cut in _same_step_slices(used, part, counter):
             wide = _widened(grads if part >= used else _pieces(grads, cut.start, cut.stop), inv_scale)
             self.rule.update(group, [master[cut]], [wide], {k: [flat[cut]] for k, flat in states.items()}, [counter])
-        for record in members[1:]:
-            self.steps[record].copy_(counter)
+        if len(members) > 1:
+            torch._foreach_copy_([self.steps[r] for r in members[1:]], [counter] * (len(members) - 1))
 
     def uniform(self, chunk_group: ChunkGroup, members: list[ParamRecord],
                  group_of: dict[ParamRecord, dict]) -> dict | None:
@@ -569,8 +569,7 @@ class ChunkOptimizer(Optimizer):
             native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
                             dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
                             **common)
-        for record in members:
-            self.steps[record] += 1
+        torch._foreach_add_([self.steps[r] for r in members], 1)
         self.native_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
