@@ -35,12 +35,27 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
 MiB = 1 << 20
 T = TypeVar("T")
+
+
+class Room(NamedTuple):
+    """An allocator's room under its cap (Device.allocation_room). `sure`: the cap less what it holds (live blocks and
+    the holes between them), which one new segment gets whatever the holes: wholly free cached segments count, as
+    the allocator releases them at its cap. `most`: the cap less the live blocks alone, more than which no request
+    gets. `fresh`: the cap less all it reserves, cached segments included: what new segments get with none released.
+    Several allocations are certain only within `fresh`, or within `sure` once the cached segments are released: a
+    block smaller than a cached segment is carved out of it, which is then neither free nor released, and a larger
+    one that counted on it finds no room (Phi in fp32 at 3% of its model data: a weight gradient of 16 KiB after its
+    input's of 2 KiB, in a cached segment of 17 KiB)."""
+
+    sure: int
+    most: int
+    fresh: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +216,10 @@ class CachingAllocator:
         plus inactive_split bytes)."""
         return self.reserved - self.releasable
 
-    def room(self) -> tuple[int, int] | None:
-        """(sure, most): the cap less what is `held` (a new segment that size is certain) and less the live blocks
-        alone (what no request exceeds); wholly free segments count, released at the cap. None without a cap."""
+    def room(self) -> Room | None:
+        """Room for allocations now (Room's fields); None without a cap."""
         return self._changing(lambda: None if self.allowed is None else
-                              (self.allowed - self.held, self.allowed - self.allocated))
+                              Room(self.allowed - self.held, self.allowed - self.allocated, self.allowed - self.reserved))
 
     def take_reading(self) -> tuple[int, int]:
         """The most `held` since the last call (temporaries between two readings included) and the largest block

@@ -25,7 +25,7 @@ import torch
 
 from chunkmem.config import parse_size
 from chunkmem.memory import native
-from chunkmem.memory.allocator import Sizes
+from chunkmem.memory.allocator import Room, Sizes
 from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.gpu_memory import allocator_fraction, held_bytes
 from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
@@ -105,12 +105,10 @@ class Device(Protocol):
         since; None where the simulation does not model it."""
         ...
 
-    def allocation_room(self) -> tuple[int, int] | None:
-        """(sure, most) for one allocation now: `sure`, the allocator's cap less what it holds (live blocks and the
-        holes between them: memory_reading's figure), which a new segment gets whatever the holes; `most`, the cap
-        less the live blocks alone, more than which nothing gets (a hole fits a request, or does not). Wholly free
-        cached segments count as room: the allocator releases them at its cap. None without a cap, or where the
-        simulation does not model one."""
+    def allocation_room(self) -> Room | None:
+        """The caching allocator's room now (allocator.Room: `sure` for one allocation, its `held` being
+        memory_reading's figure; `fresh` for several). None without a cap, or where the simulation does not model
+        one."""
         ...
 
     def empty_cache(self) -> None: ...
@@ -271,13 +269,13 @@ class CudaDevice:
     def holds(self, tensor: torch.Tensor) -> int:
         return 0  # a copy keeps no tensor alive: record_stream keeps the allocator from reusing its blocks
 
-    def allocation_room(self) -> tuple[int, int] | None:
+    def allocation_room(self) -> Room | None:
         index = self.torch_device.index
         if not self.capped():
             return None
         cap = int(torch.cuda.get_per_process_memory_fraction(index) * self.total_bytes())  # as the allocator checks
         held = self.engine_module.held_bytes(index) if self.engine_module is not None else held_bytes(self.torch_device)
-        return cap - held, cap - torch.cuda.memory_allocated(index)
+        return Room(cap - held, cap - torch.cuda.memory_allocated(index), cap - torch.cuda.memory_reserved(index))
 
     def memory_reading(self) -> tuple[int, int]:
         engine, index = self.engine_module, self.torch_device.index

@@ -51,6 +51,7 @@ import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from chunkmem.memory.allocator import Room
 from chunkmem.memory.arena import SlotArena
 from chunkmem.memory.hostpool import HostPool, PlainAllocator
 from chunkmem.memory.landing import CopyThread, idle_priority_available
@@ -164,7 +165,7 @@ class SimulatedDevice:
         block it handed out since (None: not modelled as a budget, CHUNKMEM_SIM_MEMORY=0 or places)."""
         return self.allocator.take_reading() if self.allocator is not None else None
 
-    def allocation_room(self) -> tuple[int, int] | None:
+    def allocation_room(self) -> Room | None:
         return self.allocator.room() if self.allocator is not None else None
 
     def segment_for(self, nbytes: int) -> int:

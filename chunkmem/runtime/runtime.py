@@ -74,6 +74,7 @@ from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.config import Config
 from chunkmem.errors import ACTIVATION_FIXES, MemoryBudgetError
+from chunkmem.memory.allocator import Room
 from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
@@ -396,26 +397,26 @@ class Runtime:
         if nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
             return
         room = self._room_for(sizes, chunk)
-        if room is not None and not (room[1] >= sum(sizes) and self._allocates(sizes)):
+        if room is not None and not (room.most >= sum(sizes) and self._allocates(sizes)):
             raise MemoryBudgetError(
                 f"backward needs {sum(sizes)} bytes on the device for the gradients of an op on parameters in "
                 f"{chunk.name} (blocks of {', '.join(map(str, sizes))} bytes), but with {chunk.name} itself "
                 f"({chunk.nbytes} bytes) the only chunk left there, the allocator has no blocks for them under "
                 f"Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB): the tensors there leave "
-                f"{room[1]} bytes of what it may take, {room[0]} of them beyond the holes between them: "
+                f"{room.most} bytes of what it may take, {room.sure} of them beyond the holes between them: "
                 f"{ACTIVATION_FIXES}, or lower Config.chunk_size")
 
     def _segments(self, sizes: list[int]) -> int:
         return sum(max(n, self.device.segment_for(n)) for n in sizes)
 
-    def _room_for(self, sizes: list[int], keep: Chunk | None = None) -> tuple[int, int] | None:
+    def _room_for(self, sizes: list[int], keep: Chunk | None = None) -> Room | None:
         """Chunks nothing uses (but `keep`) leave until new segments for blocks of these byte sizes are certain, or
         a slot that left holds them all (its block goes back to the allocator's pool for their sizes): None. Else,
         with none left to leave, the room there is (Device.allocation_room). Nothing is allocated: blocks taken and
         given back draw an op's other blocks into their holes, and split the segments chunks come back to."""
         need = self._segments(sizes)
         room = self.device.allocation_room()
-        if room is None or room[0] >= need:
+        if room is None or self._certain(room, need, len(sizes) > 1):
             return None
         small = self.device.segment_for(1)  # the small pool's segment
         pools = {self.device.segment_for(n) == small for n in sizes}
@@ -423,7 +424,7 @@ class Runtime:
         if keep is not None:
             keep.pins += 1
         try:
-            while (room := self.device.allocation_room() or (need, need))[0] < need:
+            while (room := self.device.allocation_room()) is not None and not self._certain(room, need, len(sizes) > 1):
                 candidates = [c for c in self.residency.resident.values() if not c.pins]
                 if candidates:
                     self.residency.evict(self.residency.policy.victim(candidates))
@@ -438,6 +439,15 @@ class Runtime:
         finally:
             if keep is not None:
                 keep.pins -= 1
+
+    def _certain(self, room: Room, need: int, several: bool) -> bool:
+        """Whether new segments of `need` bytes in all are certain: for one allocation, within what the allocator
+        holds; for `several`, within what it reserves, else once its wholly free segments are released (Room)."""
+        if room.sure < need:
+            return False
+        if several and room.fresh < need:
+            self.device.empty_cache()
+        return True
 
     def _allocates(self, sizes: list[int]) -> bool:
         """Whether the allocator has blocks of these byte sizes now, all at once (they are taken and given back: the

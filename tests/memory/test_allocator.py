@@ -67,6 +67,27 @@ def test_activations_freed_out_of_order_leave_holes_a_chunk_cannot_use():
     assert len(activations) == 4
 
 
+def test_room_for_several_blocks_is_certain_within_fresh_segments_or_once_the_cache_is_released():
+    # Phi in fp32 at 3% of its model data (budget_sweep.py): a cached free segment counted as room for a weight's
+    # gradient, and the smaller gradient of the op's input, allocated first, was carved out of it.
+    allocator = CachingAllocator(allowed=54 * MiB)
+    live = allocator.malloc(20 * MiB)
+    allocator.free(allocator.malloc(16 * MiB))  # a 16 MiB segment, cached and wholly free
+    need = allocator.sizes.segment(11 * MiB) + allocator.sizes.segment(20 * MiB)  # 12 + 20 MiB
+    room = allocator.room()
+    assert room is not None and (room.sure, room.most, room.fresh) == (34 * MiB, 34 * MiB, 18 * MiB)
+    assert room.fresh < need <= room.sure
+    first = allocator.malloc(11 * MiB)  # best fit: the cached segment, which it splits
+    assert allocator.reserved == 36 * MiB, "carved from the cached segment, which is no longer free"
+    with pytest.raises(torch.OutOfMemoryError):
+        allocator.malloc(20 * MiB)  # 36 + 20 > 54, and nothing is left to release
+    allocator.free(first)
+    allocator.empty_cache()  # released first, the same requests take new segments within `sure`
+    assert allocator.room() == (34 * MiB, 34 * MiB, 34 * MiB)
+    blocks = [allocator.malloc(11 * MiB), allocator.malloc(20 * MiB)]
+    assert allocator.reserved == 20 * MiB + need and live.used and all(b.used for b in blocks)
+
+
 @pytest.fixture
 def memory(sim_memory):
     return sim_memory(1)
