@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from chunkmem.memory.landing import CopyThread, idle_priority_available
+from chunkmem.memory.landing import WAKE_S, CopyThread, idle_priority_available
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 
 pytestmark = pytest.mark.skipif(not idle_priority_available(), reason="no idle scheduling class here (not Linux)")
@@ -58,6 +58,23 @@ def test_copies_land_in_issue_order_without_anyone_waiting():
     settle(copies)
     assert [i for i, _ in log] == list(range(20))
     assert {who for _, who in log} != {threading.get_ident()}, "the copy thread landed them, not this one"
+    thread.close()
+
+
+def test_a_thread_asleep_after_copies_stopped_coming_is_woken_by_the_next_issue():
+    # While copies come the thread wakes on its own every WAKE_S; after IDLE_S without any it sleeps until an
+    # issue wakes it (the Note on waking): a copy issued then must land without anyone waiting for it.
+    log: list[tuple[int, int]] = []
+    thread = CopyThread()
+    first = Fake(0, log)
+    thread.add(first)
+    settle([first])
+    eventually(lambda: thread._queue.asleep, "the thread never went to sleep")
+    time.sleep(3 * WAKE_S)  # asleep, it does not look for copies on its own
+    later = Fake(1, log)
+    thread.add(later)
+    settle([later])
+    assert [i for i, _ in log] == [0, 1] and threading.get_ident() not in {who for _, who in log}
     thread.close()
 
 
