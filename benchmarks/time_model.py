@@ -39,6 +39,7 @@ from chunkmem.trace.timing import Cores, Predicted, Recorded, Speeds, predict
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NARROW = 8  # the recorded model's width divisor; parameters and chunks shrink by NARROW ** 2
+H200_THREADS = 16  # the lent H200's host threads
 MEASURED = {  # the issue's H100 table at 49e1b37: step, forward, backward, optimizer (seconds)
     "plain": (0.122, 0.038, 0.069, 0.015),
     "no budget": (0.178, 0.039, 0.096, 0.043),
@@ -68,9 +69,6 @@ def h200() -> tuple[dict[str, tuple[float, ...]], float, float]:
         measured[name] = (sum(stages.values()), stages["fwd"], stages["bwd"], stages["optim"])
     model_data = runs[0]["offload"]["plain"]["model_data"]
     return measured, runs[-1]["offload"]["bandwidth"], model_data / rows["10%"]["host_update_s"]
-
-
-H200_THREADS = 16
 
 
 def h200_cores(backward_team: int, team: int) -> Cores:

@@ -416,7 +416,7 @@ class Runtime:
         given back draw an op's other blocks into their holes, and split the segments chunks come back to."""
         need = self._segments(sizes)
         room = self.device.allocation_room()
-        if room is None or self._certain(room, need, len(sizes) > 1):
+        if room is None or self._make_certain(room, need, len(sizes) > 1):
             return None
         small = self.device.segment_for(1)  # the small pool's segment
         pools = {self.device.segment_for(n) == small for n in sizes}
@@ -424,7 +424,7 @@ class Runtime:
         if keep is not None:
             keep.pins += 1
         try:
-            while (room := self.device.allocation_room()) is not None and not self._certain(room, need, len(sizes) > 1):
+            while (room := self.device.allocation_room()) is not None and not self._make_certain(room, need, len(sizes) > 1):
                 candidates = [c for c in self.residency.resident.values() if not c.pins]
                 if candidates:
                     self.residency.evict(self.residency.policy.victim(candidates))
@@ -440,9 +440,9 @@ class Runtime:
             if keep is not None:
                 keep.pins -= 1
 
-    def _certain(self, room: Room, need: int, several: bool) -> bool:
+    def _make_certain(self, room: Room, need: int, several: bool) -> bool:
         """Whether new segments of `need` bytes in all are certain: for one allocation, within what the allocator
-        holds; for `several`, within what it reserves, else once its wholly free segments are released (Room)."""
+        holds; for `several`, within what it reserves, or made so by releasing its wholly free segments now (Room)."""
         if room.sure < need:
             return False
         if several and room.fresh < need:

@@ -280,11 +280,11 @@ def _replayed(recorded: Recorded, speeds: Speeds, overlap: bool, copy_grads: boo
     backward_end, ran = ends["bwd"], list[tuple[float, float, int]]()
     for index in sorted(deferred, key=lambda i: replay.group_landed.get(i, replay.landed)):
         group = replay.groups[index]
-        replay.host_update_s += replay.update_bytes(index) / speeds.host_update
-        kept = 2 * replay.sizes[group.grad] if copy_grads else 0.0  # read and written
+        nbytes = replay.update_bytes(index)
+        replay.host_update_s += nbytes / speeds.host_update
+        copied = 2 * replay.sizes[group.grad] if copy_grads else 0.0  # read and written
         start = max(replay.free["update"], replay.group_landed.get(index, replay.landed))
-        end = replay.run("update", start, _team_seconds(replay.update_bytes(index) + kept, start, backward_end,
-                                                         speeds, ran))
+        end = replay.run("update", start, _team_seconds(nbytes + copied, start, backward_end, speeds, ran))
         replay.ready[group.param] = replay.copy("h2d", group.param, max(end, backward_end))
         ends["optim"] = max(ends["optim"], replay.ready[group.param])
     step = max(replay.free.values())
