@@ -19,11 +19,16 @@ parameters view their chunk) when nothing the update read has changed:
   prepared model's own clip_grad_norm_ leaves host gradients unwritten at a coefficient of 1, so a loop that
   clips through it (finetune, the Trainer) keeps none;
 - the arguments of the kernel: hyperparameters, step count, loss scale (an fp16 overflow skips the step, and
-  adopts nothing).
+  adopts nothing);
+- master weights and states: their host payloads and version counters (a checkpoint loaded, weights rolled back).
 Else the group updates as it would have, and `redone` counts it. A gradient written into a group during
 backward after its update started (added to one already written) voids that update. An adopted update is the same
-kernel on the same bytes, so its results are the bits of the update after backward. What a backward that raised
-started is void: the next backward drops it, and starts nothing ahead itself.
+kernel on the same bytes, so its results are the bits of the update after backward. Gradients cleared (`zero_grad`)
+or written by another backward before `step()` (accumulation begun this step, a batch thrown away and another taken)
+drop every update made so far, once done; so does a backward that raised, and the next starts nothing ahead itself.
+Version counters do not see every change of the gradients (the CUDA copy engine's downloads move none), hence these
+rules rather than counters alone. An update that failed on the worker is made by `step()`, and backward raises its
+error once it has ended (the host's state as after any backward).
 A step whose updates made ahead were all redone (clipping that scales every step, say) makes none for the next step,
 then for 2, 4, ... up to MAX_REST steps while that goes on (`rested` counts them); a step that adopts one ends it.
 Redone work is not free: it takes the host's memory bandwidth from the copies beside it.
@@ -94,8 +99,9 @@ class Job:
     spares: Spares
     done: Future
     kept: bool  # the worker kept a copy of the gradients (spares.grad) and updated from it
-    version: int = -1  # the gradient chunk's version counter when backward ended
-    void: bool = False  # a gradient was written into the group after the update started (the Note)
+    inputs: list[tuple[torch.Tensor, int]]  # master's and the states' host payloads, and their version counters
+    version: int = -1  # the gradient chunk's version counter when backward ended (-1: it did not end)
+    void: bool = False  # a gradient was written into the group after the update started, or the update failed
 
 
 class Ahead:
@@ -130,9 +136,10 @@ class Ahead:
         """Backward wrote `record`'s gradient (into a host group's chunk); its group's update may start."""
         task = self.runtime.backward_task
         if task != self.task:  # a new backward
-            if self.task is not None:  # the one before did not end: it raised, and what it started is void
+            if self.task is not None:  # the one before did not end: it raised
                 self.backwards += 1
-                self.jobs.clear()  # (the worker runs them out in turn, before any job that reuses their spares)
+            if self.backwards:  # what a backward before it in this step started read gradients this one changes
+                self.drop()
             self.task, self.joined = task, False
             self.overwritten.clear()
         if self.backwards or not self.single or self.resting:
@@ -154,6 +161,8 @@ class Ahead:
             return
         if self.group_of is None:
             self.group_of = optimizer.group_of()
+        if any(r not in self.group_of for r in group.members):  # some parameters are not the optimizer's
+            return
         param_group = optimizer.uniform(group, group.members, self.group_of)
         if param_group is None or not optimizer.steps_adam:
             return
@@ -168,7 +177,7 @@ class Ahead:
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
         done = self.worker.submit(self._update, token, grad, inputs, spares, args, self.keep)
-        self.jobs[group.index] = Job(group, args, spares, done, self.keep)
+        self.jobs[group.index] = Job(group, args, spares, done, self.keep, [(t, t._version) for t in inputs])
 
     def _allowed(self, group: ChunkGroup) -> bool:
         runtime = self.runtime
@@ -209,6 +218,9 @@ class Ahead:
         torch's threads while backward runs and all of them once the host waits for the worker (the Note on the
         worker's threads). Returns when it started and ended (time.perf_counter)."""
         start = time.perf_counter()
+        device = self.runtime.device.torch_device
+        if device.type == "cuda":  # a thread's first CUDA call would otherwise make a context on GPU 0, on every rank
+            torch.cuda.set_device(device)
         if token is not None:
             self.runtime.device.wait_landed(token)
         threads = torch.get_num_threads() if self.joined else max(1, torch.get_num_threads() // 2)
@@ -219,19 +231,45 @@ class Ahead:
                          into=(spares.master, spares.exp_avg, spares.exp_avg_sq), threads=threads, **args)
         return start, time.perf_counter()
 
-    def backward_done(self) -> None:
-        """Backward ended: the host learns the gradients' downloads landed, as its own reads would (in the simulation
-        they may land only then), joins the worker, and notes each gradient chunk's version."""
+    def backward_done(self) -> BaseException | None:
+        """Backward ended: the host joins the worker and notes each gradient chunk's version (its downloads landed).
+        Returns the error of an update that failed (void: step() makes it), for backward to raise once it ended."""
         self.backwards += 1
         self.joined = True
         end = time.perf_counter()
+        error = self._join()
         for job in self.jobs.values():
-            job.version = self.runtime.residency.to_host(job.group.grad)._version
-            start, done = job.done.result()
-            self.busy_s += done - start
-            self.hidden_s += max(0.0, min(done, end) - start)
+            if job.done.exception() is None:
+                job.version = self.runtime.residency.to_host(job.group.grad)._version
+                start, done = job.done.result()
+                self.busy_s += done - start
+                self.hidden_s += max(0.0, min(done, end) - start)
         self.overwritten.clear()
         self.group_of, self.task = None, None
+        return error
+
+    def _join(self) -> BaseException | None:
+        """Wait for every job, the host learning first that the gradients of one still running landed, as its own reads
+        would (in the simulation they may land only then). Those that failed are void (step() makes their updates);
+        returns the first one's error."""
+        first = None
+        for job in self.jobs.values():
+            if not job.done.done():
+                self.runtime.residency.to_host(job.group.grad)
+            error = job.done.exception()
+            if error is not None and not job.void:
+                job.void = True
+                first = first or error
+        return first
+
+    def drop(self) -> None:
+        """Forget this step's jobs, once they are done (they read chunks the host is about to change): gradients
+        cleared (zero_grad) or written by another backward, or the step ended. A job that failed since the last
+        backward ended is logged (in a backward that failed, or with none ended since)."""
+        error = self._join()
+        if error is not None:
+            _log.warning("chunkmem: Config.overlap_update: an update made ahead of step() failed: %r", error)
+        self.jobs.clear()
 
     def adopt(self, group: ChunkGroup, args: dict[str, Any], grad: torch.Tensor, param_out: torch.Tensor) -> bool:
         """step(): make the update made ahead for `group` its update, if nothing it read changed (True); `grad` is
@@ -239,11 +277,16 @@ class Ahead:
         job = self.jobs.pop(group.index, None)
         if job is None:
             return False
-        job.done.result()  # done unless its backward failed before it ended
+        # Done (not failed) after its backward ended: else made again, as where anything it read changed since: master
+        # or states (a loaded checkpoint), what the kernel is given, or the gradients (unless their bytes are the same).
+        ended = job.done.exception() is None and job.version >= 0  # waits: done unless its backward failed
         spares = job.spares
-        written = grad._version != job.version
+        written = ended and grad._version != job.version
         self.written_after = bool(self.written_after) or written
-        if job.void or job.args != args or (written and not (job.kept and torch.equal(grad, spares.grad))):
+        changed = any(c.host_unfenced is not t or t._version != v
+                      for c, (t, v) in zip((group.master, *(group.chunks[k] for k in STATES)), job.inputs))
+        if not ended or job.void or changed or job.args != args or \
+                (written and not (job.kept and torch.equal(grad, spares.grad))):
             self.redone += 1
             if written and not job.kept:
                 self.unkept += 1
@@ -256,9 +299,8 @@ class Ahead:
         return True
 
     def step_done(self) -> None:
-        """The step ended: what was not adopted is dropped (the spares stay for the next step). A job of a backward
-        that failed may still run: the worker runs jobs in turn, so it is done before the next one uses its spares."""
-        self.jobs.clear()
+        """The step ended: what was not adopted is dropped (the spares stay for the next step)."""
+        self.drop()
         self.overwritten.clear()
         self.single, self.backwards, self.task = self.backwards == 1, 0, None
         if self.written_after is not None:  # copies of the gradients are kept next step if they were written

@@ -692,10 +692,11 @@ class Runtime:
         if self.shards is not None:  # reduce-scatters in flight finish now
             self.shards.finish_backward()
         self.fence_uploads()
-        if self.ahead is not None:
-            self.ahead.backward_done()
+        failed = self.ahead.backward_done() if self.ahead is not None else None
         if self.shards is None:
             self.grads.show()
+        if failed is not None:  # an update made ahead (step() makes it again)
+            raise failed
 
     def fence_uploads(self) -> None:
         """Compute waits for every upload still landing (on CUDA the compute stream waits, the host does not).
@@ -713,6 +714,8 @@ class Runtime:
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept = False
         self.adopt_grads()
+        if self.ahead is not None:  # updates made ahead read the gradients cleared now
+            self.ahead.drop()
         self.grads.hide(only)
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]

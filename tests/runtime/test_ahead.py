@@ -302,3 +302,78 @@ def test_spares_count_against_host_memory_groups_they_would_push_past_it_update_
     # Before spares counted, 65 buffers went to pageable memory past the budget.
     assert stats["host_pool_fallbacks"] == 0 and stats["host_pinned_bytes_peak"] <= host, \
         "no host buffer may go past Config.host_memory, pinned or pageable"
+
+
+def another_backward(i: int, model: nn.Module, opt) -> None:
+    if i == 2:  # a second micro-batch, after steps of one backward: it adds to the gradients the updates ahead read
+        gpt2_loss(model, gpt2_batches(1)[0]).backward()
+
+
+def backward_again(i: int, model: nn.Module, opt) -> None:
+    if i == 2:  # the first backward thrown away (a loss found bad), another batch's taken
+        opt.zero_grad()
+        gpt2_loss(model, gpt2_batches(1)[0]).backward()
+
+
+def load_weights(i: int, model: nn.Module, opt, saved: dict = {}) -> None:  # noqa: B006  one run's snapshot
+    if i == 0:
+        saved[id(model)] = {k: v.clone() for k, v in model.state_dict().items()}
+    if i == 2:  # a roll-back: master weights written after the updates ahead read them
+        model.load_state_dict(saved.pop(id(model)))
+
+
+@pytest.mark.parametrize("edit", [another_backward, backward_again, load_weights], ids=lambda f: f.__name__)
+def test_gradients_or_weights_changed_between_backward_and_step_have_the_updates_made_ahead_redone(gpt2, edit) -> None:
+    model, batches, budget = gpt2
+    ahead = edited(model, budget, True, batches, edit)
+    assert_same(ahead, edited(model, budget, False, batches, edit))
+    unchanged = edited(model, budget, True, batches, lambda *_: None)[2].runtime.ahead.adopted
+    assert 0 < ahead[2].runtime.ahead.adopted < unchanged, "step 3's updates are not adopted, steps 2 and 4's are"
+
+
+def test_an_optimizer_of_some_parameters_makes_updates_ahead_for_its_groups_only(gpt2) -> None:
+    def half(params) -> torch.optim.Optimizer:  # the rest still get gradients, which model.zero_grad() clears
+        params = list(params)
+        return ADAMW(params[: len(params) // 2])
+
+    model, batches, budget = gpt2
+    runs = []
+    for overlap in (False, True):
+        cm, opt = prepared(model, half, device_memory=budget, overlap_update=overlap, **NATIVE)
+        losses = []
+        for ids in batches:
+            loss = gpt2_loss(cm, ids)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            cm.zero_grad()
+        runs.append((losses, {k: v.clone() for k, v in cm.state_dict().items()}, cm))
+    assert_same(runs[1], runs[0])
+    assert runs[1][2].runtime.ahead.adopted > 0
+
+
+def test_an_update_ahead_that_fails_raises_from_backward_and_step_makes_it(gpt2, monkeypatch) -> None:
+    kernel, failures = native.adam_step, []
+
+    def fails_once(*args, **kwargs):
+        if "into" in kwargs and not failures:  # the worker's, in step 3
+            failures.append(cm.runtime.step_count)
+            raise RuntimeError("the worker's kernel failed")
+        return kernel(*args, **kwargs)
+
+    model, batches, budget = gpt2
+    after = run(model, budget, False, batches)
+    cm, opt = prepared(model, ADAMW, device_memory=budget, overlap_update=True, **NATIVE)
+    monkeypatch.setattr(native, "adam_step", fails_once)
+    losses = []
+    for ids in batches:
+        loss = gpt2_loss(cm, ids)
+        try:
+            loss.backward()
+        except RuntimeError as error:
+            assert "the worker's kernel failed" in str(error) and failures
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert_same((losses, cm.state_dict()), after)
+    assert cm.runtime.ahead.redone > 0 and cm.runtime.ahead.adopted > 0
