@@ -246,7 +246,9 @@ void track_allocations() {
       using Entry = std::decay_t<decltype(entry)>;
       const int device = static_cast<int>(entry.device_);
       if (device < 0 || device >= kMaxDevices) return;
-      const auto size = static_cast<long long>(entry.size_);
+      // The entry gives the size asked for; the block is that rounded up to 512 bytes (the allocator's kMinBlockSize,
+      // without roundup_power2_divisions), as held_bytes and the simulation count it.
+      const auto size = static_cast<long long>((entry.size_ + 511) / 512 * 512);
       if (entry.action_ == Entry::ALLOC) {
         const long long now = allocated_now[device].fetch_add(size) + size;
         long long peak = allocated_peak[device].load();

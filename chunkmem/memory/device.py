@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from chunkmem.memory.sim import SimulatedDevice
 
 LARGE_SEGMENT = 20 << 20  # CUDACachingAllocator's kLargeBuffer: the segment a request of 1-10 MiB reserves
 CUDA_SIZES = Sizes()  # its rounding and segments (the simulation's model of them: allocator.py)
+LANDING_POLL_S = 50e-6  # how often a thread waiting for a copy to land asks (CudaDevice.wait_landed)
 
 
 class Device(Protocol):
@@ -160,9 +162,13 @@ class CudaDevice:
         self.h2d_stream: torch.cuda.Stream  # uploads
         self.d2h_stream: torch.cuda.Stream  # downloads
         allocator: HostAllocator
+        # Peaks between moments, without resetting PyTorch's (held_peak): by the trace hook of the native caching
+        # allocator, which other backends (cudaMallocAsync, a pluggable allocator) refuse.
+        self.tracking = module is not None and torch.cuda.get_allocator_backend() == "native"
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
-            module.track_allocations()  # peaks between moments, without resetting PyTorch's (held_peak)
+            if self.tracking:
+                module.track_allocations()
             allocator = EngineAllocator(module)
             # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
             self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
@@ -201,19 +207,19 @@ class CudaDevice:
         event that marks the copy's end. record_stream keeps the caching allocator from handing
         `device_buffer` out again before the copy is done with it."""
         compute = torch.cuda.current_stream(self.torch_device)
-        if self.engine is not None:
-            # The fence holds on every stream: cuda_stream is 0 on the legacy default stream, which is a
-            # stream like any other to the engine.
-            done = self.engine.copy([dst], [src], compute.cuda_stream)
-        else:
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
+        # First, so that a copy issued and then failing (its event not recorded) still keeps its buffers.
         device_buffer.record_stream(stream)
         if src is not device_buffer and src.is_cuda:
             src.record_stream(stream)  # the contiguous copy of a strided source
+        if self.engine is not None:
+            # The fence holds on every stream: cuda_stream is 0 on the legacy default stream, which is a
+            # stream like any other to the engine.
+            return self.engine.copy([dst], [src], compute.cuda_stream)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
         return done
 
     def collective(self, issue: Callable[[], Any], writes: Sequence[torch.Tensor] = (),
@@ -244,7 +250,9 @@ class CudaDevice:
             token.synchronize()  # type: ignore[attr-defined]
 
     def wait_landed(self, token: object) -> None:
-        token.synchronize()  # type: ignore[attr-defined]  # a copy's event (torch's or the engine's)
+        # Another thread's wait (the host update made ahead): polled, as a synchronize spins a core that update needs.
+        while not token.query():  # type: ignore[attr-defined]  # a copy's event (torch's or the engine's)
+            time.sleep(LANDING_POLL_S)
 
     def discard(self, token: object) -> None:
         pass  # record_stream keeps the dropped buffer from reuse until the copy is done
@@ -279,7 +287,7 @@ class CudaDevice:
 
     def memory_reading(self) -> tuple[int, int]:
         engine, index = self.engine_module, self.torch_device.index
-        if engine is None:  # no tracker: what is held now, and no size of the blocks between readings
+        if not self.tracking:  # no tracker: what is held now, and no size of the blocks between readings
             return held_bytes(self.torch_device), 0
         held = engine.held_bytes(index)  # held_bytes's figure, without torch.cuda.memory_stats's dictionary
         excess, largest = engine.take_allocation_reading(index)
@@ -291,8 +299,8 @@ class CudaDevice:
     def free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.torch_device)[0]
 
-    def total_bytes(self) -> int:
-        return torch.cuda.mem_get_info(self.torch_device)[1]
+    def total_bytes(self) -> int:  # what the allocator's memory fraction is a share of (its setMemoryFraction)
+        return torch.cuda.get_device_properties(self.torch_device).total_memory
 
 
 class _Collective:
@@ -316,6 +324,15 @@ def _apply_cap(index: int, total: int) -> None:
         torch.cuda.empty_cache()
 
 
+def check_allocator(backend: str) -> None:
+    """A budget on CUDA needs PyTorch's native caching allocator: its cap, its statistics and the rules the plan
+    counts on (gpu_memory's Note on the budget)."""
+    if backend != "native":
+        raise ValueError(f"Config.device_memory needs PyTorch's native CUDA caching allocator, but "
+                         f"PYTORCH_CUDA_ALLOC_CONF selects the {backend!r} backend: remove backend:{backend} from "
+                         "PYTORCH_CUDA_ALLOC_CONF, or leave device_memory=None")
+
+
 def collect_garbage() -> None:
     """Free dropped prepared models now. A runtime lives in reference cycles, so its device memory goes only when
     the collector runs; and the finalizers one pass runs let go of more (weakref.finalize callbacks, autograd's
@@ -332,6 +349,8 @@ def make_device(name: str, host_memory: int | str | None = None, budgeted: bool 
     allocator cap: it goes first (a few tenths of a second with transformers loaded)."""
     limit = parse_size("host_memory", host_memory)
     device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
+    if budgeted and name != "cpu":
+        check_allocator(torch.cuda.get_allocator_backend())
     if device.capped() or (budgeted and device.memory_reading() is not None):
         collect_garbage()
     native.report_missing(cuda=name != "cpu")

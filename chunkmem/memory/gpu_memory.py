@@ -52,6 +52,7 @@ class DeviceMemory:
         self._handle: Any = None
         self._outside = 0
         self._read_at = -REFRESH_S
+        self._unlisted = False  # NVML listed processes on the device, none of them this one (logged once)
 
     def outside_allocator(self, fresh: bool = False) -> int:
         """Bytes this process holds on the device that PyTorch's allocator did not reserve (0 without NVML); read
@@ -65,15 +66,23 @@ class DeviceMemory:
         return self._outside
 
     def _process_used(self) -> int | None:
-        """This process's bytes on the device by NVML, or None when it cannot tell (e.g. another PID namespace)."""
+        """This process's bytes on the device by NVML, or None when it cannot tell. In a container NVML lists the
+        host's PIDs, not ours: there the one process it lists on the device is taken for this one (a rank per GPU),
+        and with several listed nothing is counted outside the allocator (a log line says so, once)."""
         nvml = self.nvml
         try:
             if self._handle is None:
                 nvml.nvmlInit()
                 self._handle = nvml.nvmlDeviceGetHandleByUUID(nvml_uuid(self.device))
-            for process in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
-                if process.pid == os.getpid() and process.usedGpuMemory is not None:
-                    return int(process.usedGpuMemory)
+            listed = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(self._handle) if p.usedGpuMemory is not None]
+            ours = [p for p in listed if p.pid == os.getpid()] or (listed if len(listed) == 1 else [])
+            if ours:
+                return int(ours[0].usedGpuMemory)
+            if not self._unlisted:
+                self._unlisted = True
+                log.info("chunkmem: NVML lists %d processes on %s, none with this process's PID (another PID "
+                         "namespace?): what this process holds outside PyTorch's allocator is not counted",
+                         len(listed), self.device)
         except Exception as error:  # NVMLError has many subclasses; none of them should stop training
             log.info("chunkmem: NVML cannot read this process's device memory (%s); counting the allocator only",
                      error)

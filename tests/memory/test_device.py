@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkmem.memory.device import cuda_index, make_device, use_device
+from chunkmem.memory.device import check_allocator, cuda_index, make_device, use_device
 from chunkmem.memory.sim import SimulatedDevice
 
 
@@ -43,3 +43,10 @@ def test_a_cuda_device_is_made_current_so_nothing_lands_on_gpu_0(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert use_device("cuda") == torch.device("cuda", 2)
     assert made_current == [torch.device("cuda", 2)]
+
+
+def test_a_budget_on_cuda_needs_the_native_caching_allocator():
+    check_allocator("native")
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF selects the 'cudaMallocAsync' backend: remove "
+                                         "backend:cudaMallocAsync"):
+        check_allocator("cudaMallocAsync")

@@ -22,8 +22,8 @@ class FakeNvml:
     """pynvml's calls that DeviceMemory makes. This process uses `used` bytes on NVML device `ours` only
     (`used=None`: NVML does not list it), so reading the wrong device reads nothing."""
 
-    def __init__(self, used: int | None, fail: bool = False, ours: int = VISIBLE[0]) -> None:
-        self.used, self.fail, self.ours, self.queries = used, fail, ours, 0
+    def __init__(self, used: int | None, fail: bool = False, ours: int = VISIBLE[0], others: int = 1) -> None:
+        self.used, self.fail, self.ours, self.others, self.queries = used, fail, ours, others, 0
 
     def nvmlInit(self) -> None:
         if self.fail:
@@ -37,7 +37,7 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
         self.queries += 1
-        others = [types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=999 * MiB)]
+        others = [types.SimpleNamespace(pid=os.getpid() + 1 + i, usedGpuMemory=999 * MiB) for i in range(self.others)]
         mine = [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.used)] \
             if self.used is not None and handle == self.ours else []
         return others + mine
@@ -87,17 +87,24 @@ def test_an_nvml_failure_falls_back_to_the_allocator_with_a_log_line(allocator: 
     assert memory.nvml is None and "NVML cannot read" in caplog.text
 
 
-def test_a_process_nvml_does_not_list_counts_nothing_outside(allocator: dict[str, int]) -> None:
-    # In a container with its own PID namespace NVML lists host PIDs: ours is absent.
-    memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None))
-    assert memory.outside_allocator() == 0 and memory.nvml is not None
+def test_in_another_pid_namespace_the_one_process_nvml_lists_is_ours_and_of_several_none(
+        allocator: dict[str, int], caplog: pytest.LogCaptureFixture) -> None:
+    # In a container with its own PID namespace NVML lists host PIDs: ours is absent. A rank per GPU: the one listed.
+    assert DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None)).outside_allocator() == 99 * MiB
+    memory = DeviceMemory(torch.device("cuda", 0), FakeNvml(used=None, others=2))
+    with caplog.at_level("INFO", logger="chunkmem"):
+        assert memory.outside_allocator() == 0 and memory.nvml is not None
+        memory.outside_allocator(fresh=True)
+    assert caplog.text.count("none with this process's PID") == 1
+    assert DeviceMemory(torch.device("cuda", 0), FakeNvml(used=1400 * MiB, others=2)).outside_allocator() == 500 * MiB
 
 
 def test_nvml_reads_the_device_torch_means_under_cuda_visible_devices(allocator: dict[str, int]) -> None:
     # torch's cuda:0 is NVML's device 2 here; reading NVML's device 0 (its own numbering) sees nothing of ours.
     assert DeviceMemory(torch.device("cuda", 0), FakeNvml(used=1400 * MiB)).outside_allocator() == 500 * MiB
     assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB, ours=0)).outside_allocator() == 500 * MiB
-    assert DeviceMemory(torch.device("cuda", 1), FakeNvml(used=1400 * MiB)).outside_allocator() == 0
+    wrong = FakeNvml(used=1400 * MiB, others=2)  # NVML's device 0 lists two other processes, not ours
+    assert DeviceMemory(torch.device("cuda", 1), wrong).outside_allocator() == 0
 
 
 def test_the_allocator_cap_is_the_budgets_less_memory_outside_the_allocator() -> None:
