@@ -180,7 +180,8 @@ class SimulatedDevice:
 
     # -- copies ---------------------------------------------------------------------------------------
     def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
-        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.copy_(host), device, after)
+        # `.data`: a copy engine's copy moves no version counter (code that counted on one would pass here only)
+        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.data.copy_(host), device, after)
         check_copy(self, copy, device, written=True)
         check_copy(self, copy, host, written=False)
         guard(self, copy, device, "device", write_only=False)
@@ -188,7 +189,7 @@ class SimulatedDevice:
         return copy
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
-        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.copy_(device), device)
+        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.data.copy_(device), device)
         check_copy(self, copy, device, written=False)
         check_copy(self, copy, host, written=True)
         guard(self, copy, device, "device", write_only=True)
