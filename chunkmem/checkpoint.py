@@ -19,8 +19,10 @@ tensors cannot be verified, everything else is checked the same way.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
+import math
 import os
 import shutil
 import zlib
@@ -60,18 +62,53 @@ class _Restore:
 
 
 def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer) -> Path:
-    """Write model values, optimizer states, step counts and hyperparameters to directory `path`."""
+    """Write model values, optimizer states, step counts and hyperparameters to directory `path`. Under ZeRO every
+    rank calls it (a collective) and rank 0 writes; every rank returns once the checkpoint is written whole, or
+    raises if rank 0 could not write it."""
     _check_pair(model, optimizer)
     path = Path(path)
     tensors, meta = _collect(model, optimizer)  # under ZeRO a collective: every rank calls save_checkpoint
     shards = model.runtime.shards
-    if shards is not None and shards.rank != 0:
-        dist.barrier(group=shards.group)  # rank 0 writes; the others return once it has
+    if shards is None:
+        _write(path, tensors, meta)
         return path
+    failed: BaseException | None = None
+    if shards.rank == 0:
+        try:
+            _write(path, tensors, meta)
+        except Exception as error:  # the other ranks learn of it below, then it is raised here
+            failed = error
+    ok = torch.tensor([failed is None], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=_checkpoint_group(shards.group))  # waits however long rank 0 writes
+    if failed is not None:
+        raise failed
+    if not ok.item():
+        raise CheckpointError(f"rank 0 could not write the checkpoint {path} (its error says why): the previous "
+                              f"checkpoint there is intact")
+    return path
+
+
+CHECKPOINT_TIMEOUT_S = 6 * 3600  # how long ranks wait for rank 0's write (CHUNKMEM_CHECKPOINT_TIMEOUT overrides)
+_GROUPS: dict[Any, Any] = {}  # a ZeRO process group -> the gloo group its ranks wait for a save in
+
+
+def _checkpoint_group(group: Any) -> Any:
+    """A gloo group of `group`'s ranks whose collectives wait CHECKPOINT_TIMEOUT_S: rank 0's write of a large model
+    outlasts the training group's timeout (CHUNKMEM_TIMEOUT), which would end a job whose save was going well."""
+    if group not in _GROUPS:
+        timeout = float(os.environ.get("CHUNKMEM_CHECKPOINT_TIMEOUT", CHECKPOINT_TIMEOUT_S))
+        _GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                        timeout=datetime.timedelta(seconds=timeout), use_local_synchronization=True)
+    return _GROUPS[group]
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Write a checkpoint beside `path`, check that it reads back whole, then put it in place of the last one."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     meta["checksums"] = {key: checksum(value) for key, value in tensors.items()}
+    meta["meta_checksum"] = meta_checksum(meta)
     save_file(tensors, tmp / TENSORS)
     share_like_others(tmp / TENSORS)
     (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -80,9 +117,6 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     fsync_dir(tmp)
     verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
     _swap_in(tmp, path)
-    if shards is not None:
-        dist.barrier(group=shards.group)
-    return path
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
@@ -99,6 +133,13 @@ def checksum(tensor: torch.Tensor) -> str:
     """CRC-32 of a tensor's bytes: finds flipped and missing bytes (not tampering) at about 1 GiB/s."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return f"crc32:{zlib.crc32(flat.numpy().data):08x}"
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """CRC-32 of the metadata but this field, as canonical JSON: a digit changed in a learning rate or a step
+    count is found like a flipped byte in a tensor."""
+    text = json.dumps({k: v for k, v in meta.items() if k != "meta_checksum"}, sort_keys=True)
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
 def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer) -> dict[str, Any]:
@@ -163,6 +204,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if missing:
         raise CheckpointDamaged(f"{file} has no {', '.join(map(repr, missing))}: the checkpoint is incomplete; "
                                 f"resume from an earlier one")
+    expected = meta.get("meta_checksum")  # none before checkpoints checked their metadata
+    if expected is not None and expected != meta_checksum(meta):
+        raise CheckpointDamaged(f"{file} has checksum {meta_checksum(meta)}, it recorded {expected}: the file is "
+                                f"damaged; resume from an earlier checkpoint")
     if meta["format"] == UNVERIFIED_FORMAT:
         log.warning("%s was written before checkpoints had checksums: its tensors cannot be verified", file)
     return meta
@@ -224,6 +269,7 @@ def _model_values(path: Path, tensors: dict[str, torch.Tensor], model: ChunkedMo
         if given[key].shape != shape:
             raise CheckpointError(f"{file}: model/{key} has shape {tuple(given[key].shape)}, the model's is "
                                   f"{tuple(shape)}: the checkpoint is of another model configuration")
+        _check_dtype(file, f"model/{key}", given[key], torch.float32 if record is not None else target.dtype)
     unexpected = sorted(given.keys() - known)
     if unexpected:
         raise CheckpointError(f"{file} holds model/{unexpected[0]}, which the model does not have "
@@ -253,8 +299,28 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
             if value.shape != record.shape:
                 raise CheckpointError(f"{path / TENSORS}: {key!r} has shape {tuple(value.shape)}, the parameter's "
                                       f"is {tuple(record.shape)}: the checkpoint is of another model")
+            _check_dtype(path / TENSORS, key, value, torch.float32)
             states[record, kind] = value
     return groups, steps, states, _scaler(file, meta["loss_scaler"], optimizer)
+
+
+def _check_dtype(file: Path, key: str, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """save_checkpoint writes parameters and optimizer states in fp32, buffers in their own dtype."""
+    if value.dtype != dtype:
+        raise CheckpointError(f"{file}: {key!r} is {value.dtype}, expected {dtype} (what save_checkpoint writes): "
+                              f"the file was written by something else; save it with chunkmem.save_checkpoint")
+
+
+def _same_kind(saved: Any, current: Any) -> bool:
+    """Whether a saved hyperparameter can stand for the current one: a number for a number (a tensor's too), a
+    flag for a flag, a sequence of as many for a sequence (betas), a string for a string."""
+    if isinstance(current, bool) or current is None:
+        return saved is None or isinstance(saved, bool)
+    if isinstance(current, (int, float, torch.Tensor)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(current, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(current) and all(map(_same_kind, saved, current))
+    return not isinstance(current, str) or isinstance(saved, str)
 
 
 def _groups(file: Path, saved: Any, optimizer: ChunkOptimizer) -> list[dict[str, Any]]:
@@ -273,6 +339,11 @@ def _groups(file: Path, saved: Any, optimizer: ChunkOptimizer) -> list[dict[str,
         if missing:
             raise CheckpointError(f"{file}: param_groups[{index}] has no {missing[0]!r}: the checkpoint was "
                                   f"saved with another optimizer configuration")
+        wrong = [k for k in current if k != "params" and not _same_kind(group[k], current[k])]
+        if wrong:
+            raise CheckpointError(f"{file}: param_groups[{index}][{wrong[0]!r}] is {group[wrong[0]]!r}, the "
+                                  f"optimizer's is {current[wrong[0]]!r}: the file was changed or written by "
+                                  f"something else")
         out.append({k: tuple(v) if k == "betas" else v for k, v in group.items() if k != "params"})
     return out
 
@@ -283,7 +354,7 @@ def _step_counts(file: Path, saved: Any, optimizer: ChunkOptimizer) -> dict[Para
     out = {}
     for record in optimizer.steps:
         count = saved.get(record.name)
-        if not isinstance(count, (int, float)) or count < 0:
+        if not isinstance(count, (int, float)) or not math.isfinite(count) or count < 0 or count != int(count):
             raise CheckpointError(f"{file}: steps[{record.name!r}] is {count!r}, expected a step count: the "
                                   f"checkpoint is of another model or incomplete")
         out[record] = float(count)

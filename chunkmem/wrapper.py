@@ -297,10 +297,12 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     `chunkmem.LOCAL`: no sharding (each pipeline stage, for instance, holds its own model data).
     versions: names of chunk families holding other versions of the parameters (pipeline/versions.py).
     """
+    config = config or Config()
+    # The process group first: a rank that refuses its model or optimizer then ends its peers' rendezvous at once,
+    # where they would otherwise wait for it until the group's timeout.
+    group = shard_group(group, config)
     check_fresh(model, optimizer)
     rule = rule_for(optimizer)
-    config = config or Config()
-    group = shard_group(group, config)
     before = Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:

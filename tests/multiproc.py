@@ -53,14 +53,17 @@ def _entry(fn: Callable, rank: int, world: int, port: int, results: Any, timeout
             dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """`fn(rank, world_size, *args)` on each rank; the results by rank, or AssertionError on the first failure."""
+def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
+                group_timeout: float | None = None) -> list[Any]:
+    """`fn(rank, world_size, *args)` on each rank; the results by rank, or AssertionError on the first failure.
+    `timeout` bounds the run, and each collective's wait unless `group_timeout` (the process group's) is given."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: expected at least 1 rank")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, timeout, args), daemon=True)
+    waits = timeout if group_timeout is None else group_timeout
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, results, waits, args), daemon=True)
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

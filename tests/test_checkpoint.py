@@ -132,6 +132,7 @@ def _rewrite(path, tensors=None, meta=None, checksums=True) -> None:
     meta = json.loads((path / ckpt.META).read_text()) if meta is None else meta
     if checksums:
         meta["checksums"] = {k: ckpt.checksum(v) for k, v in tensors.items()}
+        meta["meta_checksum"] = ckpt.meta_checksum(meta)
     save_file(tensors, path / ckpt.TENSORS)
     (path / ckpt.META).write_text(json.dumps(meta))
 
@@ -169,6 +170,21 @@ def _damage(kind: str, tensors: dict, meta: dict) -> tuple[dict, dict, str]:
         return _drop(tensors, "model/2.bias"), meta, "no value for model/2.bias"
     if kind == "unknown model key":
         return tensors | {"model/99.weight": torch.zeros(2)}, meta, "model/99.weight"
+    if kind == "half-precision weight":  # a value rounded (or, an int, truncated) as it is copied in
+        return tensors | {last: tensors[last].half()}, meta, "'model/12.weight' is torch.float16, expected torch.float32"
+    if kind == "bf16 exp_avg_sq":
+        key = "optim/exp_avg_sq/4.weight"
+        return tensors | {key: tensors[key].bfloat16()}, meta, f"{key!r} is torch.bfloat16"
+    if kind == "NaN step count":  # the next step would fill the weights with NaN
+        return tensors, meta | {"steps": meta["steps"] | {"12.bias": float("nan")}}, "steps['12.bias'] is nan"
+    if kind == "half a step":
+        return tensors, meta | {"steps": meta["steps"] | {"12.bias": 2.5}}, "steps['12.bias'] is 2.5"
+    if kind == "lr a string":  # the next step would raise, the optimizer already changed
+        groups = [g | {"lr": "fast"} for g in meta["param_groups"]]
+        return tensors, meta | {"param_groups": groups}, "param_groups[0]['lr'] is 'fast'"
+    if kind == "betas a number":
+        groups = [g | {"betas": 0.9} for g in meta["param_groups"]]
+        return tensors, meta | {"param_groups": groups}, "param_groups[0]['betas'] is 0.9"
     if kind == "another group layout":
         groups = [meta["param_groups"][0], meta["param_groups"][0]]
         return tensors, meta | {"param_groups": groups}, "param_groups holds 2 groups"
@@ -177,7 +193,9 @@ def _damage(kind: str, tensors: dict, meta: dict) -> tuple[dict, dict, str]:
 
 @pytest.mark.parametrize("kind", ["no steps", "no param_groups", "step missing for one parameter", "late shape",
                                   "lr, then a bad shape", "exp_avg of a bias's shape", "missing exp_avg_sq",
-                                  "missing buffer-free model key", "unknown model key", "another group layout"])
+                                  "missing buffer-free model key", "unknown model key", "another group layout",
+                                  "half-precision weight", "bf16 exp_avg_sq", "NaN step count", "half a step",
+                                  "lr a string", "betas a number"])
 def test_a_load_that_fails_changes_nothing_and_names_file_and_key(tmp_path, kind):
     model, opt = _trained()
     path, tensors, meta = _saved(tmp_path, model, opt)
@@ -190,6 +208,18 @@ def test_a_load_that_fails_changes_nothing_and_names_file_and_key(tmp_path, kind
     assert str(path) in str(caught.value) and names in str(caught.value), str(caught.value)
     _assert_same(before, _snapshot(model, opt))
     assert train(model, opt, mlp_batches(1, seed=8), mlp_loss)  # and it still trains
+
+
+def test_a_changed_digit_in_the_metadata_fails_its_checksum(tmp_path):
+    model, opt = _trained()
+    path, tensors, meta = _saved(tmp_path, model, opt)
+    before = _snapshot(model, opt)
+    meta["param_groups"][0]["lr"] *= 10  # a digit of the learning rate, its checksum left as saved
+    (path / ckpt.META).write_text(json.dumps(meta))
+    for load in (lambda: chunkmem.load_checkpoint(path, model, opt), lambda: ckpt.verify_checkpoint(path)):
+        with pytest.raises(CheckpointDamaged, match=f"{ckpt.META} has checksum crc32:[0-9a-f]+, it recorded"):
+            load()
+    _assert_same(before, _snapshot(model, opt))
 
 
 def test_flipped_bytes_in_a_weight_fail_the_checksum(tmp_path):
@@ -235,13 +265,14 @@ def test_checkpoints_before_checksums_still_load(tmp_path, caplog):
     model, opt = _trained()
     path, tensors, meta = _saved(tmp_path, model, opt)
     expected = _snapshot(model, opt)
-    _rewrite(path, tensors, _drop(meta, "checksums") | {"format": ckpt.UNVERIFIED_FORMAT}, checksums=False)
+    meta = _drop(_drop(meta, "checksums"), "meta_checksum")
+    _rewrite(path, tensors, meta | {"format": ckpt.UNVERIFIED_FORMAT}, checksums=False)
     other, other_opt = make(mlp(seed=3), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
     with caplog.at_level("WARNING", logger="chunkmem"):
         chunkmem.load_checkpoint(path, other, other_opt)
     assert "cannot be verified" in caplog.text
     _assert_same(expected, _snapshot(other, other_opt))
-    _rewrite(path, tensors, _drop(meta, "checksums") | {"format": "chunkmem-checkpoint/9"}, checksums=False)
+    _rewrite(path, tensors, meta | {"format": "chunkmem-checkpoint/9"}, checksums=False)
     with pytest.raises(CheckpointError, match="has format 'chunkmem-checkpoint/9'"):
         chunkmem.load_checkpoint(path, other, other_opt)
 

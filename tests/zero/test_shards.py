@@ -143,6 +143,50 @@ def test_checkpoint_saved_by_2_ranks_resumes_on_3(tmp_path):
             assert (got["updates"][name] - update).norm() / update.norm() < 2e-3, name
 
 
+def saving_worker(rank: int, world: int, path: str, rank_0_writes: str) -> str | None:
+    """Train two steps and save, rank 0's write of the tensors failing ("full") or slow ("slow"); the error each rank
+    got, if any."""
+    import chunkmem.checkpoint as ckpt
+
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 2)], mlp_loss)
+    write = ckpt.save_file
+
+    def written(*args, **kwargs) -> None:
+        if rank_0_writes == "full":
+            raise OSError(28, "No space left on device")
+        time.sleep(SLOW_SAVE_S)  # longer than the process group's timeout
+        write(*args, **kwargs)
+
+    if rank == 0:
+        ckpt.save_file = written
+    try:
+        chunkmem.save_checkpoint(path, cm, opt)
+    except Exception as error:  # noqa: BLE001  the test looks at it
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+SLOW_SAVE_S, GROUP_TIMEOUT_S = 8.0, 5.0
+
+
+def test_a_save_rank_0_cannot_write_fails_on_every_rank_at_once(tmp_path):
+    start = time.monotonic()
+    errors = run_workers(saving_worker, 2, str(tmp_path / "ckpt"), "full", timeout=60)
+    assert "No space left on device" in errors[0]
+    assert errors[1] == f"CheckpointError: rank 0 could not write the checkpoint {tmp_path / 'ckpt'} (its error " \
+                        "says why): the previous checkpoint there is intact"
+    assert time.monotonic() - start < 45, "rank 1 waited for a write that had failed"
+
+
+@pytest.mark.slow
+def test_a_save_that_outlasts_the_process_groups_timeout_ends_well_on_every_rank(tmp_path):
+    assert run_workers(saving_worker, 2, str(tmp_path / "ckpt"), "slow", timeout=90,
+                       group_timeout=GROUP_TIMEOUT_S) == [None, None]
+    assert chunkmem.checkpoint.verify_checkpoint(tmp_path / "ckpt")["format"] == chunkmem.checkpoint.FORMAT
+
+
 def failing_worker(rank: int, world: int) -> None:
     model = mlp_case()
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))

@@ -87,3 +87,29 @@ def test_a_rank_raising_mid_step_ends_the_job_within_the_collective_timeout(tmp_
     assert "RuntimeError: rank 1 fails in the middle of step 2" in out
     failed_at = float(re.search(r"failing at ([\d.]+)", out).group(1))
     assert ended - failed_at < timeout, "the peer waiting in a collective was stopped, not left to time out"
+
+
+REFUSES_ITS_OPTIMIZER = """
+import os, torch, chunkmem
+model = torch.nn.Linear(8, 8)
+kind = torch.optim.AdamW if os.environ["RANK"] == "0" else torch.optim.RMSprop  # rank 1's is not supported
+chunkmem.prepare(model, kind(model.parameters()), chunkmem.Config(device="cpu"))
+"""
+
+
+def test_a_rank_that_refuses_its_optimizer_in_prepare_ends_its_peers_without_torchrun(tmp_path):
+    """Launched by setting the environment alone (as mp.spawn or srun do), chunkmem makes the process group: rank 1's
+    prepare must raise after joining it, not before, where rank 0 waited for it until the group's timeout."""
+    script = tmp_path / "refuses.py"
+    script.write_text(REFUSES_ITS_OPTIMIZER)
+    port, timeout = free_port(), 120
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                                       WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                                       CHUNKMEM_TIMEOUT=str(timeout)))
+             for rank in (0, 1)]
+    outs = [proc.communicate(timeout=timeout + 60)[0] for proc in procs]
+    assert "TypeError" in outs[1] and "RMSprop" in outs[1], outs[1]
+    assert procs[0].returncode != 0 and procs[1].returncode != 0
+    assert time.monotonic() - start < timeout / 2, "rank 0 waited out the group's timeout"
