@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +73,11 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     if shards is None:
         _write(path, tensors, meta)
         return path
-    failed: BaseException | None = None
-    if shards.rank == 0:
-        try:
-            _write(path, tensors, meta)
-        except Exception as error:  # the other ranks learn of it below, then it is raised here
-            failed = error
-    ok = torch.tensor([failed is None], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=_checkpoint_group(shards.group))  # waits however long rank 0 writes
+    failed = attempt(lambda: _write(path, tensors, meta)) if shards.rank == 0 else None
+    written = all_written(shards.group, failed is None)
     if failed is not None:
         raise failed
-    if not ok.item():
+    if not written:
         raise CheckpointError(f"rank 0 could not write the checkpoint {path} (its error says why): the previous "
                               f"checkpoint there is intact")
     return path
@@ -90,6 +85,23 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
 
 CHECKPOINT_TIMEOUT_S = 6 * 3600  # how long ranks wait for rank 0's write (CHUNKMEM_CHECKPOINT_TIMEOUT overrides)
 _GROUPS: dict[Any, Any] = {}  # a ZeRO process group -> the gloo group its ranks wait for a save in
+
+
+def attempt(write: Callable[[], Any]) -> Exception | None:
+    """The error of a checkpoint write, which the other ranks learn of (all_written) before it is raised."""
+    try:
+        write()
+    except Exception as error:  # noqa: BLE001  raised once every rank knows
+        return error
+    return None
+
+
+def all_written(group: Any, ok: bool) -> bool:
+    """Whether every rank of `group` wrote its part of a checkpoint (`ok`, its own): a collective that waits however
+    long the slowest writes, up to CHECKPOINT_TIMEOUT_S."""
+    flag = torch.tensor([ok], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_checkpoint_group(group))
+    return bool(flag.item())
 
 
 def _checkpoint_group(group: Any) -> Any:
@@ -116,10 +128,11 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -
         fsync_file(file)
     fsync_dir(tmp)
     verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
-    _swap_in(tmp, path)
+    swap_in(tmp, path)
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
+def swap_in(tmp: Path, path: Path) -> None:
+    """Put the checkpoint written at `tmp` in place of the one at `path` (moved aside until then: `existing`)."""
     old = path.with_name(path.name + ".old")
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -149,7 +162,7 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     when they do not fit this model or optimizer; either way nothing has been changed.
     """
     _check_pair(model, optimizer)
-    path = _existing(Path(path))
+    path = existing(Path(path))
     meta = _read_meta(path)
     tensors = _read_tensors(path / TENSORS)
     _verify(path, meta, tensors)
@@ -163,7 +176,7 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     Returns its metadata; raises CheckpointDamaged naming the file and the first bad key.
     """
-    path = _existing(Path(path))
+    path = existing(Path(path))
     meta = _read_meta(path)
     expected = meta.get("checksums")
     file = path / TENSORS
@@ -179,11 +192,12 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def _existing(path: Path) -> Path:
-    if not (path / META).exists() and (path.with_name(path.name + ".old") / META).exists():
-        return path.with_name(path.name + ".old")  # a save was interrupted after moving the old one aside
-    if not (path / META).exists():
-        raise FileNotFoundError(f"no chunkmem checkpoint at {path}: expected {path / META} and {path / TENSORS}")
+def existing(path: Path, marker: str = META) -> Path:
+    """`path`, or the checkpoint a save interrupted after moving it aside; the file `marker` says one is there."""
+    if not (path / marker).exists() and (path.with_name(path.name + ".old") / marker).exists():
+        return path.with_name(path.name + ".old")
+    if not (path / marker).exists():
+        raise FileNotFoundError(f"no chunkmem checkpoint at {path}: expected {path / marker}")
     return path
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,9 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chunkmem.checkpoint import load_checkpoint, save_checkpoint
+from chunkmem.checkpoint import all_written, attempt, existing, load_checkpoint, save_checkpoint, swap_in
 from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
+from chunkmem.errors import CheckpointError
+from chunkmem.files import fsync_dir, fsync_file
 from chunkmem.memory.device import use_device
 from chunkmem.pipeline import balance as balancing
 from chunkmem.pipeline.flow import Feed, Flow
@@ -281,28 +284,46 @@ class Pipeline:
         return {key: out[key] for key in self._keys}
 
     def save_checkpoint(self, path: str | Path) -> Path:
-        """Each rank writes `path/stage-<position>` (chunkmem's checkpoint format); rank 0 adds pipeline.json.
-        Under 2BW the pipeline drains first (`flush`), and the older weights version is saved too."""
+        """Each rank writes `stage-<position>` (chunkmem's checkpoint format) and rank 0 adds pipeline.json, into a
+        directory beside `path` that takes its place once every stage's part is whole: a crash or a stage that
+        cannot write leaves the last checkpoint, and every rank raises. Under 2BW the pipeline drains first
+        (`flush`), and the older weights version is saved too."""
         model, optimizer = self._built()
         flushed = self.flush()
         if not math.isnan(flushed):  # the last mini-batch's loss: the next step returns it (flow.py's Note)
             self._carried = flushed
         path = Path(path)
-        save_checkpoint(path / f"stage-{self.stage}", model, optimizer)  # under ZeRO, a collective of the stage
+        tmp = path.with_name(path.name + ".tmp")
         if dist.get_rank() == 0:
-            (path / "pipeline.json").write_text(json.dumps({
-                "balance": self.balance, "n_stages": self.n_stages, "schedule": self.schedule_name,
-                "updates": self.versions.newest if self.versions is not None else None}))
+            shutil.rmtree(tmp, ignore_errors=True)  # what a save that failed left
         dist.barrier()
+        failed = attempt(lambda: save_checkpoint(tmp / f"stage-{self.stage}", model, optimizer))  # a collective under ZeRO
+        written = all_written(dist.group.WORLD, failed is None)
+        if written and dist.get_rank() == 0:
+            failed = attempt(lambda: self._swap_in(tmp, path))
+        written = all_written(dist.group.WORLD, failed is None) and written
+        if failed is not None:
+            raise failed
+        if not written:
+            raise CheckpointError(f"another rank could not write its part of the pipeline checkpoint {path} (its "
+                                  f"error says why): the previous checkpoint there is intact")
         return path
+
+    def _swap_in(self, tmp: Path, path: Path) -> None:
+        """pipeline.json beside the stages' parts, then the whole in place of the last checkpoint."""
+        meta = tmp / "pipeline.json"
+        meta.write_text(json.dumps({
+            "balance": self.balance, "n_stages": self.n_stages, "schedule": self.schedule_name,
+            "updates": self.versions.newest if self.versions is not None else None}))
+        fsync_file(meta)
+        fsync_dir(tmp)
+        swap_in(tmp, path)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any] | None:
         """Restore what `save_checkpoint` wrote; the stage split must be the same. Called before the
         first step, the restore happens when the first step builds the stage (balance='auto' then
         takes the saved split), and None is returned."""
-        path = Path(path)
-        if not (path / "pipeline.json").exists():
-            raise FileNotFoundError(f"no pipeline checkpoint at {path}: expected {path / 'pipeline.json'}")
+        path = existing(Path(path), "pipeline.json")
         if self.model is None:
             self._pending_load = path
             return None

@@ -333,3 +333,49 @@ def test_without_a_process_group_the_error_says_how_to_launch() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"launch with torchrun"):
         pipeline(model(), ADAMW, loss_fn("mean"))
+
+
+def failed_save_worker(rank: int, world: int, tmp: str) -> dict:
+    """Two steps, a save; a third step and a save in which stage 1's part cannot be written; then the checkpoint a
+    fresh pipeline loads."""
+    import chunkmem.checkpoint as ckpt
+
+    data, path = batches(7), Path(tmp) / "ckpt"
+
+    def make():
+        return pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=3, config=chunkmem.Config(device="cpu"))
+
+    pipe = make()
+    for x, y in data[:2]:
+        pipe.step(x, y)
+    pipe.save_checkpoint(path)
+    pipe.step(*data[2])
+    write = ckpt.save_file
+    if rank == 1:
+        ckpt.save_file = functools.partial(_no_room, write)
+    try:
+        pipe.save_checkpoint(path)
+        error = None
+    except Exception as caught:  # noqa: BLE001  the test looks at it
+        error = f"{type(caught).__name__}: {caught}"
+    ckpt.save_file = write
+    again = make()
+    again.load_checkpoint(path)
+    again.step(*data[2])  # builds the stages, which takes the load
+    return {"error": error, "loaded": again.state_dict(), "stepped": pipe.state_dict()}
+
+
+def _no_room(write: Callable, *args, **kwargs) -> None:
+    raise OSError(28, "No space left on device")
+
+
+def test_a_pipeline_save_one_stage_cannot_write_raises_on_every_rank_and_keeps_the_last_checkpoint(tmp_path) -> None:
+    results = run_workers(failed_save_worker, 2, str(tmp_path), timeout=120)
+    assert "No space left on device" in results[1]["error"]
+    assert results[0]["error"].startswith("CheckpointError: another rank could not write its part of the pipeline "
+                                          "checkpoint")
+    # The fresh pipeline resumed from the first save and took the third step: the bits of the one that did not stop.
+    for got in results:
+        assert got["loaded"].keys() == got["stepped"].keys()
+        assert all(torch.equal(got["loaded"][k], v) for k, v in got["stepped"].items())
+    assert not (tmp_path / "ckpt.tmp").exists() or not (tmp_path / "ckpt.tmp" / "pipeline.json").exists()
