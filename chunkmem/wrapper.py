@@ -26,6 +26,8 @@ from chunkmem.runtime.scaler import LossScaler
 from chunkmem.zero.agreement import fingerprints
 from chunkmem.zero.collectives import default_group
 
+LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # floating inputs a forward takes in the compute dtype
+
 
 class _ScaleGrad(torch.autograd.Function):
     """Identity in forward; multiplies the gradient by the fp16 loss scale in backward."""
@@ -115,7 +117,8 @@ class ChunkedModel(nn.Module):
     def _to_compute(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        dtype = self.runtime.config.torch_dtype if value.is_floating_point() else value.dtype
+        # Floating inputs in the compute dtype, but for float64 (features a model wants in double precision).
+        dtype = self.runtime.config.torch_dtype if value.dtype in LOW_FLOATS else value.dtype
         return value.to(self.runtime.device.torch_device, dtype)
 
     # A prepared model's parameters are views into chunks in the compute dtype, moved by the runtime: casting or moving
@@ -168,7 +171,7 @@ class ChunkedModel(nn.Module):
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
-        runtime.adopt_grads()
+        runtime.adopt_grads(assigned=True)
         grads = runtime.data.grad_views(self.own_records)
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
@@ -191,6 +194,7 @@ class ChunkedModel(nn.Module):
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
         records = self.runtime.store.records
+        self.runtime.adopt_data()
         by_record = self.runtime.data.values()  # under ZeRO a collective: every rank calls state_dict
         values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
         out = OrderedDict() if destination is None else destination

@@ -285,7 +285,7 @@ class Chunk:
         """FREE -> HOST: the host payload reads as zeros from now on (zeroed when first read: the Note on
         unwritten ranges). Its old bytes are poisoned in the simulation, as fresh device memory is."""
         new = self._check("materialize_host")
-        self._host_writable()
+        self.host_writable()
         self._leave_unwritten(undefined(self.host))
         self._changed()
         self.state = new
@@ -320,7 +320,7 @@ class Chunk:
         self.pending = self._last_copy = self._host_read_by = dev.upload(self.host, payload, self.name, after)
         self.state = new
 
-    def _host_writable(self) -> None:
+    def host_writable(self) -> None:
         """The host is about to change the host payload: an upload still reading it must have landed first (compute
         waiting for it tells the host nothing: device.py's Note on tokens)."""
         if self._host_read_by is not None:
@@ -331,7 +331,7 @@ class Chunk:
         """Start copying the device payload to the host; `host` waits for it when next read."""
         new = self._check("download")
         if self.lending:  # the lent tensors go straight to the host payload, the rest is zeroed there now
-            self._host_writable()
+            self.host_writable()
             host = self.settled()
             pairs = self._lent_targets(host)
             self._zero_unwritten(host)
@@ -350,7 +350,7 @@ class Chunk:
         be HOST: the host payload is the only copy."""
         if self.state is not ChunkState.HOST:
             raise ChunkStateError(f"{self!r}: receive needs the host payload to be the only copy")
-        self._host_writable()
+        self.host_writable()
         target = part(self.host_unfenced)
         self._take(self.host_unfenced, target, zero=staged is not None)
         if staged is None:
@@ -376,7 +376,7 @@ class Chunk:
 
     def write_host(self) -> None:
         new = self._check("write_host")
-        self._host_writable()
+        self.host_writable()
         self._changed()
         self.state = new
 

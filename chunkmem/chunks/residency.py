@@ -82,6 +82,9 @@ class Residency:
         self.resident: dict[str, Chunk] = {}
         self.by_storage: dict[int, Chunk] = {}  # device payload data_ptr -> chunk
         self.before_leave: Callable[[Chunk], None] | None = None
+        # Makes dirty a clean device payload written through views the runtime does not see (ParamStore's
+        # note_writes), before it leaves: it is read back, as a dirty one is.
+        self.note_writes: Callable[[Chunk], None] = lambda chunk: None
         device.arena.fit(limit)
 
     @property
@@ -154,6 +157,7 @@ class Residency:
         """Start bringing the host payload up to date; whoever reads `chunk.host` next waits for it."""
         if self.before_leave is not None:
             self.before_leave(chunk)
+        self.note_writes(chunk)
         if chunk.state is ChunkState.DEVICE_DIRTY:
             start = time.perf_counter()
             chunk.download(self.device)

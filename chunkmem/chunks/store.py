@@ -17,7 +17,7 @@ from torch import nn
 from chunkmem.chunks.chunk import Chunk, HostTier
 from chunkmem.chunks.family import Families, Family
 from chunkmem.chunks.layout import Layout, Slot, pack
-from chunkmem.chunks.state import TENSOR_MOVES, TensorState, next_tensor_state
+from chunkmem.chunks.state import TENSOR_MOVES, ChunkState, TensorState, next_tensor_state
 from chunkmem.memory.device import Device
 
 
@@ -99,6 +99,8 @@ class ParamStore:
         for layout, is_trainable in zip(layouts(module, chunk_size, world), (True, False)):
             self._add_groups(layout, params, is_trainable, aliases)
         self._group_of_param_chunk = {g.param.name: g for g in self.owned_groups()}
+        # Parameter chunks whose parameters view the device payload -> their versions then (`note_writes`).
+        self.device_views: dict[Chunk, list[int]] = {}
 
     def _add_groups(self, layout: Layout, params: dict[str, nn.Parameter], trainable: bool,
                     aliases: dict[nn.Parameter, tuple[str, ...]]) -> None:
@@ -167,6 +169,10 @@ class ParamStore:
             return
         # Pointing views moves no bytes: compute waits for an upload where it uses the chunk (Chunk's Note).
         flat = chunk.device_unfenced if chunk.device_unfenced is not None and not at_host else chunk.host_unfenced
+        if flat is chunk.host_unfenced:
+            self.device_views.pop(chunk, None)
+        elif chunk not in self.device_views:
+            self.device_views[chunk] = [r.param._version for r in group.members]
         for record in group.members:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
@@ -174,6 +180,19 @@ class ParamStore:
                 torch.utils.swap_tensors(record.param, nn.Parameter(record.view(flat), record.param.requires_grad))
             else:
                 record.param.data = record.view(flat)
+
+    def note_writes(self, chunk: Chunk) -> None:
+        """A clean device payload that parameters viewing it changed in place since they were pointed there (`with
+        torch.no_grad(): p.mul_(0.9)` after a step: a weight constraint, EMA weights swapped in) is dirty: the host
+        payload no longer holds its values. Not a write through `p.data`, which moves no version counter."""
+        versions = self.device_views.get(chunk)
+        if versions is None:
+            return
+        now = [r.param._version for r in self._group_of_param_chunk[chunk.name].members]
+        if now != versions:
+            self.device_views[chunk] = now
+            if chunk.state is ChunkState.DEVICE:
+                chunk.write_device()
 
     def model_data_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks())

@@ -17,9 +17,10 @@ upload of every streamed parameter chunk, which the plan does not foresee (bench
 `with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped, and the forward uploads the
 host payload. Changes made in place through `p.grad`
 (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
-step (`take`), as torch.optim would read it. The next forward (or zero_grad, or a backward reaching the model's
-outputs again: Runtime.backward_begins) hides them again: the next backward accumulates into the chunks, not into
-`p.grad`.
+step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next forward (or zero_grad,
+or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
+accumulates into the chunks, not into `p.grad`. A `p.grad` the user assigns with no backward (from
+torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
 Not under ZeRO: a rank holds only its share of each gradient, and `p.grad` stays None there
 (model.clip_grad_norm_ combines the shares).
 """
@@ -61,11 +62,14 @@ class ShownGrads:
             else:  # streamed: on the host, with its parameters (gradient chunks have no disk tier)
                 host = chunk.landed()
                 param = group.param
+                self.store.note_writes(param)
                 if param.state is ChunkState.DEVICE and not param.pins and param.tier is None:
                     self.store.point_views(param, at_host=True)
                     self.host_viewed.setdefault(group, [r.param._version for r in group.members])
-                elif param.state is ChunkState.DEVICE and not param.pins:
-                    self.residency.evict(param)  # a disk tier's host buffer comes and goes: the tier's copy is read
+                elif param.state.on_device and not param.pins:
+                    # A disk tier's host buffer comes and goes (the tier's copy is read), and a device payload
+                    # changed through the parameters is read back.
+                    self.residency.evict(param)
                 grads = [r.view(host) for r in held]
             for record, grad in zip(held, grads):
                 if grad is not None and grad.device == record.param.device:
@@ -84,17 +88,24 @@ class ShownGrads:
                 self.residency.evict(group.param)
         self.host_viewed.clear()
 
-    def hide(self, records: Container[ParamRecord] | None = None) -> None:
-        """`p.grad` None again, for all shown gradients (`records` None) or those in `records`."""
+    def hide(self, records: Container[ParamRecord] | None = None, edits: bool = True) -> None:
+        """`p.grad` None again, for all shown gradients (`records` None) or those in `records`, what the user put
+        there taken first (a fast zero_grad that sets each `p.grad` to None, a gradient replaced between backwards),
+        unless `edits` is False: autograd added into the shown one (Runtime._take_grad)."""
+        if edits:
+            self.take(records)
         self.restore()
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             del self.shown[record]
 
-    def take(self) -> None:
-        """Before a step: a `p.grad` the user replaced since it was shown is copied into its chunk's range, and one
-        set to None drops its parameter from the step, as torch.optim would see them."""
+    def take(self, records: Container[ParamRecord] | None = None) -> None:
+        """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of
+        `records`, None: all) is copied into its chunk's range, and one set to None is the parameter's gradient no
+        longer (the step leaves it, the next backward writes it afresh), as torch would see them."""
         for record, shown in list(self.shown.items()):
+            if records is not None and record not in records:
+                continue
             grad = record.param.grad
             if grad is shown:
                 continue

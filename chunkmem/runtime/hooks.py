@@ -118,7 +118,8 @@ class Hooks:
 
     def __init__(self, module: nn.Module, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.handles: list[RemovableHandle] = []
+        self.handles: list[RemovableHandle] = []  # the gradient hooks, while they are on
+        self.hooked: list[nn.Parameter] = []  # their parameters
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
         self.forwarding = False  # inside `forward()`, the model's own forward pass
         self.outside: tuple[nn.Module, FetchMode] | None = None  # a module running outside it, and its mode
@@ -163,9 +164,19 @@ class Hooks:
             for param in self.module.parameters():  # its own: a manager's runtime holds other models' too
                 if param.requires_grad:
                     self.handles.append(param.register_post_accumulate_grad_hook(self.ready))
+                    self.hooked.append(param)
         else:
             _drop(self.handles)
+            self.hooked.clear()
         self.runtime.grads_unhooked(self, not on)
+
+    def _grad_hooks_last(self) -> None:
+        """A user's post-accumulate-grad hook, registered after `prepare`, runs before ours: it sees `p.grad` (and may
+        change it in place) as on the plain model, before ours takes it into the chunk."""
+        for param, handle in zip(self.hooked, self.handles):
+            hooks = param._post_accumulate_grad_hooks
+            if len(hooks) > 1 and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = hooks.pop(handle.id)  # autograd calls them in the order of insertion
 
     def _hooks_follow_residency(self) -> None:
         """This model's module and gradient hooks off while its runtime serves a resident step; once it does not, on
@@ -222,12 +233,14 @@ class Hooks:
         gives whether the forward runs without the torch-function mode (runtime's Notes on resident steps and
         lean forwards). Not `in_step`: served off the plan (generation between steps)."""
         runtime = self.runtime
+        runtime.adopt_data()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
             runtime.grads.hide()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
         self._hooks_follow_residency()
+        self._grad_hooks_last()
         # A forward without gradients (evaluation) is not part of the training step the plan follows, but for a
         # frozen model's under a manager.
         runtime.placer.off_path = not in_step or not (training or self.scores_in_step)

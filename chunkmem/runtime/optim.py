@@ -318,7 +318,8 @@ class ChunkOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         runtime = self.runtime
-        runtime.adopt_grads()
+        runtime.adopt_data()
+        runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
         self._check_still_frozen()
         if runtime.shards is not None:

@@ -171,6 +171,7 @@ class Runtime:
         self.shards: Shards | None = None
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
                                    self.observers)
+        self.residency.note_writes = self.store.note_writes
         self.grads = ShownGrads(self.store, self.residency)
         self.store.load_initial_values()
         for chunk_group in self.store.owned_groups():
@@ -589,13 +590,35 @@ class Runtime:
         else:
             self.unhooked.discard(id(hooks))
 
-    def adopt_grads(self) -> None:
+    def adopt_data(self) -> None:
+        """A parameter given other storage by the user (`p.data = t`, torch.nn.utils.vector_to_parameters) no longer
+        views its chunk, which would point it back and lose the value: its value goes into its chunks first (before a
+        forward, a step, a state_dict). Not under ZeRO, where parameters view gathered copies."""
+        if self.shards is not None:
+            return
+        store = self.store
+        for group in store.owned_groups():
+            chunk = group.param
+            if chunk.state is ChunkState.DISK:
+                continue
+            flat = chunk.device_unfenced if chunk in store.device_views else chunk.host_unfenced
+            if flat is None:  # a lending chunk's payload is not there yet (chunk's Note on lent ranges)
+                continue
+            viewed = flat.untyped_storage().data_ptr()
+            moved = [r for r in group.members if r.param.untyped_storage().data_ptr() != viewed]
+            for record in moved:
+                self.data.set_value(record, record.param.detach().to("cpu", copy=True))
+            if moved:
+                store.point_views(chunk)
+
+    def adopt_grads(self, assigned: bool = False) -> None:
         """The gradients autograd left in `p.grad` while gradient hooks were off go to their chunks, as grad_ready
         would have taken them: at the end of a backward that reached the model's outputs, and before gradients are
         read (a step, clipping, zero_grad) for one that did not (a penalty on parameters alone), whose gradients
         wait in `p.grad` meanwhile, where the next backward adds to them as autograd does. In a resident step each is
-        lent to its chunk as it is, and `p.grad` keeps it (shown: grads.py's Note)."""
-        if not self.strays:
+        lent to its chunk as it is, and `p.grad` keeps it (shown: grads.py's Note). `assigned`: where gradients are
+        read, also those the user assigned to `p.grad` with no backward (torch.autograd.grad's, say)."""
+        if not (self.strays or assigned):
             return
         shown, resident = self.grads.shown, self.placer.resident
         for group in self.store.trainable_groups():
@@ -619,7 +642,7 @@ class Runtime:
     def _take_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Write `grad`, `record`'s fresh gradient, into its chunk."""
         if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
-            self.grads.hide([record])
+            self.grads.hide([record], edits=False)
             return
         if self.shards is not None:
             record.move_grad("write")
@@ -704,16 +727,20 @@ class Runtime:
         Called where control goes back to user code (the end of a forward, of a backward, of `step()`): a
         parameter views its chunk's device payload as soon as the upload is issued, and code outside the hooks
         (an EMA, a log line, a penalty term) reads it with no hook to wait first (SPEC: every read of chunk bytes
-        waits for the copies that write them)."""
+        waits for the copies that write them). Where parameters view their chunk's host payload, which that code may
+        write in place (a weight constraint), the host waits for an upload still reading it."""
         for chunk in self.residency.resident.values():
             if chunk.pending is not None:
                 chunk.fence()
+        for group in self.store.owned_groups():
+            if group.param not in self.store.device_views:
+                group.param.host_writable()
 
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept = False
-        self.adopt_grads()
+        self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()
         self.grads.hide(only)

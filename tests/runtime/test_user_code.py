@@ -1,0 +1,136 @@
+"""What a training loop's own code does with parameters and gradients between chunkmem's calls: the same loop on
+the plain model and on a prepared one gives the same bits (fp32), whether chunks stay or stream."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gpt2
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+BUDGETS = [None, 0.3, 1.5]  # of the parameter bytes: all on the device, streaming, streaming with some kept
+STEPS = 4
+Loop = Callable[[nn.Module, torch.optim.Optimizer], None]
+
+
+def same_bits(loop: Loop, budget: float | None, model: nn.Module | None = None) -> None:
+    model = model or tiny_gpt2()
+    plain = copy.deepcopy(model)
+    loop(plain, ADAMW(plain.parameters()))
+    cm, opt = prepared(model, ADAMW, device_memory=None if budget is None else int(param_bytes(model) * budget))
+    loop(cm, opt)
+    want, got = plain.state_dict(), cm.state_dict()
+    differ = [k for k, v in want.items() if not torch.equal(v, got[k])]
+    assert not differ, f"{len(differ)} of {len(want)} tensors differ, {differ[0]} first"
+
+
+def steps(after: Callable[[nn.Module, torch.optim.Optimizer], None]) -> Loop:
+    """A loop whose step ends with `after` (instead of optimizer.zero_grad, where it zeroes)."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids in gpt2_batches(STEPS):
+            gpt2_loss(model, ids).backward()
+            opt.step()
+            after(model, opt)
+    return loop
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gradients_assigned_by_hand_are_stepped(budget) -> None:
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids in gpt2_batches(2):
+            params = list(model.parameters())
+            for param, grad in zip(params, torch.autograd.grad(gpt2_loss(model, ids), params)):
+                param.grad = grad  # no backward: chunkmem never saw these
+            opt.step()
+            opt.zero_grad()
+
+    same_bits(loop, budget)
+
+
+def set_none(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for param in model.parameters():
+        param.grad = None  # the fast zero_grad of PyTorch's performance guide
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("zero", [set_none, lambda model, opt: unwrapped(model).zero_grad()],
+                         ids=["p.grad = None", "module.zero_grad()"])
+def test_gradients_cleared_by_hand_are_not_added_to_the_next_ones(budget, zero) -> None:
+    same_bits(steps(zero), budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget) -> None:
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        seen = []
+
+        def halve(param: torch.Tensor) -> None:
+            seen.append(param.grad is not None)
+            if param.grad is not None:
+                param.grad.mul_(0.5)
+
+        for param in unwrapped(model).parameters():
+            param.register_post_accumulate_grad_hook(halve)
+        steps(lambda model, opt: opt.zero_grad())(model, opt)
+        assert seen and all(seen), f"{seen.count(False)} of {len(seen)} calls saw p.grad None"
+
+    same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parameters_changed_in_place_after_a_step_keep_the_change(budget) -> None:
+    def constrain(model: nn.Module, opt: torch.optim.Optimizer) -> None:  # a weight constraint, then an evaluation
+        opt.zero_grad()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(0.9)
+            gpt2_loss(model, gpt2_batches(1, seed=3)[0])
+            for param in model.parameters():  # written again, the evaluation's uploads of them in flight
+                param.mul_(1.1)
+
+    same_bits(steps(constrain), budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parameters_given_other_storage_keep_their_values(budget) -> None:
+    def assign(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.data = param.detach() * 0.9
+
+    same_bits(steps(assign), budget)
+
+
+class Sinusoids(nn.Module):
+    """Features computed in float64 from a float64 input, as position encodings are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        features = torch.sin(t[:, None] * torch.arange(1, 9, dtype=torch.float64))
+        return self.linear(features.float())
+
+
+def test_float64_inputs_are_not_cast_to_the_compute_dtype() -> None:
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        t = torch.linspace(0, 1000, 16, dtype=torch.float64)  # float32 would round these times
+        for _ in range(2):
+            model(t).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    same_bits(loop, None, Sinusoids())
