@@ -413,8 +413,10 @@ class Placer:
         if self.phase is Phase.DIVERGED or (partial and outgrown):
             self.phase = Phase.RECORD
             return
-        if partial or not events:  # nothing moved, and its accesses were not all recorded, or it made none (a
-            if self.follower is not None:  # step() with no gradient to apply): the plan stays
+        # Nothing moved, and its accesses were not all recorded; or it made none a forward makes (a step() with no
+        # gradient to apply, a penalty on parameters alone): the plan stays, or the warm-up goes on.
+        if partial or not any(e.kind == "use" for e in events):
+            if self.follower is not None:
                 self.follower.cursor = 0
             return
         held = max((e.nonmodel for e in events), default=0) + self.headroom()

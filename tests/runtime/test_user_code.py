@@ -134,3 +134,17 @@ def test_float64_inputs_are_not_cast_to_the_compute_dtype() -> None:
 
     torch.manual_seed(0)
     same_bits(loop, None, Sinusoids())
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_steps_whose_loss_is_a_penalty_on_parameters_alone_train_as_plain_pytorch(budget) -> None:
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for i, ids in enumerate(gpt2_batches(STEPS)):
+            if i % 2:
+                gpt2_loss(model, ids).backward()
+            else:  # no forward in this step, the first one included
+                (1e-2 * sum(p.square().sum() for p in model.parameters())).backward()
+            opt.step()
+            opt.zero_grad()
+
+    same_bits(loop, budget)
