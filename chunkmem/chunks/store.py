@@ -131,6 +131,8 @@ class ParamStore:
         if other.numel != old.numel or other.dtype != old.dtype:
             raise ValueError(f"{other.name} ({other.numel} x {other.dtype}) cannot stand in for {old.name} "
                              f"({old.numel} x {old.dtype}): a parameter version needs the same layout and dtype")
+        self.note_writes(old)  # the parameters' changes stay with the version they were made to
+        self.device_views.pop(old, None)
         group.chunks["param"], group.chunks[kind] = other, old
         del self._group_of_param_chunk[old.name]
         self._group_of_param_chunk[other.name] = group
