@@ -404,11 +404,13 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
 
 
 def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """What save_checkpoint writes: under ZeRO gathered on rank 0 alone, which writes it (a collective)."""
     runtime = model.runtime
-    tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.state_dict()).items()}
+    root = None if runtime.shards is None else 0
+    tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.consolidated(root)).items()}
     steps = _steps(optimizer)
     for kind in optimizer.runtime.store.families.saved:
-        for record, value in runtime.data.values(kind).items():
+        for record, value in runtime.data.values(kind, root).items():
             if record in optimizer.steps and steps[record.name] > 0:  # a manager's runtime holds other models' too
                 tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name

@@ -193,15 +193,22 @@ class ChunkedModel(nn.Module):
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
         """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
+        out = OrderedDict() if destination is None else destination
+        out.update((prefix + name, value) for name, value in self.consolidated().items())
+        return out
+
+    def consolidated(self, root: int | None = None) -> dict[str, torch.Tensor]:
+        """state_dict's values, on every rank, or under ZeRO on rank `root` alone (empty elsewhere). Under ZeRO a
+        collective: every rank calls it."""
         records = self.runtime.store.records
         self.runtime.adopt_data()
-        by_record = self.runtime.data.values()  # under ZeRO a collective: every rank calls state_dict
+        by_record = self.runtime.data.values(root=root)
+        shards = self.runtime.shards
+        if root is not None and shards is not None and shards.rank != root:
+            return {}
         values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
-        out = OrderedDict() if destination is None else destination
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            out[prefix + name] = values[tensor] if tensor in records else \
-                tensor.detach().to("cpu", copy=True)
-        return out
+        return {name: values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)
+                for name, tensor in self.module.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:

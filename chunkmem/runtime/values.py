@@ -63,10 +63,12 @@ class ModelData:
                 out += self.grads(held, group.grad.state.on_device, write=True)
         return out
 
-    def values(self, kind: str = "master") -> dict[ParamRecord, torch.Tensor]:
-        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks."""
+    def values(self, kind: str = "master", root: int | None = None) -> dict[ParamRecord, torch.Tensor]:
+        """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks: on every rank, or
+        under ZeRO on rank `root` alone (the others get none)."""
         out = {}
-        for group in self.store.groups:
+        here = root is None or self.shards is None or self.shards.rank == root
+        for group in self.store.groups if here else ():
             if group.owned and (kind == "master" or group.trainable):
                 chunk = group.master if kind == "master" else group.chunks[kind]
                 flat = self.read(chunk).detach().to("cpu", torch.float32)
@@ -78,7 +80,10 @@ class ModelData:
             if kind != "master" and not owned.trainable:
                 continue
             chunk = owned.master if kind == "master" else owned.chunks[kind]
-            full = self.shards.all_gather_flat(self.read(chunk).detach().to("cpu", torch.float32))
+            local = self.read(chunk).detach().to("cpu", torch.float32)
+            full = self.shards.all_gather_flat(local) if root is None else self.shards.gather_flat(local, root)
+            if full is None:
+                continue
             size = self.store.chunk_size
             for position, group in enumerate(groups):
                 out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})

@@ -377,6 +377,14 @@ class Shards:
             dist.all_gather(list(out.chunk(self.world)), local, group=self.group)
         return out.cpu()
 
+    def gather_flat(self, local: torch.Tensor, root: int) -> torch.Tensor | None:
+        """Every rank's `local` in rank order, on rank `root` of the group alone (None elsewhere): what one rank writes
+        needs no copy of the whole on the others (a checkpoint)."""
+        local = self._on_backend(local.contiguous())
+        parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == root else None
+        dist.gather(local, parts, dst=dist.get_global_rank(self.group, root), group=self.group)
+        return torch.cat(parts).cpu() if parts is not None else None
+
     def all_reduce(self, value: torch.Tensor, op: object = dist.ReduceOp.SUM) -> torch.Tensor:
         reduced = self._on_backend(value)
         dist.all_reduce(reduced, op=op, group=self.group)  # type: ignore[arg-type]

@@ -171,6 +171,22 @@ def saving_worker(rank: int, world: int, path: str, rank_0_writes: str) -> str |
 SLOW_SAVE_S, GROUP_TIMEOUT_S = 8.0, 5.0
 
 
+def collected_worker(rank: int, world: int) -> int:
+    """The bytes of tensors each rank holds for a checkpoint's write (checkpoint._collect)."""
+    import chunkmem.checkpoint as ckpt
+
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 2)], mlp_loss)
+    return sum(t.nbytes for t in ckpt._collect(cm, opt)[0].values())
+
+
+def test_only_rank_0_which_writes_a_checkpoint_holds_the_whole_model_and_its_states() -> None:
+    # fp32 values and AdamW's two states of every parameter: three times the fp32 parameter bytes, on rank 0 alone.
+    whole = 3 * sum(p.numel() * 4 for p in mlp_case().parameters())
+    assert run_workers(collected_worker, 2, timeout=60) == [whole, 0]
+
+
 def test_a_save_rank_0_cannot_write_fails_on_every_rank_at_once(tmp_path):
     start = time.monotonic()
     errors = run_workers(saving_worker, 2, str(tmp_path / "ckpt"), "full", timeout=60)
