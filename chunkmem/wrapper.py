@@ -203,8 +203,7 @@ class ChunkedModel(nn.Module):
         records = self.runtime.store.records
         self.runtime.adopt_data()
         by_record = self.runtime.data.values(root=root)
-        shards = self.runtime.shards
-        if root is not None and shards is not None and shards.rank != root:
+        if not self.runtime.data.receives(root):
             return {}
         values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
         return {name: values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)

@@ -67,8 +67,7 @@ class ModelData:
         """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks: on every rank, or
         under ZeRO on rank `root` alone (the others get none)."""
         out = {}
-        here = root is None or self.shards is None or self.shards.rank == root
-        for group in self.store.groups if here else ():
+        for group in self.store.groups if self.receives(root) else ():
             if group.owned and (kind == "master" or group.trainable):
                 chunk = group.master if kind == "master" else group.chunks[kind]
                 flat = self.read(chunk).detach().to("cpu", torch.float32)
@@ -88,6 +87,10 @@ class ModelData:
             for position, group in enumerate(groups):
                 out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
         return out
+
+    def receives(self, root: int | None) -> bool:
+        """Whether this rank gets what `values(..., root)` gathers."""
+        return root is None or self.shards is None or self.shards.rank == root
 
     def fp32_value(self, record: ParamRecord) -> torch.Tensor:
         return record.view(self.read(record.group.master)).detach().to("cpu", torch.float32, copy=True)
