@@ -21,13 +21,16 @@ step (`take`), as torch.optim would read it, or when the gradients are hidden ag
 or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
 accumulates into the chunks, not into `p.grad`. A `p.grad` the user assigns with no backward (from
 torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
+`zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
+`p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
+frees it, and the next backward writes it afresh.
 Not under ZeRO: a rank holds only its share of each gradient, and `p.grad` stays None there
 (model.clip_grad_norm_ combines the shares).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection, Container
 
 import torch
 
@@ -46,9 +49,14 @@ class ShownGrads:
         # Parameter chunks on the device whose parameters view their host payload, with those parameters'
         # versions then (the Note).
         self.host_viewed: dict[ChunkGroup, list[int]] = {}
+        # Gradient chunks zero_grad(set_to_none=False) zeroed, with the shown gradients and their versions then.
+        self.zeroed: dict[ChunkGroup, list[tuple[torch.Tensor, int]]] = {}
 
-    def show(self) -> None:
-        """Point every `p.grad` of a parameter with a gradient at it (the end of a backward)."""
+    def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
+        """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
+        that left zeros in those of the groups `zeroed` (the Note)."""
+        if zeroed is None:
+            self.zeroed.clear()
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
             chunk = group.grad
@@ -75,6 +83,8 @@ class ShownGrads:
                 if grad is not None and grad.device == record.param.device:
                     record.param.grad = grad
                     self.shown[record] = grad
+            if zeroed is not None and group in zeroed:
+                self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
 
     def restore(self) -> None:
         """Parameters that view their host payload beside a clean device copy view the device copy again, or, if
@@ -94,10 +104,20 @@ class ShownGrads:
         unless `edits` is False: autograd added into the shown one (Runtime._take_grad)."""
         if edits:
             self.take(records)
+        if records is None:
+            self.forget_zeros()
         self.restore()
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             del self.shown[record]
+
+    def forget_zeros(self) -> None:
+        """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as
+        set_to_none=True frees them: the next backward writes them afresh (the Note)."""
+        for group, shown in self.zeroed.items():
+            if all(grad._version == version for grad, version in shown):
+                self.residency.reset(group.grad)
+        self.zeroed.clear()
 
     def take(self, records: Container[ParamRecord] | None = None) -> None:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of

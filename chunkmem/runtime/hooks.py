@@ -122,7 +122,8 @@ class Hooks:
         self.hooked: list[nn.Parameter] = []  # their parameters
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
         self.forwarding = False  # inside `forward()`, the model's own forward pass
-        self.outside: tuple[nn.Module, FetchMode] | None = None  # a module running outside it, and its mode
+        # A module running outside it, and the contexts it entered.
+        self.outside: tuple[nn.Module, contextlib.ExitStack] | None = None
         # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
@@ -195,10 +196,7 @@ class Hooks:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
             return
         if not self.forwarding and self.outside is None:
-            # Backward re-computes a checkpointed module (or a module is called on its own): its ops need
-            # FetchMode as in the forward (weights used outside their module, BatchNorm's statistics).
-            self.outside = (module, FetchMode(self.runtime))
-            self.outside[1].__enter__()
+            self._enter_outside(module)
         if self._acquires(module):
             self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
         elif self._moment_inside():
@@ -214,8 +212,22 @@ class Hooks:
         if acquired or self._moment_inside():
             self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
-            mode, self.outside = self.outside[1], None
-            mode.__exit__(None, None, None)
+            contexts, self.outside = self.outside[1], None
+            contexts.close()
+
+    def _enter_outside(self, module: nn.Module) -> None:
+        """Backward re-computes a checkpointed module (or a module is called on its own): its ops need FetchMode as
+        in the forward (weights used outside their module, BatchNorm's statistics), and the parameters autograd
+        saves meanwhile are packed by chunk address, as in the forward, unless saved-tensor hooks are on (torch's
+        non-reentrant checkpointing re-computes under its own, which keep what they save on the device). Reentrant
+        checkpointing re-computes with none, and its backward, inside the model's, would otherwise read a
+        parameter where it is then: on the host once its chunk has left."""
+        contexts = contextlib.ExitStack()
+        contexts.enter_context(FetchMode(self.runtime))
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                functools.partial(self.runtime.pack, metered=False), self.runtime.unpack))
+        self.outside = (module, contexts)
 
     def _acquires(self, module: nn.Module) -> bool:
         """Whether `module` acquires parameters when it runs (units.py's Note): a unit, a module outside every unit,

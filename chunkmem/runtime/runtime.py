@@ -337,21 +337,23 @@ class Runtime:
                 record.uses = 1
                 self.release([record])
 
-    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | torch.Tensor:
-        """What autograd keeps of a saved tensor: a reference into its chunk, or the tensor detached. Never the
-        tensor itself: an op's output, saved by that op, holds its grad_fn, which holds what the hook returned, a
-        cycle through autograd's C++ side that Python's collector cannot see. A graph backward did not consume
-        (an output dropped, backward failing halfway) then kept its activations on the device for good."""
+    def pack(self, tensor: torch.Tensor, metered: bool = True) -> Saved | ChunkRef | torch.Tensor:
+        """What autograd keeps of a saved tensor: a reference into its chunk, or the tensor detached (and metered,
+        while the forward meters them and `metered`). Never the tensor itself: an op's output, saved by that op,
+        holds its grad_fn, which holds what the hook returned, a cycle through autograd's C++ side that Python's
+        collector cannot see. A graph backward did not consume (an output dropped, backward failing halfway) then
+        kept its activations on the device for good."""
+        metered = metered and self.metering
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
-            return self.activations.wrap(tensor) if self.metering else tensor.detach()
+            return self.activations.wrap(tensor) if metered else tensor.detach()
         ptr = storage.data_ptr()
         source: Chunk | Key | None = self.residency.by_storage.get(ptr)
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
-            return self.activations.wrap(tensor, storage) if self.metering else tensor.detach()
+            return self.activations.wrap(tensor, storage) if metered else tensor.detach()
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
 
     def unpack(self, saved: Saved | ChunkRef | torch.Tensor) -> torch.Tensor:
@@ -739,7 +741,7 @@ class Runtime:
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
-        kept = False
+        kept, zeroed = False, []
         self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()
@@ -747,12 +749,14 @@ class Runtime:
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
             chunk = group.grad
-            if len(cleared) == len(group.members):
+            if len(cleared) == len(group.members) and (set_to_none or chunk.state is ChunkState.FREE):
                 self.residency.reset(chunk)
             elif cleared and chunk.state is not ChunkState.FREE:
-                flat = self.data.writable(chunk, chunk.state.on_device)
-                for record in cleared:
-                    record.view(flat).zero_()
+                held = [r for r in cleared if r.grad_state is TensorState.HOLD]
+                if held:  # zeros in `p.grad`, as PyTorch leaves them (grads.py's Note)
+                    torch._foreach_zero_(self.data.grads(held, chunk.state.on_device, write=True))
+                if len(cleared) == len(group.members):
+                    zeroed.append(group)
             if set_to_none:
                 for record in cleared:
                     record.move_grad("free")
@@ -765,6 +769,8 @@ class Runtime:
             # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
             torch._foreach_mul_(self.data.grad_views(), self.scaler.scale)
         self.grads_scaled = self.scaler is not None
+        if not set_to_none and self.shards is None:
+            self.grads.show(zeroed)
 
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)

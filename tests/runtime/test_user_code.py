@@ -70,6 +70,48 @@ def test_gradients_cleared_by_hand_are_not_added_to_the_next_ones(budget, zero) 
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("before_backward", [False, True], ids=["after the step", "between forward and backward"])
+def test_gradients_zeroed_but_kept_read_as_zeros_and_take_what_is_added(budget, before_backward) -> None:
+    shown: list[list[torch.Tensor | None]] = []  # what p.grad reads after each zero_grad, run by run
+
+    def zero(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad(set_to_none=False)
+        shown[-1].extend(None if p.grad is None else p.grad.clone() for p in model.parameters())
+        for param in model.parameters():  # an L2 term added by hand, into the zeros
+            if param.grad is not None:
+                param.grad.add_(param.detach(), alpha=1e-2)
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        shown.append([])
+        for ids in gpt2_batches(STEPS):
+            loss = gpt2_loss(model, ids)
+            if before_backward:
+                zero(model, opt)
+            loss.backward()
+            opt.step()
+            if not before_backward:
+                zero(model, opt)
+
+    same_bits(loop, budget)
+    want, got = shown
+    assert [g is None for g in got] == [g is None for g in want]
+    assert all(g is None or torch.equal(g, w) for g, w in zip(got, want))
+    assert any(g is not None for g in want)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_of_either_kind(budget, reentrant) -> None:
+    # Reentrant checkpointing re-computes with no saved-tensor hooks, inside the model's backward: the parameters it
+    # saves must still come back to the device when its own backward reads them.
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        unwrapped(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+        steps(lambda model, opt: opt.zero_grad())(model, opt)
+
+    same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget) -> None:
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         seen = []
@@ -148,3 +190,17 @@ def test_steps_whose_loss_is_a_penalty_on_parameters_alone_train_as_plain_pytorc
             opt.zero_grad()
 
     same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("budget", [0.3, 3.0])  # streaming all; some groups homed, their gradients on the device
+def test_gradients_zeroed_but_kept_cost_what_freed_ones_do(budget) -> None:
+    # Zeros nothing was added into are freed when the next forward hides them: the same traffic and peak (the
+    # next backward adds into zeros, a host add where it streams, where set_to_none's writes).
+    stats = []
+    for set_to_none in (True, False):
+        model = tiny_gpt2()
+        cm, opt = prepared(model, ADAMW, device_memory=int(param_bytes(model) * budget))
+        steps(lambda model, opt: opt.zero_grad(set_to_none=set_to_none))(cm, opt)
+        traffic = cm.memory_stats()
+        stats.append({k: traffic[k] for k in ("h2d_bytes", "d2h_bytes", "evictions", "device_chunk_bytes_peak")})
+    assert stats[0] == stats[1]
