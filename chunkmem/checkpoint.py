@@ -35,7 +35,6 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from chunkmem.chunks.state import ChunkState
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
@@ -390,14 +389,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
     model.load_state_dict(restore.values)
     for saved, group in zip(restore.groups, optimizer.param_groups):
         group.update(saved)
-    for record, step in optimizer.steps.items():
-        step.fill_(restore.steps[record])
-        for kind in optimizer.runtime.store.families.saved if record.group.owned else ():
-            chunk = record.group.chunks[kind]
-            value = restore.states.get((record, kind))
-            if value is not None or chunk.state is not ChunkState.FREE:
-                view = record.view(runtime.data.writable(chunk, chunk.state.on_device))
-                view.copy_(value) if value is not None else view.zero_()
+    optimizer.set_states(restore.steps, restore.states)
     if restore.scaler is not None and runtime.scaler is not None:
         runtime.scaler.__dict__.update(restore.scaler)
     model.zero_grad()
@@ -408,7 +400,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     runtime = model.runtime
     root = None if runtime.shards is None else 0
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.consolidated(root)).items()}
-    steps = _steps(optimizer)
+    steps = steps_by_name(optimizer)
     for kind in optimizer.runtime.store.families.saved:
         for record, value in runtime.data.values(kind, root).items():
             if record in optimizer.steps and steps[record.name] > 0:  # a manager's runtime holds other models' too
@@ -422,7 +414,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     return tensors, meta
 
 
-def _steps(optimizer: ChunkOptimizer) -> dict[str, float]:
+def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:
     """Step counts by parameter name; under ZeRO only a parameter's owner counts its steps."""
     records = list(optimizer.steps)
     steps = torch.stack([optimizer.steps[r] if r.group.owned else torch.zeros(()) for r in records]).double()

@@ -10,7 +10,8 @@ once every trained model's optimizer has stepped (an actor's and a critic's), so
 (`Runtime.optimizer_done`); with one trained model, at its optimizer's `step()`, as for one model.
 
 Each `prepare` builds the runtime again over every model so far, their chunks laid out anew from the values
-they hold now, and points the models and optimizers returned before at it. So the budget check of the last
+they hold now (and the step counts and states of an optimizer that has some: a checkpoint loaded between two
+prepares), and points the models and optimizers returned before at it. So the budget check of the last
 `prepare` sees all the models and refuses a budget too small for them there, with the bytes needed; and a
 `prepare` that raises leaves every model as it was (the earlier ones on the runtime they had). Building again
 is allowed only before the first forward of a step: afterwards the record, the plan and optimizer states exist.
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from chunkmem.checkpoint import steps_by_name
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ModelSet
 from chunkmem.config import Config
@@ -69,6 +71,7 @@ class Manager:
         self._check_can_add(model, rule)
         before = Snapshot.of(model)
         earlier = [m.module for m in self.models]
+        stepped = [_stepped(o) for o in self.optimizers]
         values = _off_device(self.runtime) if self.runtime is not None else {}
         views = Snapshot.of(ModelSet(earlier))
         hooked: list[ChunkedModel] = []
@@ -91,12 +94,19 @@ class Manager:
             views.restore()
             raise
         wrapped = hooked[0]
-        for earlier_model, earlier_optimizer in zip(self.models, self.optimizers):
+        if self.runtime is not None and self.runtime.scaler is not None and runtime.scaler is not None:
+            runtime.scaler.__dict__.update(self.runtime.scaler.__dict__)
+        for earlier_model, earlier_optimizer, state in zip(self.models, self.optimizers, stepped):
             earlier_model.hooks.remove()
             earlier_model.runtime = runtime
             earlier_model.hooks = Hooks(earlier_model.module, runtime)
             if earlier_optimizer is not None:
                 earlier_optimizer.move_to(runtime)
+            if earlier_optimizer is not None and state is not None:
+                records = runtime.store.records
+                steps, states = state
+                earlier_optimizer.set_states({records[p]: n for p, n in steps.items()},
+                                             {(records[p], kind): v for (p, kind), v in states.items()})
         self.models.append(wrapped)
         self.optimizers.append(prepared)
         self.rule = trained
@@ -135,9 +145,29 @@ class Manager:
                              "manager share no parameters (prepare a copy, copy.deepcopy)")
 
 
+Stepped = tuple[dict[nn.Parameter, float], dict[tuple[nn.Parameter, str], torch.Tensor]]
+
+
+def _stepped(optimizer: ChunkOptimizer | None) -> Stepped | None:
+    """An earlier optimizer's step counts and states by parameter, where it has steps (a checkpoint loaded before
+    this prepare), for the new layout to start from; None where it has none. Under ZeRO a collective, as every rank
+    prepares the same models in the same order."""
+    if optimizer is None:
+        return None
+    counts = steps_by_name(optimizer)
+    if not any(counts.values()):
+        return None
+    data, families = optimizer.runtime.data, optimizer.runtime.store.families
+    states = {(record.param, kind): value for kind in families.saved
+              for record, value in data.values(kind).items() if record in optimizer.steps}
+    return {record.param: counts[record.name] for record in optimizer.steps}, states
+
+
 def _off_device(runtime: Runtime) -> dict[nn.Parameter, torch.Tensor]:
     """Every parameter's fp32 value in `runtime`, for a new layout to read: a view of its chunk's host payload, once
-    every chunk has left the device, so that their memory is free for the new one (the runtime stays usable)."""
+    every chunk has left the device, so that their memory is free for the new one (the runtime stays usable). A
+    value given other storage since (`p.data = t`) goes into its chunks first."""
+    runtime.adopt_data()
     for chunk in list(runtime.residency.resident.values()):
         runtime.residency.evict(chunk)
     runtime.device.arena.release()

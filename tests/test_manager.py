@@ -173,6 +173,37 @@ def test_a_checkpoint_of_the_trained_model_resumes_exactly(tmp_path):
     assert [step(policy, optimizer, reference, pair) for pair in batches[2:]] == expected
 
 
+@pytest.mark.parametrize("budget", [None, "small"])
+def test_a_checkpoint_loaded_between_two_prepares_resumes_exactly(tmp_path, budget):
+    # The reference's prepare lays the policy out again: its step counts and optimizer states come along.
+    batches = pairs(4)
+    budget = small_budget()[0] if budget else None
+    manager, (policy, optimizer, reference) = managed(budget)
+    for pair in batches[:2]:
+        step(policy, optimizer, reference, pair)
+    chunkmem.save_checkpoint(tmp_path / "ckpt", policy, optimizer)
+    expected = [step(policy, optimizer, reference, pair) for pair in batches[2:]], policy.state_dict()
+    policy, reference = models()
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK, device_memory=budget))
+    policy, optimizer = manager.prepare(policy, adamw(policy))
+    chunkmem.load_checkpoint(tmp_path / "ckpt", policy, optimizer)
+    reference = manager.prepare(reference)
+    losses = [step(policy, optimizer, reference, pair) for pair in batches[2:]]
+    assert losses == expected[0]
+    assert all(torch.equal(policy.state_dict()[k], v) for k, v in expected[1].items())
+
+
+def test_parameters_given_other_storage_between_two_prepares_keep_it():
+    policy, reference = models()
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK))
+    policy, optimizer = manager.prepare(policy, adamw(policy))
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(torch.zeros(sum(p.numel() for p in policy.parameters())),
+                                            policy.parameters())  # p.data = ... for each
+    manager.prepare(reference)
+    assert all(not v.any() for v in policy.state_dict().values())
+
+
 def test_a_budget_too_small_for_the_largest_working_set_is_refused_at_the_last_prepare_changing_nothing():
     policy, _ = models()
     manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK,

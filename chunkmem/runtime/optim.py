@@ -298,6 +298,18 @@ class ChunkOptimizer(Optimizer):
         self.group_of()  # a zero step count for each parameter
         self._make_ahead()
 
+    def set_states(self, steps: dict[ParamRecord, float], states: dict[tuple[ParamRecord, str], torch.Tensor]) -> None:
+        """Every parameter's step count, and its states of each kind, from `states` (those it lacks: zeros)."""
+        data = self.runtime.data
+        for record, step in self.steps.items():
+            step.fill_(steps[record])
+            for kind in self.runtime.store.families.saved if record.group.owned else ():
+                chunk = record.group.chunks[kind]
+                value = states.get((record, kind))
+                if value is not None or chunk.state is not ChunkState.FREE:
+                    view = record.view(data.writable(chunk, chunk.state.on_device))
+                    view.copy_(value) if value is not None else view.zero_()
+
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
         records = self.runtime.store.records
