@@ -742,6 +742,7 @@ class Runtime:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept, zeroed = False, []
+        shown = not set_to_none and self.shards is None  # zeros in `p.grad`, as PyTorch leaves them (grads.py's Note)
         self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()
@@ -749,18 +750,19 @@ class Runtime:
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
             chunk = group.grad
-            if len(cleared) == len(group.members) and (set_to_none or chunk.state is ChunkState.FREE):
+            whole = len(cleared) == len(group.members)
+            if whole and (not shown or chunk.state is ChunkState.FREE):
                 self.residency.reset(chunk)
             elif cleared and chunk.state is not ChunkState.FREE:
                 held = [r for r in cleared if r.grad_state is TensorState.HOLD]
-                if held:  # zeros in `p.grad`, as PyTorch leaves them (grads.py's Note)
+                if held:
                     torch._foreach_zero_(self.data.grads(held, chunk.state.on_device, write=True))
-                if len(cleared) == len(group.members):
+                if whole:
                     zeroed.append(group)
             if set_to_none:
                 for record in cleared:
                     record.move_grad("free")
-            kept = kept or len(cleared) < len(group.members)
+            kept = kept or not whole
         if set_to_none:  # under ZeRO, other ranks' parameters too: which got a gradient is agreed per step
             for record in (r for g in self.store.groups if g.trainable and not g.owned for r in g.members):
                 if only is None or record in only:
@@ -769,7 +771,7 @@ class Runtime:
             # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
             torch._foreach_mul_(self.data.grad_views(), self.scaler.scale)
         self.grads_scaled = self.scaler is not None
-        if not set_to_none and self.shards is None:
+        if shown:
             self.grads.show(zeroed)
 
     def memory_stats(self) -> dict[str, int]:
