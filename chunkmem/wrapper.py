@@ -176,10 +176,14 @@ class ChunkedModel(nn.Module):
         if runtime.scaler is not None and runtime.grads_scaled:
             torch._foreach_mul_(grads, 1.0 / runtime.scaler.scale)
             runtime.grads_scaled = False
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach) if grads \
+        total = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach) if grads \
             else torch.zeros((), device=runtime.device.torch_device)
         if runtime.shards is not None:  # each rank holds a share of the gradients: combine the norms
             total = _global_norm(runtime, total, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):  # on every rank alike, as the norm is global
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                               "so it cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
         # torch.nn.utils.clip_grads_with_norm_ reads `p.grad`; these are views, so apply its rule here.
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # Host gradients need the coefficient on the host anyway. Multiplied by 1 they keep every bit, so they are

@@ -432,3 +432,25 @@ def test_ranks_that_gather_different_groups_fail_the_step_instead_of_mixing_them
     # the other: without the check both ranks train on mixed weights and gradients, silently.
     messages = run_workers(diverging_worker, 2, timeout=120)
     assert all("gather_units" in m and "no parameter was updated" in m for m in messages)
+
+
+def nonfinite_worker(rank: int, world: int) -> list[bool]:
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               chunkmem.Config(device="cpu", chunk_size=32 * 32 + 32))
+    model[2].weight.register_hook(lambda grad: grad * float("inf"))  # one rank's share holds it
+    raised = []
+    for batch in global_batches("mlp", 2):
+        mlp_loss(cm, shard(batch, rank, world)).backward()
+        try:
+            cm.clip_grad_norm_(1.0, error_if_nonfinite=True)
+            opt.step()
+        except RuntimeError as error:  # skip the step, as loops that catch it do
+            raised.append("non-finite" in str(error))
+        opt.zero_grad()
+    return raised
+
+
+def test_a_non_finite_norm_raises_on_every_rank_so_a_loop_that_skips_the_step_goes_on():
+    # It raised on the rank whose share held the gradient only, and the other waited in the next collective.
+    assert run_workers(nonfinite_worker, 2, timeout=120, group_timeout=30) == [[True, True]] * 2
