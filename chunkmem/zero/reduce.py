@@ -74,15 +74,9 @@ class Reducer:
 
     def reduce_unit(self, keys: Sequence[Key]) -> None:
         """Every trainable group of a unit, on every rank: zeros where this rank's gradients skipped it.
-        Which parameters got a gradient on some rank is agreed too, so that every owner steps those (and
-        only those, as PyTorch leaves a parameter without gradient untouched)."""
+        Which parameters got a gradient on some rank is agreed too (`_agree`)."""
         keys = [key for key in keys if key[0]]
-        records = [r for key in keys for g in self.shards.members[key] for r in g.members]
-        if records:  # one collective for the unit
-            got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
-            for record, anywhere in zip(records, self.shards.all_reduce(got, dist.ReduceOp.MAX).tolist()):
-                if anywhere and record.grad_state is TensorState.FREE:
-                    record.move_grad("write")
+        self._agree([r for key in keys for g in self.shards.members[key] for r in g.members])
         for key in keys:
             full = self.unit_grads.pop(key, None)
             self._start(key, full if full is not None else self._zeros())
@@ -96,6 +90,20 @@ class Reducer:
         if self.reducing is not None:
             self._finish()
         self.arrived.clear()
+        # A parameter outside units used by some ranks' data only (a branch some samples take): its owner steps it
+        # too. Issued last, after every reduce-scatter, whenever a rank started that group's.
+        self._agree([r for key, groups in self.shards.members.items() if key[0] and key not in self.shards.unit_of
+                     for g in groups for r in g.members])
+
+    def _agree(self, records: list[ParamRecord]) -> None:
+        """Which of `records` got a gradient on some rank, agreed in one collective: their owners step them (and only
+        them, as PyTorch leaves a parameter without gradient untouched)."""
+        if not records:
+            return
+        got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
+        for record, anywhere in zip(records, self.shards.all_reduce(got, dist.ReduceOp.MAX).tolist()):
+            if anywhere and record.grad_state is TensorState.FREE:
+                record.move_grad("write")
 
     def clear(self) -> None:
         """Let go of every buffer, waiting for nothing (Shards.close)."""

@@ -454,3 +454,63 @@ def nonfinite_worker(rank: int, world: int) -> list[bool]:
 def test_a_non_finite_norm_raises_on_every_rank_so_a_loop_that_skips_the_step_goes_on():
     # It raised on the rank whose share held the gradient only, and the other waited in the next collective.
     assert run_workers(nonfinite_worker, 2, timeout=120, group_timeout=30) == [[True, True]] * 2
+
+
+class Branch(torch.nn.Module):
+    """A linear layer, plus a weight only samples whose first feature is positive use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.branch = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        taken = (x[:, 0] > 0).nonzero().flatten()
+        y = self.linear(x)
+        return torch.tanh(y.index_add(0, taken, x[taken] @ self.branch) if taken.numel() else y)
+
+
+def branch_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Branch(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def branch_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Only the second half's samples (rank 1's of 2) take the branch."""
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        x[:, 0] = x[:, 0].abs() + 0.1
+        x[:4, 0] *= -1
+        batches.append((x, torch.randn(8, 4, generator=gen)))
+    return batches
+
+
+def branch_worker(rank: int, world: int) -> dict:
+    model = branch_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               chunkmem.Config(device="cpu", chunk_size=16 * 16 + 16))
+    owner = cm.runtime.store.records[model[0].branch].group.index % world
+    for batch in branch_batches(2):
+        mlp_loss(cm, shard(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"owner": owner, "updates": updates(initial, cm.state_dict())}
+
+
+def test_a_parameter_only_another_ranks_data_uses_is_stepped_by_its_owner():
+    # Rank 0 owns the branch's weight, rank 1's samples alone take the branch: the owner did not step it.
+    model = branch_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in branch_batches(2):  # DDP's average: the mean of each half's mean loss
+        sum(mlp_loss(model, shard(batch, rank, 2)) for rank in range(2)).div(2).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = updates(initial, model.state_dict())
+    for got in run_workers(branch_worker, 2, timeout=120):
+        assert got["owner"] == 0
+        assert got["updates"]["0.branch"].abs().max() > 0
+        assert_matches({"updates": expected, "losses": []}, {"updates": got["updates"], "losses": []}, atol=1e-6)
