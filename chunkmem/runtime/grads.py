@@ -24,19 +24,33 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, and the next backward writes it afresh.
-Not under ZeRO: a rank holds only its share of each gradient, and `p.grad` stays None there
-(model.clip_grad_norm_ combines the shares).
+Not under ZeRO: a rank holds only its share of each gradient, so there `p.grad` shows a `ShardedGrad`, whose every
+use raises (model.clip_grad_norm_ combines the shares); with None there, torch.nn.utils.clip_grad_norm_ found no
+gradient and clipped nothing, and a fast zero_grad (`p.grad = None`) cleared nothing. Both now raise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Container
+from typing import Any
 
 import torch
 
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
+
+
+ZERO_GRADS = ("under ZeRO each rank holds a share of every gradient, so p.grad can be neither read nor set: clip "
+              "with model.clip_grad_norm_(max_norm), clear with optimizer.zero_grad() or model.zero_grad()")
+
+
+class ShardedGrad(torch.Tensor):
+    """`p.grad` under ZeRO, from a backward until the gradients are hidden again (the Note): any use raises."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise RuntimeError(ZERO_GRADS)
 
 
 class ShownGrads:
@@ -51,6 +65,8 @@ class ShownGrads:
         self.host_viewed: dict[ChunkGroup, list[int]] = {}
         # Gradient chunks zero_grad(set_to_none=False) zeroed, with the shown gradients and their versions then.
         self.zeroed: dict[ChunkGroup, list[tuple[torch.Tensor, int]]] = {}
+        # Under ZeRO, each parameter's ShardedGrad, made once, with the device and dtype it was made for.
+        self.sharded: dict[ParamRecord, tuple[torch.Tensor, torch.device, torch.dtype]] = {}
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
@@ -85,6 +101,17 @@ class ShownGrads:
                     self.shown[record] = grad
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
+
+    def show_sharded(self) -> None:
+        """Under ZeRO, at the end of a backward: every parameter with a gradient shows a ShardedGrad (the Note)."""
+        for record in self.store.records.values():
+            if record.grad_state is not TensorState.HOLD:
+                continue
+            param, made = record.param, self.sharded.get(record)
+            if made is None or made[1:] != (param.device, param.dtype):  # (its reads raise: the kind it was made of)
+                base = torch.empty((), dtype=param.dtype, device=param.device).expand(record.shape)
+                made = self.sharded[record] = torch.Tensor._make_subclass(ShardedGrad, base), param.device, param.dtype
+            param.grad = self.shown[record] = made[0]
 
     def restore(self) -> None:
         """Parameters that view their host payload beside a clean device copy view the device copy again, or, if
@@ -129,6 +156,8 @@ class ShownGrads:
             grad = record.param.grad
             if grad is shown:
                 continue
+            if type(shown) is ShardedGrad:
+                raise RuntimeError(ZERO_GRADS)
             if grad is None:
                 record.move_grad("free")
                 del self.shown[record]

@@ -514,3 +514,32 @@ def test_a_parameter_only_another_ranks_data_uses_is_stepped_by_its_owner():
         assert got["owner"] == 0
         assert got["updates"]["0.branch"].abs().max() > 0
         assert_matches({"updates": expected, "losses": []}, {"updates": got["updates"], "losses": []}, atol=1e-6)
+
+
+def grads_worker(rank: int, world: int) -> list[str]:
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    batch = shard(global_batches("mlp", 1)[0], rank, world)
+    raised = []
+    mlp_loss(cm, batch).backward()
+    for use in (lambda: torch.nn.utils.clip_grad_norm_(cm.parameters(), 1e-3), lambda: cm.module[0].weight.grad.norm()):
+        with pytest.raises(RuntimeError, match="ZeRO") as error:
+            use()
+        raised.append(str(error.value))
+    assert cm.clip_grad_norm_(1e9) > 0  # the shares' global norm
+    opt.step()
+    for param in cm.parameters():
+        param.grad = None  # the fast zero_grad: nothing would clear the gradient chunks
+    with pytest.raises(RuntimeError, match="ZeRO") as error:
+        mlp_loss(cm, batch).backward()
+    raised.append(str(error.value))
+    opt.zero_grad()
+    assert all(p.grad is None for p in cm.parameters())
+    return raised
+
+
+def test_a_gradient_under_zero_cannot_be_read_or_set_through_p_grad():
+    # Each rank holds a share: p.grad was None, so torch.nn.utils.clip_grad_norm_ returned 0 and clipped nothing,
+    # and `p.grad = None` cleared nothing (the next backward added onto the old gradients). Now both raise.
+    for raised in run_workers(grads_worker, 2, timeout=120):
+        assert len(raised) == 3 and all("model.clip_grad_norm_" in m for m in raised)
