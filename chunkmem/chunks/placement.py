@@ -223,13 +223,14 @@ class Placer:
                 if not chunk.state.on_device:
                     self.residency.bring(chunk)
             return
-        if self.off_path:
-            self._fetch(chunks)
-            return
         names = tuple([c.name for c in chunks])
         held = self._held(names) if self.pinned else ()
         if nonmodel is None:
             nonmodel = self.nonmodel()
+        if self.off_path:  # evaluation or generation between steps: no plan for it, the warm-up's rule
+            self._conservative_now(nonmodel, sum(self.sizes[n] for n in {*names, *held}))
+            self._fetch(chunks)
+            return
         self.events.append(Event(kind, names, group, nonmodel, held))
         if kind != "use" and group not in self.homes:
             return

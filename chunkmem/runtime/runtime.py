@@ -595,7 +595,9 @@ class Runtime:
     def adopt_data(self) -> None:
         """A parameter given other storage by the user (`p.data = t`, torch.nn.utils.vector_to_parameters) no longer
         views its chunk, which would point it back and lose the value: its value goes into its chunks first (before a
-        forward, a step, a state_dict). Not under ZeRO, where parameters view gathered copies."""
+        forward, a step, a state_dict). Not a cast of its value to another dtype (`module.to(torch.float32)`, which
+        SwitchTransformers' router does to its classifier in every forward): the master keeps its precision (it took the
+        rounding to bf16 before). Not under ZeRO, where parameters view gathered copies."""
         if self.shards is not None:
             return
         store = self.store
@@ -609,7 +611,10 @@ class Runtime:
             viewed = flat.untyped_storage().data_ptr()
             moved = [r for r in group.members if r.param.untyped_storage().data_ptr() != viewed]
             for record in moved:
-                self.data.set_value(record, record.param.detach().to("cpu", copy=True))
+                value = record.param.detach()
+                if value.dtype == chunk.dtype or not torch.equal(
+                        value.to(chunk.dtype), record.view(self.data.read(chunk)).to(value.device)):
+                    self.data.set_value(record, value.to("cpu", copy=True))
             if moved:
                 store.point_views(chunk)
 
@@ -720,6 +725,8 @@ class Runtime:
         failed = self.ahead.backward_done() if self.ahead is not None else None
         if self.shards is None:
             self.grads.show()
+        else:
+            self.grads.show_sharded()
         if failed is not None:  # an update made ahead (step() makes it again)
             raise failed
 
@@ -746,7 +753,7 @@ class Runtime:
         self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()
-        self.grads.hide(only)
+        self.grads.hide(only, edits=self.shards is None)  # under ZeRO p.grad cannot be set, and this clears it anyway
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
             chunk = group.grad

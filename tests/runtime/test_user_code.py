@@ -111,6 +111,58 @@ def test_activation_checkpointing_of_either_kind(budget, reentrant) -> None:
     same_bits(loop, budget)
 
 
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_a_module_cast_to_fp32_in_forward_keeps_its_fp32_master_weights(budget) -> None:
+    # SwitchTransformers' router casts its classifier to fp32 in every forward: each weight's storage is replaced by
+    # its bf16 value widened. That was taken as a value the user gave, and with no budget the master weight became
+    # its own bf16 rounding (with lr=0 nothing may change).
+    from tests import zoo
+
+    arch = next(a for a in zoo.DATA_DEPENDENT if a.name == "switch")
+    model, batch = arch.build(), arch.batches(1)[0]
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = prepared(model, functools.partial(torch.optim.AdamW, lr=0.0, weight_decay=0.0), dtype="bf16",
+                       device_memory=None if budget is None else int(param_bytes(model) * budget))
+    for _ in range(2):
+        zoo.loss(cm, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(v, initial[k]) for k, v in cm.state_dict().items())
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def test_an_evaluation_after_each_step_runs_at_the_budget_training_runs_at() -> None:
+    # The evaluation's forward is off the plan; it fetched under the budget of the step's last access (a
+    # quarter of this one), and its first module of two chunks failed with MemoryBudgetError.
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(3, 128, (4, 32), generator=gen), torch.randint(0, 3, (4,), generator=gen))
+               for _ in range(3)]
+    evaluated: list[torch.Tensor] = []
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids, labels in batches:
+            model.train()
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                evaluated.append(model(input_ids=batches[0][0]).logits)
+
+    same_bits(loop, 60000 / param_bytes(tiny_bert()), tiny_bert())
+    half = len(evaluated) // 2
+    assert all(torch.equal(a, b) for a, b in zip(evaluated[:half], evaluated[half:]))
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget) -> None:
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
