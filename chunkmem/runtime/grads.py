@@ -24,9 +24,10 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, and the next backward writes it afresh.
-Not under ZeRO: a rank holds only its share of each gradient, so there `p.grad` shows a `ShardedGrad`, whose every
-use raises (model.clip_grad_norm_ combines the shares); with None there, torch.nn.utils.clip_grad_norm_ found no
-gradient and clipped nothing, and a fast zero_grad (`p.grad = None`) cleared nothing. Both now raise.
+Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
+raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
+torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
+clear nothing; set, it raises at the next forward or step.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class ShownGrads:
             if record.grad_state is not TensorState.HOLD:
                 continue
             param, made = record.param, self.sharded.get(record)
-            if made is None or made[1:] != (param.device, param.dtype):  # (its reads raise: the kind it was made of)
+            if made is None or made[1:] != (param.device, param.dtype):  # (reading the guard's own would raise)
                 base = torch.empty((), dtype=param.dtype, device=param.device).expand(record.shape)
                 made = self.sharded[record] = torch.Tensor._make_subclass(ShardedGrad, base), param.device, param.dtype
             param.grad = self.shown[record] = made[0]
