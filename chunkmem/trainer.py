@@ -105,7 +105,16 @@ class ChunkmemTrainer(Trainer):
             (Path(output_dir) / SCHEDULER_FILE).write_text(json.dumps(state))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not (Path(checkpoint) / OPTIMIZER_DIR).exists():
+        if checkpoint is None:
+            return
+        if not (Path(checkpoint) / OPTIMIZER_DIR).exists():
+            if any((Path(checkpoint) / name).exists() for name in ("optimizer.pt", "optimizer.bin", "scheduler.pt")):
+                # Resumed without them, the optimizer states and the learning-rate schedule would start again.
+                raise ValueError(f"ChunkmemTrainer: {checkpoint} is a checkpoint of transformers' Trainer "
+                                 "(optimizer.pt, scheduler.pt): a chunkmem optimizer keeps its state in chunks and "
+                                 "cannot read it. "
+                                 f"Resume from a ChunkmemTrainer checkpoint (with {OPTIMIZER_DIR}/), or start "
+                                 "from the model weights alone (from_pretrained, no resume_from_checkpoint)")
             return
         chunkmem.load_checkpoint(Path(checkpoint) / OPTIMIZER_DIR, self._prepared(), self._chunk_optimizer())
         scheduler_file = Path(checkpoint) / SCHEDULER_FILE

@@ -18,7 +18,8 @@ import chunkmem  # noqa: E402
 from chunkmem.trainer import OPTIMIZER_DIR, ChunkmemTrainer  # noqa: E402
 
 
-def fit(trainer_cls: type, model: torch.nn.Module, output: Path, **extra) -> transformers.Trainer:
+def fit(trainer_cls: type, model: torch.nn.Module, output: Path, resume: Path | None = None,
+        **extra) -> transformers.Trainer:
     ids = torch.randint(0, 16, (32, 24), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(
@@ -26,7 +27,7 @@ def fit(trainer_cls: type, model: torch.nn.Module, output: Path, **extra) -> tra
         max_grad_norm=0.5, logging_steps=1, save_steps=4, report_to=[], use_cpu=True, disable_tqdm=True,
         seed=0, data_seed=0, dataloader_num_workers=0)
     trainer = trainer_cls(model=model, args=args, train_dataset=data, **extra)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -53,3 +54,14 @@ def test_trainer_matches_plain_trainer_and_saves(tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, chunked.model.eval()(ids).logits)
         torch.testing.assert_close(loaded(ids).logits, plain.model.eval()(ids).logits, rtol=1e-4, atol=1e-4)
+    # Resumed from the plain Trainer's checkpoint, the optimizer and the schedule started again, silently.
+    older = tmp_path / "plain" / "checkpoint-4"
+    with pytest.raises(ValueError, match="checkpoint of transformers' Trainer"):
+        fit(ChunkmemTrainer, copy.deepcopy(plain.model), tmp_path / "again", resume=older,
+            chunkmem_config=chunkmem.Config(device="cpu"))
+    # Saved over the plain Trainer's save of step 4 (one model.safetensors, which transformers reads before an
+    # index), it loaded those weights.
+    chunked.save_model(str(older))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(older).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, chunked.model(ids).logits)

@@ -82,6 +82,8 @@ def resolve(path: str | os.PathLike) -> ModelSource:
                          f"check its model_type") from error
     directory = config_file.parent
     weights = weight_files(directory) if path.is_dir() else ()
+    if path.is_dir() and not weights:
+        log.warning("--model %s holds no weights: training starts from random ones", path)
     has_tokenizer = path.is_dir() and any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model",
                                                                             "vocab.json"))
     return ModelSource(config, directory, weights, has_tokenizer)
@@ -98,6 +100,11 @@ def weight_files(directory: Path) -> tuple[Path, ...]:
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise InputError(f"--model {directory}: weights are pickled (.bin/.pt), chunkmem reads safetensors only; "
                          f"convert them once with transformers' save_pretrained(..., safe_serialization=True)")
+    others = sorted(p.name for p in directory.glob("*.safetensors"))
+    if others:
+        raise InputError(f"--model {directory}: {', '.join(others)} without {INDEX} (nor one {SINGLE}): which "
+                         "tensors each holds is unknown; save the model with transformers' save_pretrained, or "
+                         "pass its config.json alone to start from random weights")
     return ()
 
 
@@ -292,11 +299,15 @@ def _copy_tokenizer(tokenizer_dir: Path, folder: Path) -> None:
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
-    """Replace the previous weights with the new ones; the index goes last so a reader never sees a
-    new index pointing at missing shards."""
-    for old in out.glob("model-*-of-*.safetensors"):
-        if not (tmp / old.name).exists():
-            old.unlink()
+    """Replace the previous weights with the new ones. The old index and weights in other forms (one
+    model.safetensors, pickled .bin files: transformers reads those before an index) go first, so that a folder a
+    crash leaves half swapped fails to load rather than mixing old and new shards; the new index goes last, so a
+    reader never sees it point at missing shards."""
+    stale = [out / INDEX, out / SINGLE, *out.glob("pytorch_model*.bin"), *out.glob("pytorch_model.bin.index.json"),
+             *(old for old in out.glob("model-*-of-*.safetensors") if not (tmp / old.name).exists())]
+    for old in stale:
+        old.unlink(missing_ok=True)
+    fsync_dir(out)
     names = sorted(p.name for p in tmp.iterdir())
     for name in [n for n in names if n != INDEX] + [INDEX]:
         fsync_file(tmp / name)

@@ -72,7 +72,8 @@ class RunDir:
             except ValueError as error:  # cut short by a full disk, edited by hand
                 raise InputError(f"--resume: {run_file} is damaged ({error}): it records the settings the run must keep; "
                                  "restore it, or start again with another --output") from None
-            changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+            # A setting the earlier run did not record (an older chunkmem's) is not compared.
+            changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k, v) != v}
             if changed:
                 raise InputError(f"--resume with settings that differ from the run in {self.path}: "
                                  + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())

@@ -108,8 +108,13 @@ class FinetuneConfig:
         if self.resume and self.resume_or_start:
             raise InputError("--resume and --resume-or-start together: pass one (--resume fails when there "
                              "is no checkpoint, --resume-or-start then starts)")
-        if self.peak_lr <= 0 or (self.epochs is not None and self.epochs <= 0):
+        if not self.peak_lr > 0 or (self.epochs is not None and not self.epochs > 0):  # NaN too
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
+        if not self.max_grad_norm >= 0:
+            raise InputError(f"--max-grad-norm {self.max_grad_norm}: expected 0 (no clipping) or more")
+        if self.model is not None and Path(self.model).resolve() == Path(self.output).resolve():
+            raise InputError(f"--output {self.output} is the --model folder: writing there would replace the model "
+                             "being read (and lose it if the write is cut short); choose another --output")
         if self.schedule not in SCHEDULES:
             raise InputError(f"--schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if not 0 <= self.held_out < 1:
@@ -127,8 +132,8 @@ class FinetuneConfig:
     def invariants(self) -> dict[str, Any]:
         """Settings a resumed run must share with the run it continues."""
         keys = ("model", "data", "batch_size", "seq_len", "grad_accum", "lr", "schedule", "warmup_steps",
-                "weight_decay", "dtype", "lora_rank", "lora_alpha", "seed", "held_out", "text_field",
-                "steps", "epochs")  # the total steps shape the learning-rate schedule
+                "weight_decay", "max_grad_norm", "dtype", "lora_rank", "lora_alpha", "seed", "held_out",
+                "text_field", "steps", "epochs")  # the total steps shape the learning-rate schedule
         return {k: getattr(self, k) for k in keys}
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +79,31 @@ def test_save_is_sharded_and_loads_with_from_pretrained(tmp_path: Path) -> None:
     model.eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_save_over_an_earlier_one_cut_short_fails_to_load_rather_than_mix_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference = tiny_gpt2()
+    model, _ = chunkmem.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.1),
+                                chunkmem.Config(device="cpu"))
+    hf.save_pretrained(model, tmp_path, max_shard_bytes=60_000)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    replace, moved = os.replace, []
+
+    def killed_after_one_shard(src: Any, dst: Any) -> None:
+        if str(src).endswith(".safetensors") and moved:
+            raise KeyboardInterrupt
+        moved.append(src)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        hf.save_pretrained(model, tmp_path, max_shard_bytes=60_000)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):  # the old index pointed at one new shard and the old others: it loaded, mixed
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_missing_weights_are_an_error(tmp_path: Path) -> None:

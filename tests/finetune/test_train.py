@@ -92,6 +92,7 @@ def test_stop_after_then_resume(tmp_path: Path, tiny_config: str) -> None:
     assert cli.main([*args, "--stop-after", "3"]) == 0
     assert RunDir(out).saved_steps() == [3] and not (out / "config.json").exists()
     assert cli.main(args) == 2  # checkpoints present: must say --resume
+    assert cli.main([*args, "--resume", "--max-grad-norm", "0.01"]) == 2  # it changes the result: was accepted
     assert cli.main([*args, "--resume"]) == 0
     assert RunDir(out).saved_steps()[-1] == 6 and (out / "config.json").exists()
 
@@ -181,11 +182,23 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--device-memory", "4KiB"], "raise device_memory"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
+    (["--lr", "nan"], "--lr nan / --epochs None: expected positive numbers"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: expected 0 (no clipping) or more"),
 ])
 def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], expected: str) -> None:
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), *args)
     assert code == 2
     assert expected in err
+
+
+def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture, tiny_config: str) -> None:
+    model = Path(tiny_config).parent  # writing the output there replaced the model being read
+    code, err = run_cli(capsys, "--output", str(model), "--model", str(model))
+    assert code == 2 and "is the --model folder" in err
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
+    code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
+    assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err
 
 
 def test_unreadable_data_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
