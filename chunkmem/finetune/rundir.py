@@ -122,10 +122,17 @@ class RunDir:
         return path
 
     def _remove_leftovers(self) -> None:
-        """Folders of saves that were killed half-way."""
+        """Folders of saves that were killed half-way; a checkpoint such a save of the same step had moved aside
+        (checkpoint.swap_in) takes its place again."""
         if self.checkpoints.is_dir():
             for stray in self.checkpoints.glob("*.tmp"):
                 shutil.rmtree(stray, ignore_errors=True)
+            for old in self.checkpoints.glob("*.old"):
+                kept = old.with_suffix("")
+                if kept.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.rename(kept)
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a", encoding="utf-8") as handle:

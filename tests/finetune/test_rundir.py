@@ -81,3 +81,27 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path: Path) -> None:
     out.cut_metrics(2)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"step": 2, "eval_loss": 1.0}]
+
+
+def test_a_save_of_the_same_step_killed_between_its_renames_leaves_the_earlier_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The earlier save was moved aside (step-N.old) and the new one not yet put in place (step-N.tmp): the next
+    # start removed the .tmp and never looked at the .old, so step N was gone.
+    model, opt = trained()
+    out = RunDir(tmp_path)
+    out.start({}, resume=False)
+    out.save(model, opt, 3, keep=2)
+    rename = Path.rename
+
+    def killed(self: Path, target: Path) -> Path:
+        if self.name.endswith(".tmp"):
+            raise KeyboardInterrupt
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        out.save(model, opt, 3, keep=2)
+    monkeypatch.undo()
+    assert out.saved_steps() == []
+    RunDir(tmp_path).start({}, resume=True)
+    assert out.saved_steps() == [3] and ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step-00000003")
