@@ -337,9 +337,9 @@ def _run(cfg: FinetuneConfig) -> Result:
         if result.saved_step != result.step and result.step > first:  # resumable from where it stopped
             _save(cfg, result, out)
         return result
-    if len(data.held_out) and (not result.evals or result.evals[-1][0] != total):
-        _evaluate(cfg, result, data.held_out, out)
-    save_outputs(cfg, result, source)
+    if len(data.held_out) and first < total and (not result.evals or result.evals[-1][0] != total):
+        _evaluate(cfg, result, data.held_out, out)  # (a finished run evaluated its last step: metrics hold it)
+    save_outputs(cfg, result, source)  # again for a finished run: one cut short after its last checkpoint
     return result
 
 

@@ -95,6 +95,10 @@ def test_stop_after_then_resume(tmp_path: Path, tiny_config: str) -> None:
     assert cli.main([*args, "--resume", "--max-grad-norm", "0.01"]) == 2  # it changes the result: was accepted
     assert cli.main([*args, "--resume"]) == 0
     assert RunDir(out).saved_steps()[-1] == 6 and (out / "config.json").exists()
+    metrics = (out / "metrics.jsonl").read_text()
+    assert "eval_loss" in metrics
+    assert cli.main([*args, "--resume"]) == 0  # finished: nothing to do
+    assert (out / "metrics.jsonl").read_text() == metrics  # it evaluated the last step again, logged twice
 
 
 def test_llama_config_with_grad_ckpt_and_accumulation(tmp_path: Path) -> None:
