@@ -112,6 +112,8 @@ class FinetuneConfig:
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
         if not self.max_grad_norm >= 0:
             raise InputError(f"--max-grad-norm {self.max_grad_norm}: expected 0 (no clipping) or more")
+        if Path(self.output).exists() and not Path(self.output).is_dir():
+            raise InputError(f"--output {self.output} is a file: expected a folder for the run (new or one to resume)")
         if self.model is not None and Path(self.model).resolve() == Path(self.output).resolve():
             raise InputError(f"--output {self.output} is the --model folder: writing there would replace the model "
                              "being read (and lose it if the write is cut short); choose another --output")

@@ -200,6 +200,8 @@ def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
     model = Path(tiny_config).parent  # writing the output there replaced the model being read
     code, err = run_cli(capsys, "--output", str(model), "--model", str(model))
     assert code == 2 and "is the --model folder" in err
+    code, err = run_cli(capsys, "--output", tiny_config, "--model", str(model))  # a traceback (FileExistsError)
+    assert code == 2 and "is a file: expected a folder" in err
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
     assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err
