@@ -19,6 +19,7 @@ import logging
 import math
 import re
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +326,9 @@ def _run(cfg: FinetuneConfig) -> Result:
     total = total_steps(cfg, len(data.train))
     out = RunDir(cfg.output)
     resuming = cfg.resume or cfg.resume_or_start
-    out.start(cfg.invariants(), resuming, required=cfg.resume)
+    # The tokens themselves: a data file edited between a run and its resume would otherwise pass unseen.
+    tokens = zlib.crc32(torch.cat([data.train.flatten(), data.held_out.flatten()]).numpy().tobytes())
+    out.start(cfg.invariants() | {"data_crc32": tokens}, resuming, required=cfg.resume)
     model, optimizer, _ = build(cfg, source)
     first = out.resume(model, optimizer) if resuming else 0
     last = total if cfg.stop_after is None else min(total, first + cfg.stop_after)

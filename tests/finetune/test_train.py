@@ -87,12 +87,18 @@ def test_resume_after_kill_reaches_the_same_weights(tmp_path: Path, tiny_config:
 
 
 def test_stop_after_then_resume(tmp_path: Path, tiny_config: str) -> None:
-    out = tmp_path / "out"
-    args = ["finetune", "--output", str(out), "--model", tiny_config, *SMALL, "--steps", "6", "--save-every", "3"]
+    out, data = tmp_path / "out", tmp_path / "data.txt"
+    text = corpus.BUNDLED_TEXT.read_text(encoding="utf-8")
+    data.write_text(text, encoding="utf-8")
+    args = ["finetune", "--output", str(out), "--model", tiny_config, "--data", str(data), *SMALL, "--steps", "6",
+            "--save-every", "3"]
     assert cli.main([*args, "--stop-after", "3"]) == 0
     assert RunDir(out).saved_steps() == [3] and not (out / "config.json").exists()
     assert cli.main(args) == 2  # checkpoints present: must say --resume
     assert cli.main([*args, "--resume", "--max-grad-norm", "0.01"]) == 2  # it changes the result: was accepted
+    data.write_text(text.replace("the", "a"), encoding="utf-8")  # edited between the runs: was accepted
+    assert cli.main([*args, "--resume"]) == 2
+    data.write_text(text, encoding="utf-8")
     assert cli.main([*args, "--resume"]) == 0
     assert RunDir(out).saved_steps()[-1] == 6 and (out / "config.json").exists()
     metrics = (out / "metrics.jsonl").read_text()
