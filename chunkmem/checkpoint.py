@@ -401,10 +401,9 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     root = None if runtime.shards is None else 0
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.consolidated(root)).items()}
     steps = steps_by_name(optimizer)
-    for kind in optimizer.runtime.store.families.saved:
-        for record, value in runtime.data.values(kind, root).items():
-            if record in optimizer.steps and steps[record.name] > 0:  # a manager's runtime holds other models' too
-                tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
+    for (record, kind), value in optimizer_states(optimizer, root).items():
+        if steps[record.name] > 0:
+            tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name
                                                                           for p in g["params"]]}
               for g in optimizer.param_groups]
@@ -412,6 +411,14 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     meta = {"format": FORMAT, "optimizer": optimizer.wrapped_type.__name__, "steps": steps,
             "param_groups": _jsonable(groups), "loss_scaler": scaler, "dtype": runtime.config.dtype}
     return tensors, meta
+
+
+def optimizer_states(optimizer: ChunkOptimizer, root: int | None = None) -> dict[tuple[ParamRecord, str], torch.Tensor]:
+    """Every state of each of `optimizer`'s parameters (a manager's runtime holds other models' too), on CPU: under
+    ZeRO gathered on every rank, or on rank `root` alone (a collective)."""
+    data = optimizer.runtime.data
+    return {(record, kind): value for kind in optimizer.runtime.store.families.saved
+            for record, value in data.values(kind, root).items() if record in optimizer.steps}
 
 
 def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:

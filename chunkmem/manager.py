@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from chunkmem.checkpoint import steps_by_name
+from chunkmem.checkpoint import optimizer_states, steps_by_name
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ModelSet
 from chunkmem.config import Config
@@ -100,11 +100,11 @@ class Manager:
             earlier_model.hooks.remove()
             earlier_model.runtime = runtime
             earlier_model.hooks = Hooks(earlier_model.module, runtime)
-            if earlier_optimizer is not None:
-                earlier_optimizer.move_to(runtime)
-            if earlier_optimizer is not None and state is not None:
-                records = runtime.store.records
-                steps, states = state
+            if earlier_optimizer is None:
+                continue
+            earlier_optimizer.move_to(runtime)
+            if state is not None:  # by parameter: the records are the new runtime's
+                records, (steps, states) = runtime.store.records, state
                 earlier_optimizer.set_states({records[p]: n for p, n in steps.items()},
                                              {(records[p], kind): v for (p, kind), v in states.items()})
         self.models.append(wrapped)
@@ -157,9 +157,7 @@ def _stepped(optimizer: ChunkOptimizer | None) -> Stepped | None:
     counts = steps_by_name(optimizer)
     if not any(counts.values()):
         return None
-    data, families = optimizer.runtime.data, optimizer.runtime.store.families
-    states = {(record.param, kind): value for kind in families.saved
-              for record, value in data.values(kind).items() if record in optimizer.steps}
+    states = {(record.param, kind): value for (record, kind), value in optimizer_states(optimizer).items()}
     return {record.param: counts[record.name] for record in optimizer.steps}, states
 
 
