@@ -63,11 +63,15 @@ class Follower:
     """Walks a plan access by access (the Note on following): finds each access of the step in the record,
     at the cursor or further on, and counts what the step skipped or did off the record."""
 
-    def __init__(self, step: Step, plan: Plan, sizes: dict[str, int], start: Collection[str] = ()) -> None:
+    def __init__(self, step: Step, plan: Plan, sizes: dict[str, int], limit: int, start: Collection[str] = ()) -> None:
         self.step = step
         self.plan = plan
         self.accesses = step.accesses
         self.needs = [_bytes(a.chunks, sizes) for a in step.accesses]  # what each access needs on the device
+        # For a steady step (Placer.access's fast path): each access's chunk budget (Placer._budget's, not giving way),
+        # and the non-model bytes beyond which it gives way.
+        self.limits = [max(budget, min(need, limit)) for budget, need in zip(plan.budgets, self.needs)]
+        self.outgrown = [nonmodel + int(limit * SAFETY_FRACTION) for nonmodel in step.nonmodel]
         self.nexts = next_uses(step.accesses, step.carried)
         self.evicts: dict[int, list[str]] = {}  # access index -> what the plan evicts (prefetches) before it
         self.prefetches: dict[int, list[str]] = {}
@@ -227,6 +231,9 @@ class Placer:
         held = self._held(names) if self.pinned else ()
         if nonmodel is None:
             nonmodel = self.nonmodel()
+        elif self._steady(chunks, names + held if held else names, kind, group, nonmodel):
+            self.events.append(Event(kind, names, group, nonmodel, held))
+            return
         if self.off_path:  # evaluation or generation between steps: no plan for it, the warm-up's rule
             self._conservative_now(nonmodel, sum(self.sizes[n] for n in {*names, *held}))
             self._fetch(chunks)
@@ -245,6 +252,29 @@ class Placer:
             follower.cursor = index + 1
             if index + 1 in follower.prefetches:
                 self._prefetch(follower, index + 1)
+
+    def _steady(self, chunks: Sequence[Chunk], key: tuple[str, ...], kind: str, group: int, nonmodel: int) -> bool:
+        """Serve an access the plan has nothing to do at, as the rest of `access` would, in fewer steps (the hot path of
+        a steady step): following the plan without giving way, the access on the record at the cursor (`key`: its chunks
+        and those held around it) within its non-model bytes, no eviction before it nor prefetch after it, and its
+        chunks on the device with no upload landing: the cursor moves on and the access's budget is set. False: not
+        such an access."""
+        follower = self.follower
+        if follower is None or self.phase is not Phase.FOLLOW or self.giving_way or self.off_path or \
+                (kind != "use" and group not in self.homes):
+            return False
+        at = follower.cursor
+        if at >= len(follower.accesses) or follower.accesses[at].chunks != key or nonmodel > follower.outgrown[at] or \
+                at in follower.evicts or at + 1 in follower.prefetches or \
+                any(chunk.pending is not None or not chunk.state.on_device for chunk in chunks):
+            return False
+        for chunk in chunks:
+            self.lru.accessed(chunk)
+        follower.cursor = at + 1
+        self.residency.limit = limit = follower.limits[at]
+        if self.residency.stats.device_chunk_bytes > limit:
+            self.residency.shrink()
+        return True
 
     def updated_on_host(self, chunk: Chunk) -> None:
         """A streamed group's parameter chunk was just rewritten by the host optimizer. If it fits, beside what
@@ -449,7 +479,7 @@ class Placer:
             plan = step.plan(self.sizes, resident, dirty, [n for n, c in self.chunks.items() if c.lends])
             if self.follower is None or plan.slots != self.follower.plan.slots:
                 self.residency.device.arena.reserve(dict(plan.slots))  # planning's Note on one budget a step
-            self.follower = Follower(step, plan, self.sizes, resident)
+            self.follower = Follower(step, plan, self.sizes, self.limit, resident)
         self._following.cursor = 0
         self.sent_early = 0
 

@@ -129,6 +129,9 @@ class Hooks:
         self.scores_in_step = False
         self.module = module
         self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
+        # Those of the modules inside units (idle: they acquire nothing) that a lean forward takes off (`_idle_hooks`).
+        self.idle_handles: list[tuple[nn.Module, RemovableHandle, RemovableHandle]] = []
+        self.idle_off = False
         self._module_hooks(True)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
@@ -147,12 +150,35 @@ class Hooks:
         however often put back."""
         if on == bool(self.module_handles):
             return
+        self._idle_hooks(True)
         if on:
             for sub in self.module.modules():
-                self.module_handles.append(sub.register_forward_pre_hook(self._pre_forward, prepend=True))
-                self.module_handles.append(sub.register_forward_hook(self._post_forward, always_call=True))
+                handles = (sub.register_forward_pre_hook(self._pre_forward, prepend=True),
+                           sub.register_forward_hook(self._post_forward, always_call=True))
+                self.module_handles.extend(handles)
+                if sub in self.runtime.idle_modules:
+                    self.idle_handles.append((sub, *handles))
         else:
             _drop(self.module_handles)
+            self.idle_handles.clear()
+
+    def _idle_hooks(self, on: bool) -> None:
+        """Put our forward hooks back on the modules inside units, or take them off for a lean forward that follows its
+        plan steadily and has no observer (runtime's Note on lean forwards): they would return at once (an idle module
+        acquires nothing, and has no moment then: `_moment_inside`), and a module with no hook takes PyTorch's short
+        call path. A user's hooks on those modules stay. Back on when the forward ends, and as soon as its step gives way
+        (`_pre_forward`), where the moments inside units make room again."""
+        if on == (not self.idle_off):
+            return
+        self.idle_off = not on
+        for sub, pre, post in self.idle_handles:
+            if on:  # ours first before the module and last after it, as registered (the handles hold these dicts)
+                users = dict(sub._forward_pre_hooks)
+                sub._forward_pre_hooks.clear()
+                sub._forward_pre_hooks.update({pre.id: self._pre_forward, **users})
+                sub._forward_hooks[post.id] = self._post_forward
+            else:
+                del sub._forward_pre_hooks[pre.id], sub._forward_hooks[post.id]
 
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
@@ -199,6 +225,8 @@ class Hooks:
             self._enter_outside(module)
         if self._acquires(module):
             self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
+            if self.idle_off and not self.runtime.placer.steady:  # gave way: moments inside units make room again
+                self._idle_hooks(True)
         elif self._moment_inside():
             self.runtime.emit("pre_forward", "fwd", self.names[module])
 
@@ -260,6 +288,7 @@ class Hooks:
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True
         runtime.metering = not (modeless and runtime.device.reads_memory)  # runtime's Note on lean forwards
+        self._idle_hooks(not (modeless and not resident and not runtime.observed))
         try:
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
@@ -274,6 +303,7 @@ class Hooks:
             runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
+            self._idle_hooks(True)
             runtime.metering = True
             if runtime.shards is not None and runtime.shards.off_path:
                 # Nor may it leave gathered groups behind: the next step would find them and gather (and

@@ -511,6 +511,10 @@ class Runtime:
                 self._note_peak(self.nonmodel_bytes())
             return None
         nonmodel = self.nonmodel_bytes()
+        if self.placer.steady and not self.observers and self.host_cache is None and not self.placer.off_path:
+            self._note_peak(nonmodel)  # the rest has nothing to do (the hot path of a steady step)
+            self.moment_index += 1
+            return nonmodel
         chunk_bytes = self.residency.stats.device_chunk_bytes
         self.placer.moment(nonmodel)
         if self.residency.stats.device_chunk_bytes != chunk_bytes:  # chunks left: on CUDA the reading moves with them
