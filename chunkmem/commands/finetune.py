@@ -11,6 +11,7 @@ with 128 + the signal's number and one line saying how to resume; a second one a
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import signal
 import sys
@@ -71,6 +72,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     save.add_argument("--max-shard-size", default="2GiB", help="largest safetensors shard of the output")
 
 
+def in_flags(message: str) -> str:
+    """A library error in this command's terms: Config's settings as its flags, and no advice to shard over more ranks
+    (it runs one process)."""
+    for name in ("device_memory", "host_memory", "chunk_size", "dtype"):
+        flag = "--" + name.replace("_", "-")
+        message = message.replace(f"Config.{name}", flag).replace(f"raise {name}", f"raise {flag}")
+    message = message.replace("a lower-precision dtype", "a lower-precision --dtype")
+    return re.sub(r"(,? or|,) shard (it )?over more ranks|shard (it )?over more ranks, ", "", message)
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `chunkmem --help` does not pay for torch and transformers.
     from chunkmem.errors import CheckpointError, MemoryBudgetError
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = finetune.run(cfg)
     except (InputError, MemoryBudgetError, CheckpointError) as error:
-        print(f"chunkmem finetune: error: {error}", file=sys.stderr)
+        print(f"chunkmem finetune: error: {in_flags(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second signal, or Ctrl-C before training started
         steps = RunDir(args.output).saved_steps()

@@ -254,10 +254,13 @@ def _source(cfg: FinetuneConfig) -> tuple[hf.ModelSource, Path]:
 
 
 def total_steps(cfg: FinetuneConfig, train_blocks: int) -> int:
+    """--steps, or --epochs in whole steps of an epoch: an epoch is the micro-batches of one permutation of the blocks
+    (Batches: the blocks left over are dropped) and a step takes --grad-accum of them, so one epoch sees each block at
+    most once (as Hugging Face's Trainer counts steps)."""
     if cfg.epochs is None:
         return cfg.steps
-    per_step = cfg.batch_size * cfg.grad_accum
-    return max(1, math.ceil(cfg.epochs * train_blocks / per_step))
+    per_epoch = max(1, train_blocks // cfg.batch_size // cfg.grad_accum)
+    return max(1, math.ceil(cfg.epochs * per_epoch))
 
 
 class Batches:
@@ -328,7 +331,8 @@ def _run(cfg: FinetuneConfig) -> Result:
     resuming = cfg.resume or cfg.resume_or_start
     # The tokens themselves: a data file edited between a run and its resume would otherwise pass unseen.
     tokens = zlib.crc32(torch.cat([data.train.flatten(), data.held_out.flatten()]).numpy().tobytes())
-    out.start(cfg.invariants() | {"data_crc32": tokens}, resuming, required=cfg.resume)
+    # And the steps they make: the learning-rate schedule spans them (how --epochs counts steps may change).
+    out.start(cfg.invariants() | {"data_crc32": tokens, "total_steps": total}, resuming, required=cfg.resume)
     model, optimizer, _ = build(cfg, source)
     first = out.resume(model, optimizer) if resuming else 0
     last = total if cfg.stop_after is None else min(total, first + cfg.stop_after)

@@ -189,7 +189,8 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
     (["--data", "/no/such/text.txt"], "--data /no/such/text.txt: no such file"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's maximum of 256"),
-    (["--device-memory", "4KiB"], "raise device_memory"),
+    (["--device-memory", "4KiB"], "--device-memory allows 4096: raise --device-memory to at least"),
+    (["--host-memory", "1KiB"], "--host-memory allows 1024: raise --host-memory, use a lower-precision --dtype\n"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
     (["--lr", "nan"], "--lr nan / --epochs None: expected positive numbers"),
@@ -519,3 +520,21 @@ def test_a_resume_keeps_the_schedule_says_when_there_is_nothing_left_and_names_a
     run_file.write_text(run_file.read_text()[:10])
     code, err = cli.main([*args, "--steps", "3", "--resume"]), capsys.readouterr().err
     assert code == 2 and f"{run_file} is damaged" in err
+
+
+@pytest.mark.parametrize("blocks,batch,accum,epochs", [(10, 4, 1, 1.0), (10, 4, 3, 1.0), (13, 2, 2, 1.0),
+                                                       (13, 2, 2, 0.5), (9, 3, 1, 2.0), (7, 2, 2, 2.5)])
+def test_epochs_count_whole_steps_and_an_epoch_sees_no_block_twice(blocks: int, batch: int, accum: int,
+                                                                   epochs: float) -> None:
+    # --epochs 1 over 10 blocks in batches of 4 ran ceil(10 / 4) = 3 steps: the third one's blocks came from the next
+    # epoch's permutation, so some blocks were seen twice in "one" epoch.
+    cfg = finetune.FinetuneConfig(batch_size=batch, grad_accum=accum, epochs=epochs)
+    total = finetune.total_steps(cfg, blocks)
+    batches = finetune.Batches(torch.arange(blocks), batch, seed=0)
+    seen = [batches[step * accum + micro] for step in range(total) for micro in range(accum)]
+    per_epoch = blocks // batch  # micro-batches of one permutation
+    for epoch in range(math.ceil(len(seen) / per_epoch)):
+        rows = torch.cat(seen[epoch * per_epoch:(epoch + 1) * per_epoch])
+        assert len(rows.unique()) == len(rows), f"epoch {epoch} saw a block twice"
+    assert total == max(1, math.ceil(epochs * max(1, per_epoch // accum)))
+    assert len(seen) <= max(accum, math.ceil(epochs) * per_epoch), "no more micro-batches than the epochs hold"
