@@ -30,6 +30,18 @@ less plain's in the same round; "saves ms" is the full chunkmem's extra less the
 those mechanisms out gives back. The knocked-out variants would not train correctly once chunks move
 (fetches go missing); they are for timing.
 
+With `--share` the model streams (a budget of its activation peak and that share of its model data, the host update
+native and copies landing when waited for, as benchmarks/overhead.py's launch-bound rows) and forwards after the first
+step on the plan run lean, as by default; the one mechanism taken out is the saved-tensor hooks ("lean, no saved
+hooks"): no Python call per saved tensor in forward and backward, and no access per saved parameter in backward. That
+variant cannot train once chunks move (a saved parameter keeps its evicted slot, arena.py's Note, so backward brings
+nothing back and the device holds more than its budget), so what it saves is an upper bound on what a design without
+those hooks could give back: one whose parameter chunks keep one storage on the device whose memory comes and goes
+(FSDP's resize of its storage), fetched by a hook before each unit's backward rather than at each saved parameter.
+
+    CHUNKMEM_SIM_CHECK=0 CHUNKMEM_SIM_MEMORY=0 python -m benchmarks.overhead_parts --layers 20 --vocab 1024 \
+        --models llama --dtypes bf16 --as-cuda --cpu-time --share 0.5 --rounds 30
+
 The models are tiny by default, so that compute costs next to nothing and the figures are chunkmem's own
 work in absolute terms: what each mechanism costs does not grow with the model's width, only with its
 number of modules, ops and parameters. At benchmarks/overhead.py's sizes (`--width 256 --vocab 8192
@@ -75,6 +87,9 @@ VARIANTS: dict[str, tuple[Any, ...]] = {
     "resident, gradient hooks kept": (KEEP_GRAD_HOOKS,),
 }
 RESIDENT = "resident"  # the variants whose steps run resident, as a fitting model's do by default
+# With --share, chunks stream, forwards after the first step on the plan run lean (as by default), and what is taken out
+# is the saved-tensor hooks: an upper bound on what a design without them could give back (the Note below).
+STREAMING: dict[str, tuple[Any, ...]] = {"lean": (), "lean, no saved hooks": (SAVED,)}
 
 
 @contextlib.contextmanager
@@ -86,11 +101,15 @@ def _without(patches: tuple[Any, ...]) -> Iterator[None]:
 
 
 def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-                  patches: tuple[Any, ...], resident: bool = False, as_cuda: bool = False) -> Step:
+                  patches: tuple[Any, ...], resident: bool = False, as_cuda: bool = False,
+                  memory: int | None = None) -> Step:
     """A chunkmem model whose every step, from its warm-up on, runs without the given mechanisms (and on the full
-    path unless `resident`; `as_cuda`: benchmarks/overhead.py's --as-cuda)."""
+    path unless `resident`; `as_cuda`: benchmarks/overhead.py's --as-cuda; `memory`: Config.device_memory, the host
+    update native and copies landing when waited for, as the launch-bound rows of benchmarks/overhead.py)."""
+    native, landing = (True, "wait") if memory is not None else (None, None)
     with _without(patches):
-        step, _ = chunk_step(make(), loss, dtype, None, resident=resident, as_cuda=as_cuda)
+        step, _ = chunk_step(make(), loss, dtype, memory, resident=resident, native=native, landing=landing,
+                             as_cuda=as_cuda)
 
     def run() -> None:
         with _without(patches):
@@ -101,10 +120,19 @@ def _variant_step(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.
 
 
 def measure(make: Callable[[], torch.nn.Module], loss: Callable[[torch.nn.Module], torch.Tensor], dtype: str,
-            rounds: int, order: random.Random, as_cuda: bool = False) -> dict[str, list[float]]:
-    """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times."""
-    steps = {name: _variant_step(make, loss, dtype, patches, name.startswith(RESIDENT), as_cuda)
-             for name, patches in VARIANTS.items()}
+            rounds: int, order: random.Random, as_cuda: bool = False, share: float | None = None
+            ) -> dict[str, list[float]]:
+    """Per variant, its time less plain's in each round (seconds); "plain" holds plain's own times. With `share`, the
+    STREAMING variants, under the activation peak plus that share of the model data (benchmarks/overhead.py's rows)."""
+    if share is None:
+        steps = {name: _variant_step(make, loss, dtype, patches, name.startswith(RESIDENT), as_cuda)
+                 for name, patches in VARIANTS.items()}
+    else:
+        probe, wrapped = chunk_step(make(), loss, dtype, None, as_cuda=as_cuda)
+        probe(), probe()  # warm-up, then the first step on the plan: the activation peak and the model data
+        memory = int(wrapped.runtime.activations.peak + share * wrapped.memory_stats()["model_data_bytes"])
+        steps = {name: _variant_step(make, loss, dtype, patches, True, as_cuda, memory)
+                 for name, patches in STREAMING.items()}
     plain = plain_step(make(), loss, DTYPES[dtype])
     plain()
     extra: dict[str, list[float]] = {"plain": [], **{name: [] for name in steps}}
@@ -125,10 +153,14 @@ def main() -> None:
     parser.add_argument("--as-cuda", action="store_true", help="as benchmarks/overhead.py's")
     parser.add_argument("--cpu-time", action="store_true", help="as benchmarks/overhead.py's: this thread's CPU "
                         "time, torch computing on it alone (steady on a loaded machine)")
+    parser.add_argument("--share", type=float, default=None, help="chunks stream: a budget of the activation peak "
+                        "and this share of the model data (0.5: benchmarks/overhead.py's 50%% rows); the variants are "
+                        "then the lean forward's, with and without the saved-tensor hooks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
         use_cpu_time()
+    variants = VARIANTS if args.share is None else STREAMING
 
     made = models(args)
     order = random.Random(0)
@@ -137,19 +169,20 @@ def main() -> None:
         make, batch = made[name]
         for dtype in args.dtypes:
             loss = loss_fn(name, batch, DTYPES[dtype])
-            extra = measure(make, loss, dtype, args.rounds, order, args.as_cuda)
-            full = statistics.median(extra["full"])
+            extra = measure(make, loss, dtype, args.rounds, order, args.as_cuda, args.share)
+            full = statistics.median(extra[next(iter(variants))])
             row: dict[str, Any] = {"model": name, "dtype": dtype,
                                    "plain ms": round(1000 * statistics.median(extra["plain"]), 2)}
-            for variant in VARIANTS:
+            for variant in variants:
                 median = statistics.median(extra[variant])
                 row[f"{variant}: extra ms"] = round(1000 * median, 2)
-                if variant != "full":
+                if variant != next(iter(variants)):
                     row[f"{variant}: saves ms"] = round(1000 * (full - median), 2)
             rows.append(row)
             raw[f"{name} {dtype}"] = {k: [round(1000 * x, 3) for x in v] for k, v in extra.items()}
     print(f"{args.rounds} shuffled rounds; extra = the variant's step less plain PyTorch's, median ms")
-    short = ["model", "dtype", "plain ms", "full: extra ms", *(f"{v}: saves ms" for v in VARIANTS if v != "full")]
+    first, *rest = variants
+    short = ["model", "dtype", "plain ms", f"{first}: extra ms", *(f"{v}: saves ms" for v in rest)]
     print(table(rows, short))
     write_json(args.json, {"benchmark": "overhead_parts", "args": vars(args), "rows": rows, "ms": raw})
 

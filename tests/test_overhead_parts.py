@@ -7,6 +7,7 @@ The benchmark takes mechanisms out by patching chunkmem where it calls them; a p
 
 from __future__ import annotations
 
+import random
 from typing import Any
 from unittest import mock
 
@@ -15,6 +16,7 @@ import torch
 
 from benchmarks import overhead_parts
 from benchmarks.overhead import loss_fn, mlp
+from chunkmem.chunks.chunk import Chunk
 from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
@@ -51,3 +53,23 @@ def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set
         seen.clear()
         step()
     assert seen == used
+
+
+
+def test_streaming_rows_run_lean_and_the_second_without_the_saved_tensor_hooks() -> None:
+    # --share: both variants stream and run lean after the first step on the plan; the second packs nothing.
+    loss = loss_fn("mlp", torch.randn(4, 64), torch.float32)
+    seen: dict[str, list[Any]] = {"lean": [], "packed": [], "uploads": []}
+    begin, pack, upload = Runtime.begin_forward, Runtime.pack, Chunk.upload
+    with mock.patch.multiple(Runtime, begin_forward=lambda *a: seen["lean"].append(begin(*a)) or seen["lean"][-1],
+                             pack=lambda *a, **k: seen["packed"].append(1) or pack(*a, **k)), \
+            mock.patch.object(Chunk, "upload", lambda *a: seen["uploads"].append(1) or upload(*a)):
+        extra = overhead_parts.measure(lambda: mlp(8, 64), loss, "fp32", rounds=2, order=random.Random(0), share=0.25)
+        assert set(extra) == {"plain", *overhead_parts.STREAMING} and len(extra["lean, no saved hooks"]) == 2
+        for variant, patches in overhead_parts.STREAMING.items():
+            step = overhead_parts._variant_step(lambda: mlp(8, 64), loss, "fp32", patches, True, memory=2 * 8 * 64 * 65)
+            for values in seen.values():
+                values.clear()
+            step()
+            assert seen["lean"] == [True] and seen["uploads"], "a lean forward, chunks moving"
+            assert bool(seen["packed"]) == (variant == "lean")
