@@ -254,9 +254,10 @@ def _source(cfg: FinetuneConfig) -> tuple[hf.ModelSource, Path]:
 
 
 def total_steps(cfg: FinetuneConfig, train_blocks: int) -> int:
-    """--steps, or --epochs in whole steps of an epoch: an epoch is the micro-batches of one permutation of the blocks
-    (Batches: the blocks left over are dropped) and a step takes --grad-accum of them, so one epoch sees each block at
-    most once (as Hugging Face's Trainer counts steps)."""
+    """--steps, or --epochs in whole steps of an epoch (as Hugging Face's Trainer counts them): an epoch is the
+    micro-batches of one permutation of the blocks (Batches: the blocks left over are dropped) and a step takes
+    --grad-accum of them, so --epochs 1 sees no block twice, unless one step takes more micro-batches than an epoch has
+    (it runs one step). Counted in blocks, 10 blocks in batches of 4 ran 3 steps, the third from the next epoch."""
     if cfg.epochs is None:
         return cfg.steps
     per_epoch = max(1, train_blocks // cfg.batch_size // cfg.grad_accum)
