@@ -268,12 +268,15 @@ class Placer:
                 at in follower.evicts or at + 1 in follower.prefetches or \
                 any(chunk.pending is not None or not chunk.state.on_device for chunk in chunks):
             return False
-        for chunk in chunks:
-            self.lru.accessed(chunk)
-        follower.cursor = at + 1
+        follower.cursor = at  # the plan's rule picks what a shrink evicts from here, as `_locate`'s does
         self.residency.limit = limit = follower.limits[at]
-        if self.residency.stats.device_chunk_bytes > limit:
+        if self.residency.stats.device_chunk_bytes > limit:  # more left resident than the plan's start (an evaluation)
             self.residency.shrink()
+            self._fetch(chunks)  # unpinned, they may have been among its victims
+        else:
+            for chunk in chunks:
+                self.lru.accessed(chunk)
+        follower.cursor = at + 1
         return True
 
     def updated_on_host(self, chunk: Chunk) -> None:

@@ -177,8 +177,9 @@ class Hooks:
                 sub._forward_pre_hooks.clear()
                 sub._forward_pre_hooks.update({pre.id: self._pre_forward, **users})
                 sub._forward_hooks[post.id] = self._post_forward
-            else:
-                del sub._forward_pre_hooks[pre.id], sub._forward_hooks[post.id]
+            else:  # a user may have cleared the dicts: nothing of ours to take off then
+                sub._forward_pre_hooks.pop(pre.id, None)
+                sub._forward_hooks.pop(post.id, None)
 
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
@@ -288,8 +289,8 @@ class Hooks:
             runtime.shards.off_path = runtime.placer.off_path
         self.forwarding = True
         runtime.metering = not (modeless and runtime.device.reads_memory)  # runtime's Note on lean forwards
-        self._idle_hooks(not (modeless and not resident and not runtime.observed))
         try:
+            self._idle_hooks(not (modeless and not resident and not runtime.observed))
             # Re-computation under activation checkpointing must run whole: stopping early (torch's default)
             # skips the post-forward hooks that release parameters, leaving their chunks pinned.
             unmetered = resident and runtime.device.reads_memory  # runtime's Note on resident steps
