@@ -103,6 +103,10 @@ class ChunkRef:
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
+    # The parameter it views and that parameter's version when saved: changed in place before backward reads it, it
+    # is an error, as autograd's own check of a saved tensor makes it (the tensor itself is not kept to check).
+    param: nn.Parameter | None = None
+    version: int = 0
 
 
 LAZY_ROOM, LAZY_ROOM_MAX = 0.02, 256 << 20  # Runtime.outside's room for what loads lazily: a share, at most
@@ -354,7 +358,10 @@ class Runtime:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
             return self.activations.wrap(tensor, storage) if metered else tensor.detach()
-        return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
+        param = tensor if tensor._base is None else tensor._base  # views of a parameter share its version counter
+        if not isinstance(param, nn.Parameter):
+            return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
+        return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride(), param, param._version)
 
     def unpack(self, saved: Saved | ChunkRef | torch.Tensor) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):  # kept as it is, unmetered (the Note on lean forwards)
@@ -366,6 +373,13 @@ class Runtime:
                 # that left then found no room to come back (BERT and Falcon at 10%, coarse, were refused).
                 self._room_for_activations()
             return saved.get(self.activations)
+        if saved.param is not None and saved.param._version != saved.version:
+            name = self.store.records[saved.param].name if saved.param in self.store.records else "a parameter"
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"parameter {name} is at version {saved.param._version}; expected version {saved.version} instead "
+                "(changed in place between forward and backward, as a weight constraint or an EMA swap inside the "
+                "step would: make that change after backward, or before the forward)")
         if isinstance(saved.source, Chunk):
             nonmodel = self.emit("backward", "bwd", saved.source.name)
             self.placer.access([saved.source], nonmodel=nonmodel)
