@@ -161,6 +161,7 @@ def main() -> None:
     if args.cpu_time:
         use_cpu_time()
     variants = VARIANTS if args.share is None else STREAMING
+    first, *rest = variants  # the whole step, then what each variant takes out of it
 
     made = models(args)
     order = random.Random(0)
@@ -170,18 +171,17 @@ def main() -> None:
         for dtype in args.dtypes:
             loss = loss_fn(name, batch, DTYPES[dtype])
             extra = measure(make, loss, dtype, args.rounds, order, args.as_cuda, args.share)
-            full = statistics.median(extra[next(iter(variants))])
+            full = statistics.median(extra[first])
             row: dict[str, Any] = {"model": name, "dtype": dtype,
                                    "plain ms": round(1000 * statistics.median(extra["plain"]), 2)}
             for variant in variants:
                 median = statistics.median(extra[variant])
                 row[f"{variant}: extra ms"] = round(1000 * median, 2)
-                if variant != next(iter(variants)):
+                if variant in rest:
                     row[f"{variant}: saves ms"] = round(1000 * (full - median), 2)
             rows.append(row)
             raw[f"{name} {dtype}"] = {k: [round(1000 * x, 3) for x in v] for k, v in extra.items()}
     print(f"{args.rounds} shuffled rounds; extra = the variant's step less plain PyTorch's, median ms")
-    first, *rest = variants
     short = ["model", "dtype", "plain ms", f"{first}: extra ms", *(f"{v}: saves ms" for v in rest)]
     print(table(rows, short))
     write_json(args.json, {"benchmark": "overhead_parts", "args": vars(args), "rows": rows, "ms": raw})

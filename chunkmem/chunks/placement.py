@@ -68,8 +68,8 @@ class Follower:
         self.plan = plan
         self.accesses = step.accesses
         self.needs = [_bytes(a.chunks, sizes) for a in step.accesses]  # what each access needs on the device
-        # For a steady step (Placer.access's fast path): each access's chunk budget (Placer._budget's, not giving way),
-        # and the non-model bytes beyond which it gives way.
+        # Each access's chunk budget while not giving way (Placer._budget's, for the fast path `_steady`), and the
+        # non-model bytes beyond which a step gives way there (`_locate`, `_steady`).
         self.limits = [max(budget, min(need, limit)) for budget, need in zip(plan.budgets, self.needs)]
         self.outgrown = [nonmodel + int(limit * SAFETY_FRACTION) for nonmodel in step.nonmodel]
         self.nexts = next_uses(step.accesses, step.carried)
@@ -375,7 +375,7 @@ class Placer:
             self._budget(follower.plan.budgets[min(follower.cursor, len(follower.accesses) - 1)], nonmodel,
                          _bytes(names, self.sizes))
             return None
-        if nonmodel > follower.step.nonmodel[index] + int(self.limit * SAFETY_FRACTION):
+        if nonmodel > follower.outgrown[index]:
             self.giving_way = True  # more non-model data than recorded (a larger input, other experts)
         follower.cursor = index
         if index in follower.evicts:
