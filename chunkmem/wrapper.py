@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import typing
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -193,6 +194,45 @@ class ChunkedModel(nn.Module):
             if grad.device.type != "cpu" or scales_host:
                 grad.mul_(coef.to(grad.device))
         return total
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Every parameter holds its whole value while the context lasts, under ZeRO too, where outside `forward` a
+        rank holds a share of each parameter group and the others read NaN: an EMA, a weight average, a log line
+        of all weights (FSDP's summon_full_params, DeepSpeed's GatheredParameters). Under ZeRO a collective that
+        every rank enters: each holds the whole model on the host in the compute dtype until the block ends, and
+        no forward runs inside it. A change made in place or by `p.data =` is kept, each rank writing the part it
+        owns (so make the same change on every rank). Without ZeRO it does nothing: parameters hold their values
+        outside `forward` already."""
+        runtime = self.runtime
+        shards = runtime.shards
+        if shards is None:
+            yield
+            return
+        if self.hooks.forwarding or shards.summoned:
+            raise RuntimeError("model.gathered_parameters() inside a forward or inside another "
+                               "gathered_parameters(): enter it between steps")
+        shards.drop_all()
+        values = runtime.data.gathered(self.own_records)
+        for record, value in values.items():
+            record.param.data = value
+        marks = {record: (record.param._version, record.param.data_ptr()) for record in values}
+        shards.summoned = True
+        try:
+            yield
+        finally:
+            shards.summoned = False
+            changed = [r for r, mark in marks.items() if (r.param._version, r.param.data_ptr()) != mark]
+            try:
+                for record in changed:  # every shape checked before any value is written
+                    if record.param.shape != record.shape:
+                        raise ValueError(f"{record.name} was given shape {tuple(record.param.shape)} inside "
+                                         f"gathered_parameters(), expected {tuple(record.shape)}: nothing was kept")
+                with torch.no_grad():
+                    for record in changed:  # the owner keeps the change
+                        runtime.data.set_value(record, record.param.detach())
+            finally:
+                shards.point_all_home()
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:

@@ -274,6 +274,9 @@ class Hooks:
         gives whether the forward runs without the torch-function mode (runtime's Notes on resident steps and
         lean forwards). Not `in_step`: served off the plan (generation between steps)."""
         runtime = self.runtime
+        if runtime.shards is not None and runtime.shards.summoned:
+            raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
+                               "parameters itself; run it after the `with` block")
         runtime.adopt_data()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks

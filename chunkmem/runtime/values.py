@@ -88,6 +88,19 @@ class ModelData:
                 out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
         return out
 
+    def gathered(self, only: Container[ParamRecord] | None = None) -> dict[ParamRecord, torch.Tensor]:
+        """Under ZeRO, the value of every parameter (or of those in `only`) in its own dtype on CPU, gathered from all
+        ranks: a collective (gathered_parameters)."""
+        assert self.shards is not None
+        out, size = {}, self.store.chunk_size
+        for key, groups in sorted(self.shards.members.items()):
+            local = self.read(self.shards.owned(key).param).detach().cpu()
+            full = self.shards.all_gather_flat(local)
+            for position, group in enumerate(groups):
+                part = full[position * size:(position + 1) * size]
+                out.update({r: r.view(part) for r in group.members if only is None or r in only})
+        return out
+
     def receives(self, root: int | None) -> bool:
         """Whether this rank gets what `values(..., root)` gathers."""
         return root is None or self.shards is None or self.shards.rank == root

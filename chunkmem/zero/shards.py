@@ -113,6 +113,7 @@ class Shards:
         self.key_of_chunk = {g.param.name: self.key(g) for g in store.owned_groups()}
         self.order = Order()
         self.off_path = False  # a forward without gradients: not part of the recorded order
+        self.summoned = False  # parameters view whole values on the host (gathered_parameters): no forward
         self.log: list[tuple[str, Key]] | None = None  # set to a list to record the collectives issued
         self.live = self.live_peak = self.gathered_peak = 0  # transient device bytes
         self.gathered_bytes = 0
@@ -336,6 +337,13 @@ class Shards:
     def drop_all(self) -> None:
         for key in list(self.gathered):
             self.drop(key)
+
+    def point_all_home(self) -> None:
+        """Every group ungathered, its parameters viewing this rank's chunk or a placeholder (gathered_parameters
+        pointed them elsewhere)."""
+        self.drop_all()
+        for key in self.members:
+            self._point_home(key)
 
     def check_order(self) -> None:
         """Before an update: every rank gathered the same groups in the same order this step (the Note on

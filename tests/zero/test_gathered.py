@@ -1,0 +1,78 @@
+"""Parameters read and changed outside `forward` under ZeRO, where a rank holds a share of each group: inside
+`model.gathered_parameters()` every rank reads every parameter's whole value, and a change made there (an EMA
+swap, a weight average) is kept as `load_state_dict` keeps it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import chunkmem
+from tests.helpers import gpt2_loss, mlp, mlp_loss, param_bytes, tiny_gpt2, train
+from tests.multiproc import run_workers
+from tests.zero.test_shards import global_batches, shard
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def _values(named: object) -> dict[str, torch.Tensor]:
+    return {name: p.detach().to("cpu", copy=True) for name, p in named}  # type: ignore[attr-defined]
+
+
+def _halve(cm: torch.nn.Module, how: str) -> None:
+    if how == "gathered":
+        with cm.gathered_parameters(), torch.no_grad():
+            for param in cm.parameters():
+                param.mul_(0.5)
+    else:
+        cm.load_state_dict({k: v * 0.5 for k, v in cm.state_dict().items()})
+
+
+def halving_worker(rank: int, world: int, how: str, fraction: float) -> dict:
+    model = tiny_gpt2()
+    config = chunkmem.Config(device="cpu", dtype="fp32", device_memory=int(param_bytes(model) * fraction))
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), config)
+    batches = [shard(b, rank, 2) for b in global_batches("gpt2", 4)]
+    train(cm, opt, batches[:2], gpt2_loss)
+    out: dict = {"whole": cm.state_dict()}
+    if how == "gathered":
+        out["outside"] = _values(cm.module.named_parameters())
+        with cm.gathered_parameters():
+            out["inside"] = _values(cm.module.named_parameters())
+            with pytest.raises(RuntimeError, match="inside model.gathered_parameters"):
+                gpt2_loss(cm, batches[2])
+    _halve(cm, how)
+    out["halved"] = cm.state_dict()
+    train(cm, opt, batches[2:], gpt2_loss)
+    out["after"] = cm.state_dict()
+    return out
+
+
+@pytest.mark.slow
+def test_gathered_parameters_read_every_value_on_every_rank_and_keep_changes_as_load_state_dict_does():
+    fraction = 1.5  # of the parameter bytes: ZeRO's buffers take most, and chunks move
+    gathered = run_workers(halving_worker, 2, "gathered", fraction)
+    loaded = run_workers(halving_worker, 2, "loaded", fraction)
+    for got, twin in zip(gathered, loaded):
+        outside = [n for n, v in got["outside"].items() if v.isnan().any()]
+        assert outside, "outside the block a rank reads NaN for the groups other ranks own"
+        for name, value in got["inside"].items():
+            assert torch.equal(value, got["whole"][name]), name
+        for name, value in got["whole"].items():
+            assert torch.equal(got["halved"][name], value * 0.5), name
+            assert torch.equal(got["after"][name], twin["after"][name]), name  # trained on alike
+
+
+def test_without_zero_gathered_parameters_changes_nothing_and_keeps_changes():
+    model = mlp(depth=4)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
+                               chunkmem.Config(device="cpu", dtype="fp32", device_memory=param_bytes(model) // 3))
+    train(cm, opt, [(torch.randn(8, 32), torch.randn(8, 4)) for _ in range(2)], mlp_loss)
+    before = cm.state_dict()
+    with cm.gathered_parameters(), torch.no_grad():
+        assert all(torch.equal(p.cpu(), before[n]) for n, p in cm.module.named_parameters())
+        for param in cm.parameters():
+            param.mul_(0.5)
+    assert all(torch.equal(v, before[k] * 0.5) for k, v in cm.state_dict().items())
