@@ -76,3 +76,34 @@ def test_without_zero_gathered_parameters_changes_nothing_and_keeps_changes():
         for param in cm.parameters():
             param.mul_(0.5)
     assert all(torch.equal(v, before[k] * 0.5) for k, v in cm.state_dict().items())
+
+
+def bf16_worker(rank: int, world: int) -> dict:
+    model = mlp(width=32, depth=5)
+    model[2].requires_grad_(False)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", dtype="bf16"))
+    batches = [shard(b, rank, world) for b in global_batches("mlp", 4)]
+    train(cm, opt, batches[:2], mlp_loss)
+    whole = cm.state_dict()
+    with cm.gathered_parameters(), torch.no_grad():
+        inside = _values(cm.module.named_parameters())
+        cm.module[2].weight.mul_(0.5)  # frozen
+        cm.module[0].weight.data = torch.zeros_like(cm.module[0].weight)
+    kept = cm.state_dict()
+    with pytest.raises(ValueError, match="4.weight was given shape"), cm.gathered_parameters(), torch.no_grad():
+        cm.module[6].weight.mul_(2.0)
+        cm.module[4].weight.data = torch.zeros(3, 3, dtype=torch.bfloat16)
+    return {"whole": whole, "inside": inside, "kept": kept, "refused": cm.state_dict()}
+
+
+@pytest.mark.slow
+def test_gathered_parameters_in_bf16_keep_the_master_of_what_did_not_change_and_a_bad_change_keeps_nothing():
+    for got in run_workers(bf16_worker, 2):
+        whole, kept = got["whole"], got["kept"]
+        for name, value in got["inside"].items():  # the compute dtype's values of the fp32 masters
+            assert value.dtype == torch.bfloat16 and torch.equal(value, whole[name].bfloat16()), name
+        assert torch.equal(kept["2.weight"], (whole["2.weight"].bfloat16() * 0.5).float())
+        assert not kept["0.weight"].any()
+        changed = {"0.weight", "2.weight"}
+        assert all(torch.equal(kept[n], v) for n, v in whole.items() if n not in changed)  # masters not rounded
+        assert all(torch.equal(got["refused"][n], v) for n, v in kept.items())
