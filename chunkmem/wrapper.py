@@ -324,6 +324,10 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
         raise ValueError("this model was already prepared by chunkmem: pass the original module once")
     if not isinstance(model, nn.Module):
         raise TypeError(f"chunkmem.prepare expects an nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+        raise TypeError(f"chunkmem.prepare got a module compiled by torch.compile ({type(model).__name__} of "
+                        f"{type(model._orig_mod).__name__}): prepare the module itself, then torch.compile(model) "
+                        "what prepare returns (or compile its blocks in place, block.compile(), before prepare)")
     if isinstance(optimizer, ChunkOptimizer):
         raise ValueError("this optimizer was already prepared by chunkmem: pass the original torch.optim one")
     if optimizer is not None and optimizer.state:
