@@ -182,6 +182,31 @@ def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_mixed_precision_loop_of_autocast_and_grad_scaler_trains_as_on_the_plain_model(budget, dtype) -> None:
+    # A loop written for plain PyTorch's mixed precision, kept as it is on an fp32 prepared model: autocast around
+    # the forward; in fp16 a GradScaler that scales the loss, unscales the gradients for clipping, then steps unless
+    # they overflowed (the first step does, of a loss scaled by 2**18; the others step).
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, enabled=dtype == torch.float16)
+        skipped = 0
+        for ids in gpt2_batches(STEPS):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = gpt2_loss(model, ids)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < scale
+            opt.zero_grad()
+        assert skipped == (dtype == torch.float16)
+
+    same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_parameters_changed_in_place_after_a_step_keep_the_change(budget) -> None:
     def constrain(model: nn.Module, opt: torch.optim.Optimizer) -> None:  # a weight constraint, then an evaluation
         opt.zero_grad()
