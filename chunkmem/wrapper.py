@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import dataclasses
 import typing
 from collections import OrderedDict
@@ -233,6 +234,24 @@ class ChunkedModel(nn.Module):
                         runtime.data.set_value(record, record.param.detach())
             finally:
                 shards.point_all_home()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """A copy of the wrapped module as plain PyTorch would hold it (an EMA model: timm's ModelEmaV2 deep-copies the
+        model it is given): on the host, parameters in fp32 from the master weights (tied stay tied), with none of
+        chunkmem's hooks. Prepare it to train it under a budget. Under ZeRO a collective (state_dict's)."""
+        values = self.state_dict()
+        for name, param in self.module.named_parameters():
+            memo[id(param)] = nn.Parameter(values[name], param.requires_grad)
+        for buffer in self.module.buffers():
+            memo[id(buffer)] = buffer.detach().to("cpu", copy=True)
+        memo[id(self.hooks)] = hooks = object()  # the copies of our hooks are bound to it, and taken off below
+        module = copy.deepcopy(self.module, memo)
+        for sub in module.modules():
+            for table in (sub._forward_pre_hooks, sub._forward_hooks):
+                for key in [k for k, hook in table.items() if getattr(hook, "__self__", None) is hooks]:
+                    del table[key]
+                    sub._forward_hooks_always_called.pop(key, None)
+        return module.to("cpu")
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:

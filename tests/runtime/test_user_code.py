@@ -249,6 +249,31 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_an_error_a
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+def test_a_deep_copy_kept_as_an_ema_model_holds_plain_pytorchs_values(budget) -> None:
+    # timm's ModelEmaV2: a deep copy of the model given, then after each step every state_dict value moves towards
+    # the model's. The copy of a prepared model is the plain module, fp32 on the host, its tied weights tied.
+    from transformers import GPT2LMHeadModel
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        ema = copy.deepcopy(model)
+        assert isinstance(ema, GPT2LMHeadModel) and ema.lm_head.weight is ema.transformer.wte.weight
+        assert not any(m._forward_pre_hooks or m._forward_hooks for m in ema.modules())
+        for ids in gpt2_batches(STEPS):
+            gpt2_loss(model, ids).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for mine, theirs in zip(ema.state_dict().values(), model.state_dict().values()):
+                    mine.lerp_(theirs.to(mine.device), 0.1)
+        with torch.no_grad():  # the EMA's own forward, and the model's values replaced by it (an evaluation)
+            loss = gpt2_loss(ema, gpt2_batches(1, seed=3)[0])
+            model.load_state_dict(ema.state_dict())
+        assert torch.isfinite(loss)
+
+    same_bits(loop, budget, tiny_gpt2())
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_parameters_given_other_storage_keep_their_values(budget) -> None:
     def assign(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()

@@ -1,9 +1,10 @@
 """Parameters read and changed outside `forward` under ZeRO, where a rank holds a share of each group: inside
 `model.gathered_parameters()` every rank reads every parameter's whole value, and a change made there (an EMA
-swap, a weight average) is kept as `load_state_dict` keeps it."""
+swap, a weight average) is kept as `load_state_dict` keeps it. A deep copy (an EMA model) is the whole model."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -38,6 +39,7 @@ def halving_worker(rank: int, world: int, how: str, fraction: float) -> dict:
     train(cm, opt, batches[:2], gpt2_loss)
     out: dict = {"whole": cm.state_dict()}
     if how == "gathered":
+        out["copied"] = copy.deepcopy(cm).state_dict()  # an EMA model's copy: the whole model on every rank
         out["outside"] = _values(cm.module.named_parameters())
         with cm.gathered_parameters():
             out["inside"] = _values(cm.module.named_parameters())
@@ -60,6 +62,7 @@ def test_gathered_parameters_read_every_value_on_every_rank_and_keep_changes_as_
         assert outside, "outside the block a rank reads NaN for the groups other ranks own"
         for name, value in got["inside"].items():
             assert torch.equal(value, got["whole"][name]), name
+        assert all(torch.equal(got["copied"][n], v) for n, v in got["whole"].items())
         for name, value in got["whole"].items():
             assert torch.equal(got["halved"][name], value * 0.5), name
             assert torch.equal(got["after"][name], twin["after"][name]), name  # trained on alike
