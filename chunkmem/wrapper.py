@@ -235,6 +235,19 @@ class ChunkedModel(nn.Module):
             finally:
                 shards.point_all_home()
 
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped Hugging Face model's (or PEFT model's) save_pretrained, of `state_dict`'s values: fp32 from the
+        master weights, under ZeRO gathered from every rank (so every rank calls it; `is_main_process` says which
+        writes). The model's own would write its parameters as chunks hold them: in the compute dtype, and under ZeRO
+        NaN for the groups other ranks own."""
+        save = getattr(self.module, "save_pretrained", None)
+        if save is None:
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained: save model.state_dict() "
+                                 "or use chunkmem.save_checkpoint")
+        if "state_dict" not in kwargs and len(args) < 2:  # (is_main_process, state_dict, ...) by position
+            kwargs["state_dict"] = self.state_dict()
+        return save(save_directory, *args, **kwargs)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """A copy of the wrapped module as plain PyTorch would hold it (an EMA model: timm's ModelEmaV2 deep-copies the
         model it is given): on the host, parameters in fp32 from the master weights (tied stay tied), with none of

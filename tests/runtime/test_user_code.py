@@ -274,6 +274,23 @@ def test_a_deep_copy_kept_as_an_ema_model_holds_plain_pytorchs_values(budget) ->
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+def test_save_pretrained_writes_the_master_weights_that_from_pretrained_loads(budget, tmp_path) -> None:
+    # In bf16 the parameters the Hugging Face model's own save_pretrained would read hold the masters rounded.
+    from transformers import GPT2LMHeadModel
+
+    cm, opt = prepared(tiny_gpt2(), ADAMW, dtype="bf16", device_memory=None if budget is None else
+                       int(param_bytes(tiny_gpt2()) * budget))
+    for ids in gpt2_batches(2):
+        gpt2_loss(cm, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    cm.save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path, torch_dtype=torch.float32).state_dict()
+    want = cm.state_dict()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_parameters_given_other_storage_keep_their_values(budget) -> None:
     def assign(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         opt.zero_grad()

@@ -31,7 +31,7 @@ def _halve(cm: torch.nn.Module, how: str) -> None:
         cm.load_state_dict({k: v * 0.5 for k, v in cm.state_dict().items()})
 
 
-def halving_worker(rank: int, world: int, how: str, fraction: float) -> dict:
+def halving_worker(rank: int, world: int, how: str, fraction: float, folder: str) -> dict:
     model = tiny_gpt2()
     config = chunkmem.Config(device="cpu", dtype="fp32", device_memory=int(param_bytes(model) * fraction))
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), config)
@@ -40,6 +40,7 @@ def halving_worker(rank: int, world: int, how: str, fraction: float) -> dict:
     out: dict = {"whole": cm.state_dict()}
     if how == "gathered":
         out["copied"] = copy.deepcopy(cm).state_dict()  # an EMA model's copy: the whole model on every rank
+        cm.save_pretrained(folder, is_main_process=rank == 0)  # gathered on every rank, written by one
         out["outside"] = _values(cm.module.named_parameters())
         with cm.gathered_parameters():
             out["inside"] = _values(cm.module.named_parameters())
@@ -53,10 +54,14 @@ def halving_worker(rank: int, world: int, how: str, fraction: float) -> dict:
 
 
 @pytest.mark.slow
-def test_gathered_parameters_read_every_value_on_every_rank_and_keep_changes_as_load_state_dict_does():
+def test_gathered_parameters_read_every_value_on_every_rank_and_keep_changes_as_load_state_dict_does(tmp_path):
+    from transformers import GPT2LMHeadModel
+
     fraction = 1.5  # of the parameter bytes: ZeRO's buffers take most, and chunks move
-    gathered = run_workers(halving_worker, 2, "gathered", fraction)
-    loaded = run_workers(halving_worker, 2, "loaded", fraction)
+    gathered = run_workers(halving_worker, 2, "gathered", fraction, str(tmp_path))
+    loaded = run_workers(halving_worker, 2, "loaded", fraction, str(tmp_path / "unused"))
+    saved = GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(saved[n], v) for n, v in gathered[0]["whole"].items())
     for got, twin in zip(gathered, loaded):
         outside = [n for n, v in got["outside"].items() if v.isnan().any()]
         assert outside, "outside the block a rank reads NaN for the groups other ranks own"
