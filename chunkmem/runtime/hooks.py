@@ -272,7 +272,13 @@ class Hooks:
     def forward(self, inputs: Any = None, in_step: bool = True) -> Iterator[bool]:
         """The context of one forward pass of the whole model, whose inputs have the signature `inputs`; it
         gives whether the forward runs without the torch-function mode (runtime's Notes on resident steps and
-        lean forwards). Not `in_step`: served off the plan (generation between steps)."""
+        lean forwards). Not `in_step`: served off the plan (generation between steps). Under torch.inference_mode it runs
+        as under torch.no_grad: what the forward makes of chunkmem's own (device payloads, parameters' views) outlives
+        it, and an inference tensor can never be saved for a backward."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad(), self.forward(inputs, in_step) as modeless:
+                yield modeless
+            return
         runtime = self.runtime
         if runtime.shards is not None and runtime.shards.summoned:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "

@@ -163,6 +163,25 @@ def test_an_evaluation_after_each_step_runs_at_the_budget_training_runs_at() -> 
     assert all(torch.equal(a, b) for a, b in zip(evaluated[:half], evaluated[half:]))
 
 
+@pytest.mark.parametrize("budget", [*BUDGETS, 3.0])
+def test_an_evaluation_under_inference_mode_between_steps_leaves_training_as_plain_pytorchs(budget) -> None:
+    # Chunks uploaded and parameters pointed at them in an inference-mode forward were inference tensors, which the
+    # next training forward could not save for backward where chunks stayed (1.5 and 3 times the parameter bytes).
+    evaluated: list[torch.Tensor] = []
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids in gpt2_batches(STEPS):
+            gpt2_loss(model, ids).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.inference_mode():
+                evaluated.append(gpt2_loss(model, gpt2_batches(1, seed=3)[0]))
+
+    same_bits(loop, budget)
+    half = len(evaluated) // 2
+    assert all(torch.equal(a, b) for a, b in zip(evaluated[:half], evaluated[half:]))
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget) -> None:
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
