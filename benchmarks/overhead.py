@@ -157,8 +157,8 @@ def plain_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
 
     def mixed(lap: Lap = _nothing) -> None:
         _forward_backward(model, loss, lap)
-        for m, p in zip(master, low):
-            m.grad = p.grad.float()
+        for m, p in zip(master, low):  # a parameter without a gradient (frozen, unused) is not stepped
+            m.grad = None if p.grad is None else p.grad.float()
             p.grad = None
         optimizer.step()
         optimizer.zero_grad()

@@ -24,7 +24,7 @@ BF16_FIRST_LOSS = 0.03, 0.02  # within 3% of fp32's before any update, plus 0.02
 
 def test_the_zoo_is_broad() -> None:
     assert len(ARCHS) >= 15, [a.name for a in ARCHS]
-    assert {"causal", "masked", "seq2seq", "image"} <= {a.inputs for a in ARCHS}
+    assert {"causal", "masked", "seq2seq", "image", "speech", "speech2text", "contrastive"} <= {a.inputs for a in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])

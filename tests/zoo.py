@@ -26,7 +26,7 @@ class Arch:
     model: str  # class name in transformers, e.g. "LlamaForCausalLM"
     config: str  # config class name
     kwargs: dict[str, Any]
-    inputs: str  # "causal" | "masked" | "seq2seq" | "image"
+    inputs: str  # "causal" | "masked" | "seq2seq" | "image" | "speech" (CTC) | "speech2text" | "contrastive"
 
     def build(self, seed: int = 0) -> nn.Module:
         import transformers
@@ -41,6 +41,16 @@ class Arch:
             size = self.kwargs.get("image_size", IMAGE)
             return [{"pixel_values": torch.randn(BATCH, 3, size, size, generator=gen),
                      "labels": torch.randint(0, LABELS, (BATCH,), generator=gen)} for _ in range(steps)]
+        if self.inputs == "speech":  # raw audio, 800 samples: 79 frames after the feature encoder
+            return [{"input_values": torch.randn(BATCH, 800, generator=gen),
+                     "labels": torch.randint(3, VOCAB // 4, (BATCH, SEQ), generator=gen)} for _ in range(steps)]
+        if self.inputs == "speech2text":  # log-mel features
+            return [{"input_features": torch.randn(BATCH, self.kwargs["num_mel_bins"], 32, generator=gen),
+                     "labels": torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)} for _ in range(steps)]
+        if self.inputs == "contrastive":  # captions and their images
+            return [{"input_ids": torch.randint(3, VOCAB, (2 * BATCH, SEQ), generator=gen),
+                     "pixel_values": torch.randn(2 * BATCH, 3, IMAGE, IMAGE, generator=gen)}
+                    for _ in range(steps)]
         out = []
         for _ in range(steps):
             ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)  # 0-2: special tokens of some configs
@@ -49,7 +59,8 @@ class Arch:
 
 
 def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(**batch).loss.float()
+    contrastive = "input_ids" in batch and "pixel_values" in batch  # CLIP computes its loss when asked
+    return model(**batch, **({"return_loss": True} if contrastive else {})).loss.float()
 
 
 def _decoder(name: str, model: str, config: str, **kwargs: Any) -> Arch:
@@ -107,6 +118,24 @@ ZOO: list[Arch] = [
     Arch("swin", "SwinForImageClassification", "SwinConfig",
          dict(image_size=2 * IMAGE, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
               window_size=4, num_labels=LABELS, drop_path_rate=0.0, **NO_DROPOUT), "image"),
+    # Audio: a convolutional feature encoder, and a convolution whose weight is a weight-norm parametrization.
+    Arch("wav2vec2", "Wav2Vec2ForCTC", "Wav2Vec2Config",
+         dict(vocab_size=VOCAB // 4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+              num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+              feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+              ctc_loss_reduction="mean"), "speech"),
+    Arch("whisper", "WhisperForConditionalGeneration", "WhisperConfig",
+         dict(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, d_model=32, max_source_positions=16,
+              max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+              dropout=0.0), "speech2text"),
+    # Two towers, text and vision, and a loss between them.
+    Arch("clip", "CLIPModel", "CLIPConfig",
+         dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, max_position_embeddings=32),
+              vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=IMAGE, patch_size=4), projection_dim=16), "contrastive"),
 ]
 
 
