@@ -39,7 +39,7 @@ from chunkmem.chunks.store import ModelSet
 from chunkmem.config import Config
 from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
-from chunkmem.runtime.optim import ChunkOptimizer, Rule, rule_for
+from chunkmem.runtime.optim import ChunkOptimizer, Rule, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data, shard_group
 from chunkmem.zero.agreement import fingerprints
@@ -116,6 +116,8 @@ class Manager:
         runtime.optimizers = sum(o is not None for o in self.optimizers)
         self.runtime = runtime
         collect_garbage()  # the runtime before, and its device memory, go now
+        if optimizer is not None:
+            retire(optimizer)
         return wrapped if prepared is None else (wrapped, prepared)
 
     def memory_stats(self) -> dict[str, int]:

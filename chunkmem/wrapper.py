@@ -22,7 +22,7 @@ from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
-from chunkmem.runtime.optim import ChunkOptimizer, rule_for
+from chunkmem.runtime.optim import ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.zero.agreement import fingerprints
@@ -405,6 +405,7 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
             wrapped.hooks.remove()
         before.restore()
         raise
+    retire(optimizer)
     for watcher in _WATCHERS:
         watcher(*prepared)
     return prepared

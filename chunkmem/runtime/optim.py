@@ -239,6 +239,18 @@ class Together:
             self.update()
 
 
+def retire(optimizer: Optimizer) -> None:
+    """After a prepare succeeded, the user's own optimizer refuses to step: it would update the parameters where the
+    chunks lend them, with states of its own, beside the prepared optimizer. An LR scheduler made on it before prepare
+    still works: the prepared optimizer shares its param groups, and says when it stepped (ChunkOptimizer.step)."""
+    def step(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "
+            "the model: call step() on that one (model, optimizer = chunkmem.prepare(model, optimizer))")
+
+    optimizer.step = step  # type: ignore[method-assign]
+
+
 class ChunkOptimizer(Optimizer):
     """Drop-in for the user's optimizer; its state lives in chunks, not in `self.state`."""
 
@@ -246,6 +258,7 @@ class ChunkOptimizer(Optimizer):
         self.runtime = runtime
         self.rule = rule
         self.wrapped_type = type(optimizer)
+        self.original = optimizer  # the user's, whose param groups this one shares (`retire`)
         self.steps: dict[ParamRecord, torch.Tensor] = {}  # filled by add_param_group, which __init__ calls
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.native = native.load() if runtime.config.uses_native_optimizer else None
@@ -325,6 +338,7 @@ class ChunkOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        self.original._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler made on it looks for
         loss = None
         if closure is not None:
             with torch.enable_grad():

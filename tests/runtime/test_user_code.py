@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
+
+import chunkmem
 
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gpt2
 
@@ -180,6 +183,32 @@ def test_an_evaluation_under_inference_mode_between_steps_leaves_training_as_pla
     same_bits(loop, budget)
     half = len(evaluated) // 2
     assert all(torch.equal(a, b) for a, b in zip(evaluated[:half], evaluated[half:]))
+
+
+def test_the_optimizer_given_to_prepare_refuses_to_step_and_a_scheduler_made_on_it_before_prepare_works() -> None:
+    # Stepped, it updated the parameters where the chunks lend them, with states of its own, and nothing said so.
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(plain.parameters())
+    original = ADAMW(model.parameters())
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5**s) for o in (plain_opt, original)]
+    cm, opt = chunkmem.prepare(model, original, chunkmem.Config(device="cpu", device_memory=param_bytes(model) // 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for ids in gpt2_batches(STEPS):
+            for net, optimizer, schedule in zip((plain, cm), (plain_opt, opt), schedules):
+                gpt2_loss(net, ids).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                schedule.step()
+    assert not [w for w in caught if "before `optimizer.step()`" in str(w.message)]
+    assert opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] < 1e-2 / 2**(STEPS - 1)
+    want, got = plain.state_dict(), cm.state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+    gpt2_loss(cm, gpt2_batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"call step\(\) on that one"):
+        original.step()
+    assert all(torch.equal(v, cm.state_dict()[k]) for k, v in got.items())
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
