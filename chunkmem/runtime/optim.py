@@ -248,7 +248,7 @@ def retire(optimizer: Optimizer) -> None:
             f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "
             "the model: call step() on that one (model, optimizer = chunkmem.prepare(model, optimizer))")
 
-    optimizer.step = step  # type: ignore[method-assign]
+    optimizer.step = step  # type: ignore[method-assign, assignment]
 
 
 class ChunkOptimizer(Optimizer):
