@@ -380,6 +380,8 @@ def _span(tensor: torch.Tensor) -> tuple[int, int, int] | None:
         storage = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+    if tensor.is_nested:  # sizes per component (nn.TransformerEncoder's fast path with a padding mask): its buffer
+        return (storage, 0, tensor.untyped_storage().nbytes()) if storage != 0 else None
     if storage == 0 or tensor.numel() == 0:
         return None
     size = tensor.element_size()
