@@ -54,7 +54,8 @@ def halving_worker(rank: int, world: int, how: str, fraction: float, folder: str
 
 
 @pytest.mark.slow
-def test_gathered_parameters_read_every_value_on_every_rank_and_keep_changes_as_load_state_dict_does(tmp_path):
+def test_every_rank_reads_the_whole_model_in_gathered_parameters_a_deep_copy_and_save_pretrained(tmp_path):
+    # Inside the block a change is kept as load_state_dict keeps it.
     from transformers import GPT2LMHeadModel
 
     fraction = 1.5  # of the parameter bytes: ZeRO's buffers take most, and chunks move
