@@ -5,14 +5,14 @@ rank under ZeRO (state dicts, checkpoints). Each payload is read fenced, whereve
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container, Iterator
 
 import torch
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState, TensorState
-from chunkmem.chunks.store import ParamRecord, ParamStore
+from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.zero.shards import Shards
 
 
@@ -66,40 +66,40 @@ class ModelData:
     def values(self, kind: str = "master", root: int | None = None) -> dict[ParamRecord, torch.Tensor]:
         """Every parameter's fp32 value (or optimizer state `kind`) on CPU, gathered from all ranks: on every rank, or
         under ZeRO on rank `root` alone (the others get none)."""
+        def pick(group: ChunkGroup) -> Chunk | None:
+            return group.master if kind == "master" else group.chunks[kind] if group.trainable else None
+
         out = {}
         for group in self.store.groups if self.receives(root) else ():
-            if group.owned and (kind == "master" or group.trainable):
-                chunk = group.master if kind == "master" else group.chunks[kind]
+            chunk = pick(group) if group.owned else None
+            if chunk is not None:
                 flat = self.read(chunk).detach().to("cpu", torch.float32)
                 out.update({r: r.view(flat).clone() for r in group.members})
-        if self.shards is None:
-            return out
-        for key, groups in sorted(self.shards.members.items()):
-            owned = self.shards.owned(key)
-            if kind != "master" and not owned.trainable:
-                continue
-            chunk = owned.master if kind == "master" else owned.chunks[kind]
-            local = self.read(chunk).detach().to("cpu", torch.float32)
-            full = self.shards.all_gather_flat(local) if root is None else self.shards.gather_flat(local, root)
-            if full is None:
-                continue
-            size = self.store.chunk_size
-            for position, group in enumerate(groups):
-                out.update({r: r.view(full[position * size:(position + 1) * size]).clone() for r in group.members})
+        if self.shards is not None:
+            for group, part in self._wholes(pick, torch.float32, root):
+                out.update({r: r.view(part).clone() for r in group.members})
         return out
 
     def gathered(self, only: Container[ParamRecord] | None = None) -> dict[ParamRecord, torch.Tensor]:
         """Under ZeRO, the value of every parameter (or of those in `only`) in its own dtype on CPU, gathered from all
         ranks: a collective (gathered_parameters)."""
+        return {r: r.view(part) for group, part in self._wholes(lambda owned: owned.param)
+                for r in group.members if only is None or r in only}
+
+    def _wholes(self, pick: Callable[[ChunkGroup], Chunk | None], dtype: torch.dtype | None = None,
+                root: int | None = None) -> Iterator[tuple[ChunkGroup, torch.Tensor]]:
+        """Under ZeRO, of each communication group the chunk `pick` takes of this rank's group (None: none), gathered
+        from all ranks on CPU in `dtype` (on rank `root` alone, if given): each chunk group with its part of it."""
         assert self.shards is not None
-        out, size = {}, self.store.chunk_size
+        size = self.store.chunk_size
         for key, groups in sorted(self.shards.members.items()):
-            local = self.read(self.shards.owned(key).param).detach().cpu()
-            full = self.shards.all_gather_flat(local)
-            for position, group in enumerate(groups):
-                part = full[position * size:(position + 1) * size]
-                out.update({r: r.view(part) for r in group.members if only is None or r in only})
-        return out
+            chunk = pick(self.shards.owned(key))
+            if chunk is None:
+                continue
+            local = self.read(chunk).detach().to("cpu", dtype=dtype)
+            full = self.shards.all_gather_flat(local) if root is None else self.shards.gather_flat(local, root)
+            if full is not None:
+                yield from ((group, full[i * size:(i + 1) * size]) for i, group in enumerate(groups))
 
     def receives(self, root: int | None) -> bool:
         """Whether this rank gets what `values(..., root)` gathers."""
