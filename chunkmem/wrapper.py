@@ -6,7 +6,9 @@ import builtins
 import contextlib
 import copy
 import dataclasses
+import inspect
 import typing
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -21,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
+from chunkmem.memory.device import Device
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.optim import ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
@@ -65,7 +68,13 @@ class ChunkedModel(nn.Module):
                     sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
         # Its parameters' records where the runtime holds other models' too (a manager's), else None: all of them.
         self.own_records: frozenset[ParamRecord] | None = None
+        report_device(module, runtime.device)
         self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes (`inputs.to(model.device)`), whichever tier its parameters are in now."""
+        return self.runtime.device.torch_device
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -260,6 +269,7 @@ class ChunkedModel(nn.Module):
         memo[id(self.hooks)] = hooks = object()  # the copies of our hooks are bound to it, and taken off below
         module = copy.deepcopy(self.module, memo)
         for sub in module.modules():
+            sub.__class__ = getattr(type(sub), "_chunkmem_base", type(sub))
             for table in (sub._forward_pre_hooks, sub._forward_hooks):
                 for key in [k for k, hook in table.items() if getattr(hook, "__self__", None) is hooks]:
                     del table[key]
@@ -318,6 +328,39 @@ class ChunkedModel(nn.Module):
         if self.runtime.shards is not None:
             self.runtime.shards.drop_all()
         return _IncompatibleKeys(missing, unexpected)
+
+
+# Hugging Face models (and modules written the same way) say where they are by their first parameter's device
+# (`model.device`), which `generate` and some forwards (XLNet's) create tensors on and move inputs to. A parameter whose
+# chunk is not on the device views its host payload, so on CUDA a streaming model said "cpu" after a step and those
+# tensors met CUDA ones. Prepared, such a module's class is a subclass of it, of the same name, whose `device` is where
+# chunkmem computes (as torch.nn.utils.parametrize subclasses the modules it changes).
+_REPORTED: weakref.WeakKeyDictionary[nn.Module, Device] = weakref.WeakKeyDictionary()
+_REPORTING: dict[type, type] = {}
+
+
+def report_device(module: nn.Module, device: Device) -> None:
+    """Make every submodule of `module` whose class has a `device` property say `device`'s torch device."""
+    for sub in module.modules():
+        cls = type(sub)
+        if "_chunkmem_base" not in vars(cls):
+            if not isinstance(inspect.getattr_static(cls, "device", None), property):
+                continue
+            if cls not in _REPORTING:
+                _REPORTING[cls] = _reporting(cls)
+            sub.__class__ = _REPORTING[cls]
+        _REPORTED[sub] = device
+
+
+def _reporting(cls: type) -> type:
+    own = inspect.getattr_static(cls, "device")
+
+    def device(self: nn.Module) -> torch.device:  # a module copied some other way than deepcopy says as before
+        where = _REPORTED.get(self)
+        return where.torch_device if where is not None else own.__get__(self)
+
+    return type(cls.__name__, (cls,), {"device": property(device), "_chunkmem_base": cls,
+                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
 def _signature(value: Any) -> Any:
@@ -428,14 +471,19 @@ class Snapshot:
     data: dict[nn.Parameter, torch.Tensor]
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
     requires_grad: dict[nn.Parameter, bool]
+    classes: dict[nn.Module, type]  # report_device's
 
     @classmethod
     def of(cls, module: nn.Module) -> Snapshot:
         return cls({p: p.data for p in module.parameters()},
                    {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
-                   {p: p.requires_grad for p in module.parameters()})
+                   {p: p.requires_grad for p in module.parameters()},
+                   {sub: type(sub) for sub in module.modules()})
 
     def restore(self) -> None:
+        for sub, kind in self.classes.items():
+            sub.__class__ = kind
+            _REPORTED.pop(sub, None)
         for param, data in self.data.items():
             param.requires_grad_(self.requires_grad[param])
             put_data(param, data)

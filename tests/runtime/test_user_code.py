@@ -304,7 +304,7 @@ def test_a_deep_copy_kept_as_an_ema_model_holds_plain_pytorchs_values(budget) ->
 
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         ema = copy.deepcopy(model)
-        assert isinstance(ema, GPT2LMHeadModel) and ema.lm_head.weight is ema.transformer.wte.weight
+        assert type(ema) is GPT2LMHeadModel and ema.lm_head.weight is ema.transformer.wte.weight
         assert not any(m._forward_pre_hooks or m._forward_hooks for m in ema.modules())
         for ids in gpt2_batches(STEPS):
             gpt2_loss(model, ids).backward()
@@ -319,6 +319,26 @@ def test_a_deep_copy_kept_as_an_ema_model_holds_plain_pytorchs_values(budget) ->
         assert torch.isfinite(loss)
 
     same_bits(loop, budget, tiny_gpt2())
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_model_and_its_hugging_face_parts_say_they_are_where_chunkmem_computes(budget, monkeypatch) -> None:
+    # `batch.to(model.device)`, and the tensors generate (and XLNet's forward) make on `self.device`: a Hugging Face
+    # model's device is its first parameter's, which views its host payload while its chunk is off the device, so on
+    # CUDA a streaming model said "cpu" after a step.
+    from transformers import GPT2LMHeadModel, GPT2Model
+
+    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=None if budget is None else int(param_bytes(tiny_gpt2()) * budget))
+    for ids in gpt2_batches(2):
+        gpt2_loss(cm, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    first = next(cm.parameters())
+    assert (cm.runtime.residency.by_storage.get(first.untyped_storage().data_ptr()) is None) == (budget == 0.3)
+    monkeypatch.setattr(cm.runtime.device, "torch_device", torch.device("meta"))  # where no parameter is
+    assert cm.device == cm.module.device == cm.module.transformer.device == torch.device("meta")
+    assert isinstance(cm.module, GPT2LMHeadModel) and isinstance(cm.module.transformer, GPT2Model)
+    assert type(cm.module).__name__ == "GPT2LMHeadModel"  # what save_pretrained writes as its architecture
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
