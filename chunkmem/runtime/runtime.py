@@ -630,6 +630,11 @@ class Runtime:
             moved = [r for r in group.members if r.param.untyped_storage().data_ptr() != viewed]
             for record in moved:
                 value = record.param.detach()
+                if value.shape != record.shape:
+                    raise ValueError(
+                        f"parameter {record.name} has shape {tuple(value.shape)}, and had {tuple(record.shape)} when "
+                        "chunkmem.prepare laid out its chunk: a prepared model's parameters keep their shapes "
+                        "(resize_token_embeddings changes them): change the model first, then prepare it")
                 if value.dtype == chunk.dtype or not torch.equal(
                         value.to(chunk.dtype), record.view(self.data.read(chunk)).to(value.device)):
                     self.data.set_value(record, value.to("cpu", copy=True))

@@ -33,6 +33,10 @@ def same_bits(loop: Loop, budget: float | None, model: nn.Module | None = None) 
     assert not differ, f"{len(differ)} of {len(want)} tensors differ, {differ[0]} first"
 
 
+def gpt2_budget(budget: float | None) -> int | None:
+    return None if budget is None else int(param_bytes(tiny_gpt2()) * budget)
+
+
 def steps(after: Callable[[nn.Module, torch.optim.Optimizer], None]) -> Loop:
     """A loop whose step ends with `after` (instead of optimizer.zero_grad, where it zeroes)."""
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -328,7 +332,7 @@ def test_the_model_and_its_hugging_face_parts_say_they_are_where_chunkmem_comput
     # CUDA a streaming model said "cpu" after a step.
     from transformers import GPT2LMHeadModel, GPT2Model
 
-    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=None if budget is None else int(param_bytes(tiny_gpt2()) * budget))
+    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(budget))
     for ids in gpt2_batches(2):
         gpt2_loss(cm, ids).backward()
         opt.step()
@@ -342,12 +346,21 @@ def test_the_model_and_its_hugging_face_parts_say_they_are_where_chunkmem_comput
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+def test_a_parameter_resized_after_prepare_is_an_error_that_says_so(budget) -> None:
+    # Hugging Face's resize keeps the Parameter and gives it new data (as `p.data = t`): its chunk has no room for it.
+    cm, _ = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(budget))
+    cm.module.resize_token_embeddings(130, mean_resizing=False)
+    with pytest.raises(ValueError, match=r"transformer.wte.weight has shape \(130, 64\), and had \(128, 64\) when "
+                                         r"chunkmem.prepare.*resize_token_embeddings"):
+        gpt2_loss(cm, gpt2_batches(1)[0])
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 def test_save_pretrained_writes_the_master_weights_that_from_pretrained_loads(budget, tmp_path) -> None:
     # In bf16 the parameters the Hugging Face model's own save_pretrained would read hold the masters rounded.
     from transformers import GPT2LMHeadModel
 
-    cm, opt = prepared(tiny_gpt2(), ADAMW, dtype="bf16", device_memory=None if budget is None else
-                       int(param_bytes(tiny_gpt2()) * budget))
+    cm, opt = prepared(tiny_gpt2(), ADAMW, dtype="bf16", device_memory=gpt2_budget(budget))
     for ids in gpt2_batches(2):
         gpt2_loss(cm, ids).backward()
         opt.step()
