@@ -41,7 +41,7 @@ from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
 from chunkmem.runtime.optim import ChunkOptimizer, Rule, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
-from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data, shard_group
+from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data, report_device, shard_group
 from chunkmem.zero.agreement import fingerprints
 
 
@@ -100,6 +100,7 @@ class Manager:
             earlier_model.hooks.remove()
             earlier_model.runtime = runtime
             earlier_model.hooks = Hooks(earlier_model.module, runtime)
+            report_device(earlier_model.module, runtime.device)
             if earlier_optimizer is None:
                 continue
             earlier_optimizer.move_to(runtime)

@@ -335,12 +335,14 @@ class ChunkedModel(nn.Module):
 # chunk is not on the device views its host payload, so on CUDA a streaming model said "cpu" after a step and those
 # tensors met CUDA ones. Prepared, such a module's class is a subclass of it, of the same name, whose `device` is where
 # chunkmem computes (as torch.nn.utils.parametrize subclasses the modules it changes).
-_REPORTED: weakref.WeakKeyDictionary[nn.Module, Device] = weakref.WeakKeyDictionary()
+# The device by weak reference: a manager's models move to each new runtime, and the old one's device memory goes.
+_REPORTED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Device]] = weakref.WeakKeyDictionary()
 _REPORTING: dict[type, type] = {}
 
 
 def report_device(module: nn.Module, device: Device) -> None:
     """Make every submodule of `module` whose class has a `device` property say `device`'s torch device."""
+    where = weakref.ref(device)
     for sub in module.modules():
         cls = type(sub)
         if "_chunkmem_base" not in vars(cls):
@@ -349,14 +351,18 @@ def report_device(module: nn.Module, device: Device) -> None:
             if cls not in _REPORTING:
                 _REPORTING[cls] = _reporting(cls)
             sub.__class__ = _REPORTING[cls]
-        _REPORTED[sub] = device
+        _REPORTED[sub] = where
+
+
+def _gone() -> None:
+    return None
 
 
 def _reporting(cls: type) -> type:
     own = inspect.getattr_static(cls, "device")
 
     def device(self: nn.Module) -> torch.device:  # a module copied some other way than deepcopy says as before
-        where = _REPORTED.get(self)
+        where = _REPORTED.get(self, _gone)()
         return where.torch_device if where is not None else own.__get__(self)
 
     return type(cls.__name__, (cls,), {"device": property(device), "_chunkmem_base": cls,
@@ -471,19 +477,22 @@ class Snapshot:
     data: dict[nn.Parameter, torch.Tensor]
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
     requires_grad: dict[nn.Parameter, bool]
-    classes: dict[nn.Module, type]  # report_device's
+    classes: dict[nn.Module, tuple[type, weakref.ref[Device] | None]]  # report_device's
 
     @classmethod
     def of(cls, module: nn.Module) -> Snapshot:
         return cls({p: p.data for p in module.parameters()},
                    {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
                    {p: p.requires_grad for p in module.parameters()},
-                   {sub: type(sub) for sub in module.modules()})
+                   {sub: (type(sub), _REPORTED.get(sub)) for sub in module.modules()})
 
     def restore(self) -> None:
-        for sub, kind in self.classes.items():
+        for sub, (kind, where) in self.classes.items():
             sub.__class__ = kind
-            _REPORTED.pop(sub, None)
+            if where is None:
+                _REPORTED.pop(sub, None)
+            else:
+                _REPORTED[sub] = where
         for param, data in self.data.items():
             param.requires_grad_(self.requires_grad[param])
             put_data(param, data)

@@ -204,7 +204,7 @@ def test_parameters_given_other_storage_between_two_prepares_keep_it():
     assert all(not v.any() for v in policy.state_dict().values())
 
 
-def test_a_budget_too_small_for_the_largest_working_set_is_refused_at_the_last_prepare_changing_nothing():
+def test_a_budget_too_small_for_the_largest_working_set_is_refused_at_the_last_prepare_changing_nothing(monkeypatch):
     policy, _ = models()
     manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK,
                                                device_memory=3 * CHUNK * 4))
@@ -217,9 +217,18 @@ def test_a_budget_too_small_for_the_largest_working_set_is_refused_at_the_last_p
         manager.prepare(wide)
     assert all(torch.equal(p, before[n]) and p.requires_grad for n, p in wide.named_parameters())
     assert manager.models == [policy] and policy.runtime is manager.runtime
+    with monkeypatch.context() as patch:  # a device where no parameter is: the model says its runtime's
+        patch.setattr(manager.runtime.device, "torch_device", torch.device("meta"))
+        assert policy.module.device == torch.device("meta")
     ids = pairs(1)[0][0]
     plain, _ = models()
     assert policy(ids).logits.equal(plain(ids).logits)  # the earlier model is as it was
+
+
+def test_each_model_says_it_is_where_the_runtime_it_moved_to_computes(monkeypatch):
+    manager, (policy, _, reference) = managed(None)  # the policy moved to the runtime the reference's prepare made
+    monkeypatch.setattr(manager.runtime.device, "torch_device", torch.device("meta"))  # where no parameter is
+    assert policy.device == policy.module.device == reference.module.device == torch.device("meta")
 
 
 def test_generation_between_steps_gives_plain_tokens_and_keeps_the_plan():
