@@ -25,7 +25,7 @@ from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
 from chunkmem.memory.device import Device
 from chunkmem.runtime.hooks import Hooks, already_hooked
-from chunkmem.runtime.optim import ChunkOptimizer, retire, rule_for
+from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.zero.agreement import fingerprints
@@ -411,7 +411,9 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
                         "what prepare returns (or compile its blocks in place, block.compile(), before prepare)")
     if isinstance(optimizer, ChunkOptimizer):
         raise ValueError("this optimizer was already prepared by chunkmem: pass the original torch.optim one")
-    if optimizer is not None and optimizer.state:
+    # Not an optimizer chunkmem refuses anyway (Adagrad fills its state as it is made: rule_for says why), nor the
+    # empty entries a read of torch.optim's defaultdict leaves (`optimizer.state[p].get("step")`).
+    if type(optimizer) in SUPPORTED and any(typing.cast(Optimizer, optimizer).state.values()):
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
     hooked = already_hooked(model)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,8 +56,9 @@ SUPPORTED = (Adam, AdamW, SGD)
 # Elements a slice of a homed update starts at a multiple of (_room_on_device): where a whole range's vector loops
 # would, for CPU kernels treat a loop's tail apart (torch's fused Adam on the CPU rounds it otherwise).
 SLICE_ALIGN = 1024
-_NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare: build the "
-                 "optimizer (and its param groups) from model.parameters()")
+_NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare, or was added "
+                 "to it after (prepare laid out chunks for the parameters the model had then): build the model "
+                 "whole, then the optimizer (and its param groups) from model.parameters(), then prepare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,9 @@ def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tenso
 
 def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
          states: dict[str, list], steps: list[torch.Tensor]) -> None:
-    # torch.optim.SGD starts a momentum buffer as a copy of the first gradient: pass None until then.
+    # torch.optim.SGD starts a momentum buffer as a copy of the first gradient a step with momentum takes: pass None
+    # until then. SGD's step counts are the steps taken with momentum (torch's SGD counts none), so a group given
+    # momentum after steps without (a schedule's, or by hand) starts its buffers as torch's would.
     buffers = states.get("momentum_buffer")
     given: list[torch.Tensor | None] = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] \
         if buffers else [None] * len(params)
@@ -122,8 +125,9 @@ def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
     for buffer, new in zip(buffers or [], given):
         if new is not None and new.data_ptr() != buffer.data_ptr():
             buffer.copy_(new)
-    for step in steps:
-        step += 1
+    if group["momentum"]:
+        for step in steps:
+            step += 1
 
 
 def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[int], int],
@@ -251,8 +255,48 @@ def retire(optimizer: Optimizer) -> None:
     optimizer.step = step  # type: ignore[method-assign, assignment]
 
 
+class ChunkStates(Mapping):
+    """A prepared optimizer's `state`: torch.optim's per-parameter states read from their chunks, as fp32 copies on the
+    host (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step with momentum made it). Changes are
+    refused: the empty dict torch.optim's own would have been took writes and clears that did nothing."""
+
+    def __init__(self, optimizer: ChunkOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def _stepped(self) -> dict[torch.Tensor, ParamRecord]:
+        steps = self.optimizer.steps
+        return {r.param: r for r in steps if steps[r].item() > 0}
+
+    def __getitem__(self, param: Any) -> dict[str, torch.Tensor]:
+        record = self.optimizer.runtime.store.records.get(param)
+        steps, runtime = self.optimizer.steps, self.optimizer.runtime
+        if record is None or record not in steps or steps[record].item() == 0:
+            return {}  # as torch.optim's defaultdict reads a parameter that has not stepped (without adding it)
+        if runtime.shards is not None:
+            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
+                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
+        out = {"step": steps[record].clone()} if self.optimizer.steps_adam else {}
+        for kind in runtime.store.families.saved:
+            flat = runtime.data.read(record.group.chunks[kind]).detach().to("cpu", torch.float32)
+            out[kind] = record.view(flat).clone()
+        return out
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._stepped())
+
+    def __len__(self) -> int:
+        return len(self._stepped())
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a chunkmem optimizer keeps its states in chunks, and optimizer.state is read-only copies "
+                        "of them: to save or restore them use chunkmem.save_checkpoint / load_checkpoint; to start "
+                        "the states afresh, prepare a fresh optimizer")
+
+    __setitem__ = __delitem__ = clear = pop = update = setdefault = _refuse
+
+
 class ChunkOptimizer(Optimizer):
-    """Drop-in for the user's optimizer; its state lives in chunks, not in `self.state`."""
+    """Drop-in for the user's optimizer; its state lives in chunks (`state` reads them: ChunkStates)."""
 
     def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule) -> None:
         self.runtime = runtime
@@ -261,11 +305,21 @@ class ChunkOptimizer(Optimizer):
         self.original = optimizer  # the user's, whose param groups this one shares (`retire`)
         self.steps: dict[ParamRecord, torch.Tensor] = {}  # filled by add_param_group, which __init__ calls
         super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._states = ChunkStates(self)
         self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
         self.steps_adam = rule.update is _adam
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
         self._make_ahead()
+
+    @property  # type: ignore[override]
+    def state(self) -> ChunkStates:
+        return self._states
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if hasattr(self, "_states"):  # Optimizer.__init__ sets an empty one first
+            self._states._refuse()
 
     def _make_ahead(self) -> None:
         """Host updates made ahead of step() (ahead.py), where Config.overlap_update asks and they can be."""
@@ -407,7 +461,15 @@ class ChunkOptimizer(Optimizer):
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would
-        train nothing, silently."""
+        train nothing, silently. Nor does an SGD laid out without momentum keep buffers for momentum given later."""
+        if "momentum_buffer" not in self.rule.states and self.rule.update is _sgd:
+            for group in self.param_groups:
+                if group["momentum"]:
+                    raise ValueError(
+                        f"a param group has momentum={group['momentum']} now, and the SGD optimizer given to "
+                        "chunkmem.prepare had momentum=0 in every group, so chunkmem laid out no momentum buffers "
+                        "and would restart momentum at every step: give the optimizer a momentum group before "
+                        "prepare (a group that starts at momentum=0 and gets momentum later then works)")
         for record in self.runtime.store.records.values():
             if not record.group.trainable and record.param.requires_grad:
                 raise ValueError(f"parameter {record.name} was frozen (requires_grad=False) when chunkmem.prepare "
@@ -596,7 +658,8 @@ class ChunkOptimizer(Optimizer):
             native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
                             dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
                             **common)
-        torch._foreach_add_([self.steps[r] for r in members], 1)
+        if self.rule.update is _adam or group["momentum"]:  # SGD counts its steps with momentum (_sgd)
+            torch._foreach_add_([self.steps[r] for r in members], 1)
         self.native_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:

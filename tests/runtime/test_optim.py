@@ -374,3 +374,68 @@ def test_a_homed_bf16_update_made_in_slices_has_the_bits_of_the_whole_range_at_o
     numel = sum(p.numel() for p in model.parameters())
     assert none == 0 and slices >= 4 * numel // optim.SLICE_ALIGN, "every step's groups updated in slices"
     assert sliced_losses == losses and all(torch.equal(sliced_state[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
+@pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])
+def test_optimizer_state_reads_as_pytorchs_and_refuses_changes(make, budget) -> None:
+    model, batches = mlp(), mlp_batches(3)
+    ref = copy.deepcopy(model)
+    ref_opt = make(ref.parameters())
+    cm, opt = chunkmem.prepare(model, make(model.parameters()),
+                               chunkmem.Config(device="cpu", device_memory=budget and int(param_bytes(model) * budget)))
+    assert len(opt.state) == 0 and opt.state[next(model.parameters())] == {}
+    assert train(cm, opt, batches, mlp_loss) == train(ref, ref_opt, batches, mlp_loss)
+    assert len(opt.state) == len(ref_opt.state) == len(list(model.parameters()))
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
+        want, got = ref_opt.state[theirs], opt.state[mine]
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(TypeError, match="optimizer.state is read-only copies"):
+        opt.state.clear()  # an Adam reset that did nothing before
+    with pytest.raises(TypeError, match="chunkmem.save_checkpoint"):
+        opt.state = {}
+
+
+@pytest.mark.parametrize("budget,native", [(None, False), (0.3, False), (0.3, True)])
+def test_sgd_momentum_given_to_a_group_after_steps_without_starts_its_buffers_as_pytorch(budget, native) -> None:
+    """The first group has no momentum at first: torch starts its buffers at its first step with momentum, which
+    chunkmem took for its first step (a buffer of zeros, dampened: 0.5 x the gradient). The native kernel rounds
+    otherwise than torch.optim: close, not bit-equal."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        params = list(model.parameters())
+        return torch.optim.SGD([{"params": params[:4], "momentum": 0.0, "dampening": 0.5},
+                                {"params": params[4:], "momentum": 0.9}], lr=0.05)
+
+    model, batches = mlp(), mlp_batches(5)
+    ref = copy.deepcopy(model)
+    ref_opt = make(ref)
+    cm, opt = chunkmem.prepare(model, make(model), chunkmem.Config(  # a chunk per layer: one param group each
+        device="cpu", device_memory=budget and int(param_bytes(model) * budget), chunk_size=1088,
+        native_optimizer=native))
+    train(cm, opt, batches[:2], mlp_loss)
+    train(ref, ref_opt, batches[:2], mlp_loss)
+    for optimizer in (opt, ref_opt):
+        optimizer.param_groups[0]["momentum"] = 0.9
+    train(cm, opt, batches[2:], mlp_loss)
+    train(ref, ref_opt, batches[2:], mlp_loss)
+    assert (opt.native_steps > 0) == native
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(cm.state_dict()[name], value, rtol=1e-6 if native else 0, atol=0)
+
+
+def test_sgd_momentum_given_after_prepare_to_an_optimizer_without_any_is_an_error() -> None:
+    model = mlp()
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), chunkmem.Config(device="cpu"))
+    mlp_loss(cm, mlp_batches(1)[0]).backward()
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="momentum=0.9 now.*laid out no momentum buffers"):
+        opt.step()
+
+
+def test_an_optimizer_chunkmem_cannot_drive_is_named_and_a_read_of_an_empty_state_is_no_use() -> None:
+    model = mlp()
+    with pytest.raises(TypeError, match="cannot drive torch.optim.adagrad.Adagrad"):  # it fills state when made
+        chunkmem.prepare(model, torch.optim.Adagrad(model.parameters()), chunkmem.Config(device="cpu"))
+    optimizer = ADAMW(model.parameters())
+    assert optimizer.state[next(model.parameters())].get("step") is None  # leaves an empty entry behind
+    chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu"))
