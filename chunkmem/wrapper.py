@@ -297,37 +297,50 @@ class ChunkedModel(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
-        expected = self.module.state_dict(keep_vars=True)
+        """torch's load_state_dict, every module's own loading and hooks included (a pre-hook renaming old keys,
+        BatchNorm filling in num_batches_tracked), into stand-ins for the parameters and buffers: then, if it raised
+        nothing, the values go into the chunks (fp32 into the master weights) and buffers. A tied parameter's value
+        may come under any of its names. Every value is checked before any is written: a failed load changes nothing.
+        """
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters chunkmem laid out in chunks: "
+                             "load the values into them (assign=False)")
         records = self.runtime.store.records
-
-        def given(name: str, target: torch.Tensor) -> str | None:
-            """The key that supplies `name`: itself, or any name of the same (tied) parameter."""
-            record = records.get(target)  # type: ignore[call-overload]  # buffers are not records
-            names = record.aliases if record is not None else ()
-            return next((k for k in (name, *names) if k in state_dict), None)
-
-        keys = {name: given(name, target) for name, target in expected.items()}
-        missing = [name for name, key in keys.items() if key is None]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}: "
-                               f"missing keys {missing}, unexpected keys {unexpected}")
-        for name, key in keys.items():  # every value checked before any is written: a failed load changes nothing
-            if key is not None and state_dict[key].shape != expected[name].shape:
-                raise ValueError(f"value for {name} has shape {tuple(state_dict[key].shape)}, "
-                                 f"expected {tuple(expected[name].shape)}")
+        stand_ins: dict[torch.Tensor, torch.Tensor] = {}
+        tables: list[dict[str, Any]] = [t for sub in self.module.modules() for t in (sub._parameters, sub._buffers)]
+        slots = [(table, name, tensor) for table in tables for name, tensor in table.items() if tensor is not None]
+        for _, _, tensor in slots:
+            if tensor not in stand_ins:
+                stand_ins[tensor] = nn.Parameter(tensor.detach().to("cpu", torch.float32, copy=True),
+                                                 tensor.requires_grad) if tensor in records else tensor.detach().clone()
+        try:
+            for table, name, tensor in slots:
+                table[name] = stand_ins[tensor]
+            result = self.module.load_state_dict(state_dict, strict=False)
+        finally:
+            for table, name, tensor in slots:
+                table[name] = tensor
+        names: dict[torch.Tensor, list[str]] = {}  # the state dict's names of each parameter (tied: several)
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            names.setdefault(tensor, []).append(name)
+        missed = set(result.missing_keys)
+        loaded = [t for t, aliases in names.items() if not missed.issuperset(aliases)]
+        found = {name for tensor in loaded for name in names[tensor]}
+        missing = [name for name in result.missing_keys if name not in found]
+        if strict and (missing or result.unexpected_keys):
+            lines = [what + " key(s) in state_dict: " + ", ".join('"' + key + '"' for key in keys) + ". "
+                     for what, keys in (("Missing", missing), ("Unexpected", result.unexpected_keys)) if keys]
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" +
+                               "\n\t".join(lines))
         with torch.no_grad():
-            for name, target in expected.items():
-                key = keys[name]
-                if key is None:
-                    continue
-                if target in records:
-                    self.runtime.data.set_value(records[target], state_dict[key])
+            for tensor in loaded:
+                if isinstance(tensor, nn.Parameter) and tensor in records:
+                    self.runtime.data.set_value(records[tensor], stand_ins[tensor])
                 else:
-                    target.copy_(state_dict[key])
+                    tensor.copy_(stand_ins[tensor])
         if self.runtime.shards is not None:
             self.runtime.shards.drop_all()
-        return _IncompatibleKeys(missing, unexpected)
+        return _IncompatibleKeys(missing, result.unexpected_keys)
 
 
 # Hugging Face models (and modules written the same way) say where they are by their first parameter's device
