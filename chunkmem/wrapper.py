@@ -278,7 +278,12 @@ class ChunkedModel(nn.Module):
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied)."""
+        """The consolidated fp32 state dict on CPU, with the original module's keys (tied stay tied): copies, so a
+        change made to a value is not the model's (load_state_dict it)."""
+        if keep_vars:
+            raise ValueError("state_dict(keep_vars=True) of a prepared model: its values are fp32 copies read from the "
+                             "chunks, not its parameters (views into chunks, in the compute dtype): use "
+                             "model.named_parameters() for the parameters themselves")
         out = OrderedDict() if destination is None else destination
         out.update((prefix + name, value) for name, value in self.consolidated().items())
         return out
@@ -429,6 +434,11 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     if type(optimizer) in SUPPORTED and any(typing.cast(Optimizer, optimizer).state.values()):
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
+    sparse = next((name for name, sub in model.named_modules()
+                   if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse), None)
+    if sparse is not None:
+        raise ValueError(f"module {sparse or 'the model'} is an embedding with sparse=True, whose gradients are sparse "
+                         "tensors, and chunks hold dense ones: make it with sparse=False before prepare")
     hooked = already_hooked(model)
     if hooked is not None:
         raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "

@@ -202,3 +202,14 @@ def test_load_state_dict_runs_each_modules_own_loading_and_the_users_hooks_as_py
     assert torch.equal(cm(x), plain(x))
     with pytest.raises(ValueError, match=r"assign=True\) would replace .* load the values into them"):
         cm.load_state_dict(old, assign=True)
+
+
+def test_a_sparse_embedding_and_state_dicts_of_the_parameters_themselves_are_refused_with_what_to_do() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="module 0 is an embedding with sparse=True.* sparse=False before prepare"):
+        chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    assert hook_count(model) == 0
+    model[0].sparse = False
+    cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match=r"keep_vars=True.*model.named_parameters\(\)"):
+        cm.state_dict(keep_vars=True)  # they were copies, not the parameters
