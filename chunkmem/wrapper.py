@@ -6,9 +6,7 @@ import builtins
 import contextlib
 import copy
 import dataclasses
-import inspect
 import typing
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -23,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
-from chunkmem.memory.device import Device
+from chunkmem.loading import load_values
+from chunkmem.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
@@ -269,7 +268,7 @@ class ChunkedModel(nn.Module):
         memo[id(self.hooks)] = hooks = object()  # the copies of our hooks are bound to it, and taken off below
         module = copy.deepcopy(self.module, memo)
         for sub in module.modules():
-            sub.__class__ = getattr(type(sub), "_chunkmem_base", type(sub))
+            sub.__class__ = plain_class(sub)
             for table in (sub._forward_pre_hooks, sub._forward_hooks):
                 for key in [k for k, hook in table.items() if getattr(hook, "__self__", None) is hooks]:
                     del table[key]
@@ -302,89 +301,12 @@ class ChunkedModel(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
-        """torch's load_state_dict, every module's own loading and hooks included (a pre-hook renaming old keys,
-        BatchNorm filling in num_batches_tracked), into stand-ins for the parameters and buffers: then, if it raised
-        nothing, the values go into the chunks (fp32 into the master weights) and buffers. A tied parameter's value
-        may come under any of its names. Every value is checked before any is written: a failed load changes nothing.
-        """
+        """torch's load_state_dict, each module's own loading and the user's load hooks included, into the chunks (fp32
+        into the master weights): a failed load changes nothing (chunkmem/loading.py)."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameters chunkmem laid out in chunks: "
                              "load the values into them (assign=False)")
-        records = self.runtime.store.records
-        stand_ins: dict[torch.Tensor, torch.Tensor] = {}
-        tables: list[dict[str, Any]] = [t for sub in self.module.modules() for t in (sub._parameters, sub._buffers)]
-        slots = [(table, name, tensor) for table in tables for name, tensor in table.items() if tensor is not None]
-        for _, _, tensor in slots:
-            if tensor not in stand_ins:
-                stand_ins[tensor] = nn.Parameter(tensor.detach().to("cpu", torch.float32, copy=True),
-                                                 tensor.requires_grad) if tensor in records else tensor.detach().clone()
-        try:
-            for table, name, tensor in slots:
-                table[name] = stand_ins[tensor]
-            result = self.module.load_state_dict(state_dict, strict=False)
-        finally:
-            for table, name, tensor in slots:
-                table[name] = tensor
-        names: dict[torch.Tensor, list[str]] = {}  # the state dict's names of each parameter (tied: several)
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            names.setdefault(tensor, []).append(name)
-        missed = set(result.missing_keys)
-        loaded = [t for t, aliases in names.items() if not missed.issuperset(aliases)]
-        found = {name for tensor in loaded for name in names[tensor]}
-        missing = [name for name in result.missing_keys if name not in found]
-        if strict and (missing or result.unexpected_keys):
-            lines = [what + " key(s) in state_dict: " + ", ".join('"' + key + '"' for key in keys) + ". "
-                     for what, keys in (("Missing", missing), ("Unexpected", result.unexpected_keys)) if keys]
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self.module).__name__}:\n\t" +
-                               "\n\t".join(lines))
-        with torch.no_grad():
-            for tensor in loaded:
-                if isinstance(tensor, nn.Parameter) and tensor in records:
-                    self.runtime.data.set_value(records[tensor], stand_ins[tensor])
-                else:
-                    tensor.copy_(stand_ins[tensor])
-        if self.runtime.shards is not None:
-            self.runtime.shards.drop_all()
-        return _IncompatibleKeys(missing, result.unexpected_keys)
-
-
-# Hugging Face models (and modules written the same way) say where they are by their first parameter's device
-# (`model.device`), which `generate` and some forwards (XLNet's) create tensors on and move inputs to. A parameter whose
-# chunk is not on the device views its host payload, so on CUDA a streaming model said "cpu" after a step and those
-# tensors met CUDA ones. Prepared, such a module's class is a subclass of it, of the same name, whose `device` is where
-# chunkmem computes (as torch.nn.utils.parametrize subclasses the modules it changes).
-# The device by weak reference: a manager's models move to each new runtime, and the old one's device memory goes.
-_REPORTED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Device]] = weakref.WeakKeyDictionary()
-_REPORTING: dict[type, type] = {}
-
-
-def report_device(module: nn.Module, device: Device) -> None:
-    """Make every submodule of `module` whose class has a `device` property say `device`'s torch device."""
-    where = weakref.ref(device)
-    for sub in module.modules():
-        cls = type(sub)
-        if "_chunkmem_base" not in vars(cls):
-            if not isinstance(inspect.getattr_static(cls, "device", None), property):
-                continue
-            if cls not in _REPORTING:
-                _REPORTING[cls] = _reporting(cls)
-            sub.__class__ = _REPORTING[cls]
-        _REPORTED[sub] = where
-
-
-def _gone() -> None:
-    return None
-
-
-def _reporting(cls: type) -> type:
-    own = inspect.getattr_static(cls, "device")
-
-    def device(self: nn.Module) -> torch.device:  # a module copied some other way than deepcopy says as before
-        where = _REPORTED.get(self, _gone)()
-        return where.torch_device if where is not None else own.__get__(self)
-
-    return type(cls.__name__, (cls,), {"device": property(device), "_chunkmem_base": cls,
-                                       "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        return load_values(self.module, self.runtime, state_dict, strict)
 
 
 def _signature(value: Any) -> Any:
@@ -434,11 +356,11 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     if type(optimizer) in SUPPORTED and any(typing.cast(Optimizer, optimizer).state.values()):
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
-    sparse = next((name for name, sub in model.named_modules()
-                   if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse), None)
+    sparse = next((name or type(sub).__name__ for name, sub in model.named_modules() if optimizer is not None and
+                   isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad), None)
     if sparse is not None:
-        raise ValueError(f"module {sparse or 'the model'} is an embedding with sparse=True, whose gradients are sparse "
-                         "tensors, and chunks hold dense ones: make it with sparse=False before prepare")
+        raise ValueError(f"module {sparse} is an embedding with sparse=True, whose gradients are sparse tensors, and "
+                         "chunks hold dense ones: make it with sparse=False before prepare")
     hooked = already_hooked(model)
     if hooked is not None:
         raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
@@ -502,22 +424,18 @@ class Snapshot:
     data: dict[nn.Parameter, torch.Tensor]
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
     requires_grad: dict[nn.Parameter, bool]
-    classes: dict[nn.Module, tuple[type, weakref.ref[Device] | None]]  # report_device's
+    reports: dict[nn.Module, Report]  # report_device's
 
     @classmethod
     def of(cls, module: nn.Module) -> Snapshot:
         return cls({p: p.data for p in module.parameters()},
                    {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
                    {p: p.requires_grad for p in module.parameters()},
-                   {sub: (type(sub), _REPORTED.get(sub)) for sub in module.modules()})
+                   {sub: report_of(sub) for sub in module.modules()})
 
     def restore(self) -> None:
-        for sub, (kind, where) in self.classes.items():
-            sub.__class__ = kind
-            if where is None:
-                _REPORTED.pop(sub, None)
-            else:
-                _REPORTED[sub] = where
+        for sub, report in self.reports.items():
+            put_back(sub, report)
         for param, data in self.data.items():
             param.requires_grad_(self.requires_grad[param])
             put_data(param, data)

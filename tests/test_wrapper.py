@@ -213,3 +213,38 @@ def test_a_sparse_embedding_and_state_dicts_of_the_parameters_themselves_are_ref
     cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
     with pytest.raises(ValueError, match=r"keep_vars=True.*model.named_parameters\(\)"):
         cm.state_dict(keep_vars=True)  # they were copies, not the parameters
+
+
+class FusedQKV(nn.Module):
+    """One parameter saved as three keys, and loaded by a loading of its own (in place, not through torch's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.qkv.t()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        for name, part in zip("qkv", (self.qkv if keep_vars else self.qkv.detach()).chunk(3)):
+            destination[prefix + name] = part
+
+    def _load_from_state_dict(self, state_dict, prefix, metadata, strict, missing, unexpected, errors) -> None:
+        keys = [prefix + name for name in "qkv"]
+        missing.extend(k for k in keys if k not in state_dict)
+        if all(k in state_dict for k in keys):
+            with torch.no_grad():
+                self.qkv.copy_(torch.cat([state_dict.pop(k) for k in keys]))
+
+
+@pytest.mark.parametrize("budget", [None, 1.0])  # of the parameters' bytes: a quarter of the model data
+def test_load_state_dict_takes_what_a_modules_own_loading_writes_in_place(budget) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4), FusedQKV(), nn.Linear(6, 2))
+    plain = copy.deepcopy(model)
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory=budget and int(param_bytes(model) * budget), chunk_size=256))
+    state = {k: v + 1 for k, v in plain.state_dict().items()}
+    assert cm.load_state_dict(state) == plain.load_state_dict(state)  # keys as the module saves them
+    x = torch.randn(3, 4)
+    assert torch.equal(cm(x), plain(x))

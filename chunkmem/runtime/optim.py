@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -258,30 +259,33 @@ def retire(optimizer: Optimizer) -> None:
 class ChunkStates(Mapping):
     """A prepared optimizer's `state`: torch.optim's per-parameter states read from their chunks, as fp32 copies on the
     host (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step with momentum made it). Changes are
-    refused: the empty dict torch.optim's own would have been took writes and clears that did nothing."""
+    refused (a change made to a copy is not seen): the empty dict torch.optim's own would have been took writes and
+    clears that did nothing. Not under ZeRO, where each rank holds a share of every state."""
 
     def __init__(self, optimizer: ChunkOptimizer) -> None:
         self.optimizer = optimizer
 
-    def _stepped(self) -> dict[torch.Tensor, ParamRecord]:
+    def _stepped(self) -> dict[Any, ParamRecord]:
+        if self.optimizer.runtime.shards is not None:
+            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
+                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
         steps = self.optimizer.steps
         return {r.param: r for r in steps if steps[r].item() > 0}
 
-    def __getitem__(self, param: Any) -> dict[str, torch.Tensor]:
-        record = self.optimizer.runtime.store.records.get(param)
-        steps, runtime = self.optimizer.steps, self.optimizer.runtime
-        if record is None or record not in steps or steps[record].item() == 0:
-            return {}  # as torch.optim's defaultdict reads a parameter that has not stepped (without adding it)
-        if runtime.shards is not None:
-            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
-                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
-        out = {"step": steps[record].clone()} if self.optimizer.steps_adam else {}
+    def __getitem__(self, param: Any) -> Mapping[str, torch.Tensor]:
+        record = self._stepped().get(param)
+        if record is None:
+            return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
+        runtime = self.optimizer.runtime
+        out = {"step": self.optimizer.steps[record].clone()} if self.optimizer.steps_adam else {}
         for kind in runtime.store.families.saved:
-            flat = runtime.data.read(record.group.chunks[kind]).detach().to("cpu", torch.float32)
-            out[kind] = record.view(flat).clone()
-        return out
+            out[kind] = record.view(runtime.data.read(record.group.chunks[kind])).to("cpu", torch.float32, copy=True)
+        return MappingProxyType(out)
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __contains__(self, param: Any) -> bool:
+        return param in self._stepped()
+
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._stepped())
 
     def __len__(self) -> int:
@@ -347,10 +351,7 @@ class ChunkOptimizer(Optimizer):
         group = self.param_groups[-1]
         try:
             _check_flags(self.wrapped_type.__name__, group)
-            if group.get("momentum") and "momentum_buffer" not in self.rule.states:
-                raise ValueError(f"a param group with momentum={group['momentum']} was added to an SGD optimizer "
-                                 "that chunkmem.prepare laid out without momentum buffers: give the optimizer a "
-                                 "momentum group before prepare (momentum applies per group)")
+            self._check_momentum(group)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -402,6 +403,8 @@ class ChunkOptimizer(Optimizer):
         runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
         self._check_still_frozen()
+        for group in self.param_groups:
+            self._check_momentum(group)
         if runtime.shards is not None:
             runtime.shards.check_order()
         inv_scale = 1.0
@@ -459,17 +462,18 @@ class ChunkOptimizer(Optimizer):
             self.runtime.placer.updated_on_host(chunk)
         hosted.after.clear()
 
+    def _check_momentum(self, group: dict) -> None:
+        """An SGD optimizer with momentum=0 in every group at prepare has no momentum buffers in its chunks: momentum
+        a group gets later (added, or set by hand) would start afresh at every step, silently."""
+        if group.get("momentum") and "momentum_buffer" not in self.rule.states:
+            raise ValueError(f"a param group has momentum={group['momentum']}, and the SGD optimizer given to "
+                             "chunkmem.prepare had momentum=0 in every group, so it has no momentum buffers: make the "
+                             "optimizer with the momentum it will have (a group may start at momentum=0 set after "
+                             "prepare)")
+
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would
-        train nothing, silently. Nor does an SGD laid out without momentum keep buffers for momentum given later."""
-        if "momentum_buffer" not in self.rule.states and self.rule.update is _sgd:
-            for group in self.param_groups:
-                if group["momentum"]:
-                    raise ValueError(
-                        f"a param group has momentum={group['momentum']} now, and the SGD optimizer given to "
-                        "chunkmem.prepare had momentum=0 in every group, so chunkmem laid out no momentum buffers "
-                        "and would restart momentum at every step: give the optimizer a momentum group before "
-                        "prepare (a group that starts at momentum=0 and gets momentum later then works)")
+        train nothing, silently."""
         for record in self.runtime.store.records.values():
             if not record.group.trainable and record.param.requires_grad:
                 raise ValueError(f"parameter {record.name} was frozen (requires_grad=False) when chunkmem.prepare "

@@ -93,7 +93,7 @@ def test_a_param_group_added_after_prepare_trains_as_in_pytorch() -> None:
     (ADAMW, {"params": [nn.Parameter(torch.ones(2))]}, "not in the model passed to chunkmem.prepare"),
     (ADAMW, {"params": "later", "amsgrad": True}, r"AdamW\(amsgrad=True\) is not supported"),
     (functools.partial(torch.optim.SGD, lr=0.1), {"params": "later", "momentum": 0.9},
-     "momentum=0.9 was added to an SGD optimizer that chunkmem.prepare laid out without momentum buffers"),
+     "momentum=0.9, and the SGD optimizer given to chunkmem.prepare had momentum=0 in every group"),
 ])
 def test_a_param_group_chunkmem_cannot_step_is_refused_and_changes_nothing(make, group, match) -> None:
     model = mlp()
@@ -377,14 +377,16 @@ def test_a_homed_bf16_update_made_in_slices_has_the_bits_of_the_whole_range_at_o
 
 
 @pytest.mark.parametrize("budget", [None, 0.3])
-@pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)],
+                         ids=["adamw", "sgd"])
 def test_optimizer_state_reads_as_pytorchs_and_refuses_changes(make, budget) -> None:
     model, batches = mlp(), mlp_batches(3)
     ref = copy.deepcopy(model)
     ref_opt = make(ref.parameters())
     cm, opt = chunkmem.prepare(model, make(model.parameters()),
                                chunkmem.Config(device="cpu", device_memory=budget and int(param_bytes(model) * budget)))
-    assert len(opt.state) == 0 and opt.state[next(model.parameters())] == {}
+    first = next(model.parameters())
+    assert len(opt.state) == 0 and opt.state[first] == {} and first not in opt.state
     assert train(cm, opt, batches, mlp_loss) == train(ref, ref_opt, batches, mlp_loss)
     assert len(opt.state) == len(ref_opt.state) == len(list(model.parameters()))
     for mine, theirs in zip(model.parameters(), ref.parameters()):
@@ -392,6 +394,9 @@ def test_optimizer_state_reads_as_pytorchs_and_refuses_changes(make, budget) -> 
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(TypeError, match="optimizer.state is read-only copies"):
         opt.state.clear()  # an Adam reset that did nothing before
+    with pytest.raises(TypeError):
+        opt.state[next(model.parameters())]["step"] = torch.tensor(0.0)  # read-only too
+    assert next(model.parameters()) in opt.state and "a key" not in opt.state
     with pytest.raises(TypeError, match="chunkmem.save_checkpoint"):
         opt.state = {}
 
@@ -428,7 +433,7 @@ def test_sgd_momentum_given_after_prepare_to_an_optimizer_without_any_is_an_erro
     cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), chunkmem.Config(device="cpu"))
     mlp_loss(cm, mlp_batches(1)[0]).backward()
     opt.param_groups[0]["momentum"] = 0.9
-    with pytest.raises(ValueError, match="momentum=0.9 now.*laid out no momentum buffers"):
+    with pytest.raises(ValueError, match="momentum=0.9, .* no momentum buffers: make the optimizer with the momentum"):
         opt.step()
 
 
