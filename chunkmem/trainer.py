@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer
+from transformers.utils import can_return_loss, find_labels
 
 import chunkmem
 from chunkmem.finetune import hf
@@ -39,6 +40,33 @@ class ChunkmemTrainer(Trainer):
     def __init__(self, *args: Any, chunkmem_config: chunkmem.Config | None = None, **kwargs: Any) -> None:
         self.chunkmem_config = chunkmem_config or chunkmem.Config()
         super().__init__(*args, **kwargs)
+        if isinstance(self.model, ChunkedModel):  # prepared already: what it takes is what the wrapped model takes
+            wrapped = type(self.model.module)
+            self.label_names = find_labels(wrapped) if self.args.label_names is None else self.args.label_names
+            self.can_return_loss = can_return_loss(wrapped)
+
+    # transformers reads a model's forward for which dataset columns to keep, and its class name for whether label
+    # smoothing shifts the labels (a causal LM's); a prepared model's forward takes anything, under its own name.
+    def _set_signature_columns_if_needed(self) -> None:
+        model = self.model
+        self.model = model.module if isinstance(model, ChunkedModel) else model
+        try:
+            super()._set_signature_columns_if_needed()
+        finally:
+            self.model = model
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        unwrap = self.accelerator.unwrap_model
+
+        def unwrapped(*args: Any, **kwargs: Any) -> Any:
+            inner = unwrap(*args, **kwargs)
+            return inner.module if isinstance(inner, ChunkedModel) else inner
+
+        self.accelerator.unwrap_model = unwrapped  # type: ignore[method-assign]
+        try:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            self.accelerator.unwrap_model = unwrap  # type: ignore[method-assign]
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

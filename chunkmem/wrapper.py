@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
-from chunkmem.loading import load_values
-from chunkmem.reporting import Report, plain_class, put_back, report_device, report_of
+from chunkmem.runtime.loading import load_values
+from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.runtime import Runtime
@@ -302,7 +302,7 @@ class ChunkedModel(nn.Module):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
         """torch's load_state_dict, each module's own loading and the user's load hooks included, into the chunks (fp32
-        into the master weights): a failed load changes nothing (chunkmem/loading.py)."""
+        into the master weights): a failed load changes nothing (chunkmem/runtime/loading.py)."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameters chunkmem laid out in chunks: "
                              "load the values into them (assign=False)")

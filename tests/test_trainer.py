@@ -65,3 +65,31 @@ def test_trainer_matches_plain_trainer_and_saves(tmp_path: Path) -> None:
     loaded = transformers.AutoModelForCausalLM.from_pretrained(older).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, chunked.model(ids).logits)
+
+
+def test_label_smoothing_and_a_model_prepared_before_the_trainer_train_and_evaluate_as_plain(tmp_path: Path) -> None:
+    """transformers shifts a causal LM's labels for label smoothing by its class name (it saw "ChunkedModel"), and keeps
+    the dataset columns and label names the model's forward takes (a prepared model's takes anything: the batches came
+    out empty, and evaluation had no loss)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 16, (16, 24), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def run(trainer_cls: type, model: torch.nn.Module, output: str, **extra) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / output), max_steps=4, per_device_train_batch_size=4, learning_rate=3e-3,
+            label_smoothing_factor=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, eval_dataset=data, **extra)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h] + [trainer.evaluate()["eval_loss"]]
+
+    plain = run(transformers.Trainer, copy.deepcopy(model), "plain")
+    config = chunkmem.Config(device="cpu", device_memory="60KiB")
+    assert run(ChunkmemTrainer, copy.deepcopy(model), "chunked", chunkmem_config=config) == pytest.approx(plain)
+    prepared, optimizer = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0),
+                                           config)
+    assert run(ChunkmemTrainer, prepared, "prepared", optimizers=(optimizer, None)) == pytest.approx(plain)
