@@ -25,7 +25,7 @@ from safetensors.torch import load_file  # noqa: E402
 from chunkmem import cli
 from chunkmem.finetune import corpus
 from chunkmem.finetune import train as finetune  # noqa: E402
-from chunkmem.finetune.report import summary  # noqa: E402
+from chunkmem.finetune.report import over_budget, summary  # noqa: E402
 from chunkmem.finetune.rundir import RunDir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -445,8 +445,10 @@ def test_a_run_over_its_budget_is_told_so(tmp_path: Path, tiny_config: str, capl
                                                       batch_size=16, eval_every=0, device_memory="1MiB"))
     stats = result.model.memory_stats()
     assert stats["device_bytes_peak"] > stats["device_limit_bytes"] > stats["device_chunk_bytes_peak"]
-    assert "exceeded the 1.0MiB budget" in caplog.text
+    assert "exceeded the 1.0MiB budget" in caplog.text and "add --grad-ckpt" in caplog.text
     assert "warning: the device peak" in summary(result)
+    result.model.module.gradient_checkpointing_enable()  # then the warning does not ask for what is on
+    assert "--grad-ckpt" not in over_budget(result.model)
 
 
 def test_threads_default_to_one_less_than_the_cpus_and_are_put_back(tmp_path: Path, tiny_config: str,
