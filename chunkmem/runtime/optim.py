@@ -266,14 +266,23 @@ class ChunkStates(Mapping):
         self.optimizer = optimizer
 
     def _stepped(self) -> dict[Any, ParamRecord]:
-        if self.optimizer.runtime.shards is not None:
-            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
-                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
+        self._not_sharded()
         steps = self.optimizer.steps
         return {r.param: r for r in steps if steps[r].item() > 0}
 
+    def _record(self, param: Any) -> ParamRecord | None:
+        """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
+        self._not_sharded()
+        record, steps = self.optimizer.runtime.store.records.get(param), self.optimizer.steps
+        return record if record in steps and steps[record].item() > 0 else None
+
+    def _not_sharded(self) -> None:
+        if self.optimizer.runtime.shards is not None:
+            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
+                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
+
     def __getitem__(self, param: Any) -> Mapping[str, torch.Tensor]:
-        record = self._stepped().get(param)
+        record = self._record(param)
         if record is None:
             return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
         runtime = self.optimizer.runtime
@@ -283,7 +292,7 @@ class ChunkStates(Mapping):
         return MappingProxyType(out)
 
     def __contains__(self, param: Any) -> bool:
-        return param in self._stepped()
+        return self._record(param) is not None
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._stepped())
