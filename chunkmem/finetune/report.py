@@ -69,7 +69,10 @@ def over_budget(model: ChunkedModel) -> str | None:
     peak, limit = stats["device_bytes_peak"], stats["device_limit_bytes"]
     if peak <= limit:
         return None
-    checkpointed = getattr(model.module, "is_gradient_checkpointing", False)
+    module = model.module
+    checkpointed = getattr(module, "is_activation_checkpointing", None)  # transformers >= 5
+    if checkpointed is None:
+        checkpointed = getattr(module, "is_gradient_checkpointing", False)
     return (f"the device peak {_size(peak)} exceeded the {_size(limit)} budget: activations need more than it "
             f"leaves beside the chunks in use; raise --device-memory, or lower --batch-size or --seq-len"
             f"{'' if checkpointed else ', or add --grad-ckpt'} (`chunkmem plan` estimates the need)")
