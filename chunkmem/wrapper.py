@@ -21,10 +21,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.config import Config
-from chunkmem.runtime.loading import load_values
-from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.hooks import Hooks, already_hooked
+from chunkmem.runtime.loading import load_values
 from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
+from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.zero.agreement import fingerprints
