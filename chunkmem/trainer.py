@@ -58,8 +58,8 @@ class ChunkmemTrainer(Trainer):
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         unwrap = self.accelerator.unwrap_model
 
-        def unwrapped(*args: Any, **kwargs: Any) -> Any:
-            inner = unwrap(*args, **kwargs)
+        def unwrapped(*given: Any, **options: Any) -> Any:
+            inner = unwrap(*given, **options)
             return inner.module if isinstance(inner, ChunkedModel) else inner
 
         self.accelerator.unwrap_model = unwrapped  # type: ignore[method-assign]

@@ -356,8 +356,10 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     if type(optimizer) in SUPPORTED and any(typing.cast(Optimizer, optimizer).state.values()):
         raise ValueError("the optimizer already holds state (it has stepped or loaded a state dict): "
                          "prepare before training, and restore with chunkmem.load_checkpoint")
-    sparse = next((name or type(sub).__name__ for name, sub in model.named_modules() if optimizer is not None and
-                   isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad), None)
+    trained = model.named_modules() if optimizer is not None else ()  # a frozen model's embedding makes no gradient
+    embeddings = (nn.Embedding, nn.EmbeddingBag)
+    sparse = next((name or type(sub).__name__ for name, sub in trained
+                   if isinstance(sub, embeddings) and sub.sparse and sub.weight.requires_grad), None)
     if sparse is not None:
         raise ValueError(f"module {sparse} is an embedding with sparse=True, whose gradients are sparse tensors, and "
                          "chunks hold dense ones: make it with sparse=False before prepare")
