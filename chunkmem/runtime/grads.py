@@ -77,15 +77,23 @@ class ShownGrads:
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
             chunk = group.grad
-            if not held or chunk.state is ChunkState.FREE:
+            if not held:
                 continue
+            if chunk.state is ChunkState.FREE:  # zeros still (`forget_zeros`), which `p.grad` shows as PyTorch does,
+                # beside its parameters
+                if group.param.state.on_device:
+                    self.residency.bring(chunk)
+                else:
+                    self.residency.claim_host(chunk)
             grads: list[torch.Tensor | None]
             if chunk.state.on_device:
                 lent = [chunk.lent_part(r.slot.offset) for r in held]
                 flat = None if all(g is not None for g in lent) else chunk.device
                 grads = lent if flat is None else [r.view(flat) for r in held]
             else:  # streamed: on the host, with its parameters (gradient chunks have no disk tier)
-                host = chunk.landed()
+                # Zeros where nothing was written: a parameter that got no gradient since zero_grad(set_to_none=False)
+                # (a branch not taken, a frozen layer) holds zeros, as in PyTorch, freed meanwhile (`forget_zeros`).
+                host = chunk.host
                 param = group.param
                 self.store.note_writes(param)
                 if param.state is ChunkState.DEVICE and not param.pins and param.tier is None:

@@ -181,3 +181,51 @@ def test_a_second_backward_of_a_retained_graph_adds_into_streamed_groups_gradien
             optimizer.zero_grad()
     assert twins[1][0].memory_stats()["h2d_bytes"] > 0, "groups stream"
     assert all(torch.equal(c[k], v) for p, c in zip(runs[:2], runs[2:]) for k, v in p.items())
+
+
+class _Branchy(nn.Module):
+    """Two layers and a head; `use_b` False skips the second layer (a branch not taken, an expert not routed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.head(torch.tanh(self.b(h)) if self.use_b else h)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 32 * 32 + 32])  # one chunk, or one per layer (b's alone in its own)
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_a_parameter_without_a_gradient_since_zero_grad_to_zeros_shows_zeros_as_pytorch(fraction, chunk_size):
+    # zero_grad(set_to_none=False) leaves zeros in p.grad, and a parameter that gets no gradient from the next backward
+    # keeps them. Its gradient chunk is freed meanwhile (grads.py's forget_zeros): `p.grad` showed None where b was
+    # alone in its chunk, and bytes nobody wrote where it shared a streamed one (NaN in the checked simulation), so
+    # clipping made every parameter NaN; an edit made through it (an L2 term added by hand) was lost.
+    model = _Branchy()
+    plain = copy.deepcopy(model)
+    pair = [(plain, ADAMW(plain.parameters())),
+            prepared(model, ADAMW, device_memory=budget(model, fraction), chunk_size=chunk_size)]
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(4)]
+    seen = []
+    for net, opt in pair:
+        inner = getattr(net, "module", net)
+        shown = []
+        for i, (x, y) in enumerate(batches):
+            inner.use_b = i % 2 == 0
+            nn.functional.mse_loss(net(x), y).backward()
+            shown.append(grads(inner))
+            for p in net.parameters():
+                p.grad.add_(p.detach(), alpha=1e-2)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        seen.append((shown, {n: p.detach().clone() for n, p in inner.named_parameters()}))
+    (plain_shown, plain_values), (shown, values) = seen
+    for step, (want, got) in enumerate(zip(plain_shown, shown)):
+        for name, grad in want.items():
+            assert got[name] is not None and torch.equal(got[name], grad), (step, name)
+    assert all(torch.equal(values[n], v) for n, v in plain_values.items())
