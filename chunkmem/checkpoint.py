@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Callable
@@ -67,6 +68,8 @@ def save_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     raises if rank 0 could not write it."""
     _check_pair(model, optimizer)
     path = Path(path)
+    if path.name in ("", ".", ".."):  # its siblings (.tmp, .old) need a name
+        path = path.resolve()
     tensors, meta = _collect(model, optimizer)  # under ZeRO a collective: every rank calls save_checkpoint
     shards = model.runtime.shards
     if shards is None:
@@ -116,18 +119,42 @@ def _checkpoint_group(group: Any) -> Any:
 def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Write a checkpoint beside `path`, check that it reads back whole, then put it in place of the last one."""
     tmp = path.with_name(path.name + ".tmp")
+    check_replaceable(path)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     meta["checksums"] = {key: checksum(value) for key, value in tensors.items()}
     meta["meta_checksum"] = meta_checksum(meta)
-    save_file(tensors, tmp / TENSORS)
-    share_like_others(tmp / TENSORS)
-    (tmp / META).write_text(json.dumps(meta, indent=1))
-    for file in (tmp / TENSORS, tmp / META):
-        fsync_file(file)
-    fsync_dir(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(tensors, tmp / TENSORS)
+        share_like_others(tmp / TENSORS)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        for file in (tmp / TENSORS, tmp / META):
+            fsync_file(file)
+        fsync_dir(tmp)
+    except (OSError, SafetensorError) as error:  # a full disk, a quota, a lost mount
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write the checkpoint {path} ({error}): the previous checkpoint there is "
+                              "intact; free space there or save elsewhere") from error
     verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
     swap_in(tmp, path)
+
+
+def check_replaceable(path: Path) -> None:
+    """A save replaces or removes only what a save wrote: at `path` and beside it (.tmp, .old), nothing, or a
+    directory of a checkpoint's files."""
+    for place in (path, path.with_name(path.name + ".old"), path.with_name(path.name + ".tmp")):
+        if place.exists():
+            _check_ours(place)
+
+
+def _check_ours(place: Path) -> None:
+    found = sorted(entry.name for entry in place.iterdir()) if place.is_dir() else None
+    if found is None or not all(name in (TENSORS, META, "pipeline.json") or re.fullmatch(r"stage-\d+", name)
+                                for name in found):  # a pipeline's checkpoint holds one per stage
+        what = "a file" if found is None else f"a directory holding {', '.join(found[:3])}" + \
+            (", ..." if len(found) > 3 else "")
+        raise CheckpointError(f"{place} is {what}, not a chunkmem checkpoint, and a save would replace or remove it: "
+                              "save to a new or empty directory, or to one a save wrote before")
 
 
 def swap_in(tmp: Path, path: Path) -> None:

@@ -71,11 +71,36 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "save_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="could not write the checkpoint .*disk full.*previous checkpoint"):
         chunkmem.save_checkpoint(tmp_path / "c", model, opt)
     monkeypatch.undo()
+    assert not (tmp_path / "c.tmp").exists()  # nothing half-written left to fill the disk
     chunkmem.load_checkpoint(tmp_path / "c", model, opt)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("place", ["c", "c.old", "c.tmp"])
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_a_save_replaces_or_removes_only_what_a_save_wrote(tmp_path, place, kind):
+    # It swaps its directory in by renames and removes the one before (the Note on atomic save): given a folder of
+    # the user's, or with the user's backup beside it at <path>.old, it deleted them.
+    model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
+    train(model, opt, mlp_batches(1), mlp_loss)
+    if place != "c":
+        chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    users = tmp_path / place
+    if kind == "file":
+        users.write_text("mine")
+    else:
+        users.mkdir()
+        (users / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=f"{users} is a (file|directory holding notes.txt), not a chunkmem "
+                                              "checkpoint.*new or empty directory"):
+        chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    assert (users if kind == "file" else users / "notes.txt").read_text() == "mine"
+    (users.unlink() if kind == "file" else (users / "notes.txt").unlink())
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)  # an empty directory is the user's to give
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)  # and one a save wrote is replaced
 
 
 def test_interrupted_swap_falls_back_to_the_old_checkpoint(tmp_path):

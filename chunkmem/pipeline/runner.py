@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chunkmem.checkpoint import all_written, attempt, existing, load_checkpoint, save_checkpoint, swap_in
+from chunkmem.checkpoint import (all_written, attempt, check_replaceable, existing, load_checkpoint, save_checkpoint,
+                                 swap_in)
 from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
 from chunkmem.errors import CheckpointError
@@ -295,6 +296,7 @@ class Pipeline:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         if dist.get_rank() == 0:
+            check_replaceable(path)
             shutil.rmtree(tmp, ignore_errors=True)  # what a save that failed left
         dist.barrier()
         failed = attempt(lambda: save_checkpoint(tmp / f"stage-{self.stage}", model, optimizer))  # a collective under ZeRO
