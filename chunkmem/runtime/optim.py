@@ -253,6 +253,8 @@ def retire(optimizer: Optimizer) -> None:
             f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "
             "the model: call step() on that one (model, optimizer = chunkmem.prepare(model, optimizer))")
 
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # an LR scheduler's mark: it warns if its wrapper went
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign, assignment]
 
 
