@@ -107,6 +107,8 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
+    if args.params is not None and not 0 < args.params < math.inf:
+        return _error(f"--params {args.params}: expected a positive parameter count, e.g. 1.3e9")
     if args.chunk_sizes and not args.simulate:
         return _error("--chunk-sizes ranks chunk sizes by simulating each: add --simulate")
     if args.overlap_update and (args.dtype == "fp32" or args.optimizer != "adam"):
