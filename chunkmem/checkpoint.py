@@ -325,6 +325,13 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
         raise CheckpointError(f"{file}: checkpoint holds {meta['optimizer']} state but the optimizer is "
                               f"{optimizer.wrapped_type.__name__}: use the same optimizer class to resume")
     groups = _groups(file, meta["param_groups"], optimizer)
+    for index, group in enumerate(groups):
+        try:
+            optimizer._check_momentum(group)
+        except ValueError as error:  # its momentum buffers have no chunks to go to
+            raise CheckpointError(f"{file}: param_groups[{index}] was saved with momentum={group['momentum']}, and "
+                                  "this optimizer was given to chunkmem.prepare with momentum=0 in every group, so it "
+                                  "keeps no momentum buffers: make it with the saved momentum") from error
     steps = _step_counts(file, meta["steps"], optimizer)
     states = {}
     for record, count in steps.items():

@@ -103,6 +103,20 @@ def test_a_save_replaces_or_removes_only_what_a_save_wrote(tmp_path, place, kind
     chunkmem.save_checkpoint(tmp_path / "c", model, opt)  # and one a save wrote is replaced
 
 
+def test_a_checkpoint_with_momentum_into_an_sgd_without_is_refused_and_changes_nothing(tmp_path):
+    # The load took the momentum and dropped its buffers, and the next step raised an error that did not name the
+    # checkpoint.
+    model, opt = make(mlp(), functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9), "fp32")
+    train(model, opt, mlp_batches(2), mlp_loss)
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    other, other_opt = make(mlp(seed=3), functools.partial(torch.optim.SGD, lr=0.05), "fp32")
+    before = other.state_dict()
+    with pytest.raises(CheckpointError, match=r"param_groups\[0\] was saved with momentum=0.9.*make it with the "):
+        chunkmem.load_checkpoint(tmp_path / "c", other, other_opt)
+    assert other_opt.param_groups[0]["momentum"] == 0
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
+
+
 def test_interrupted_swap_falls_back_to_the_old_checkpoint(tmp_path):
     model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
     train(model, opt, mlp_batches(1), mlp_loss)
