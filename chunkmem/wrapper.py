@@ -6,9 +6,11 @@ import builtins
 import contextlib
 import copy
 import dataclasses
+import json
 import typing
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -252,9 +254,22 @@ class ChunkedModel(nn.Module):
         if save is None:
             raise AttributeError(f"{type(self.module).__name__} has no save_pretrained: save model.state_dict() "
                                  "or use chunkmem.save_checkpoint")
-        if "state_dict" not in kwargs and len(args) < 2:  # (is_main_process, state_dict, ...) by position
-            kwargs["state_dict"] = self.state_dict()
-        return save(save_directory, *args, **kwargs)
+        if "state_dict" in kwargs or len(args) >= 2:  # (is_main_process, state_dict, ...) by position
+            return save(save_directory, *args, **kwargs)
+        config = getattr(self.module, "config", None)
+        kept = getattr(config, "dtype", None)
+        written = save(save_directory, *args, state_dict=self.state_dict(), **kwargs)
+        # transformers records the model's dtype, its chunks' compute dtype, as the one to load the values in: fp32.
+        file = Path(save_directory) / "config.json"
+        if config is not None and file.is_file() and (args[0] if args else kwargs.get("is_main_process", True)):
+            saved = json.loads(file.read_text())
+            if saved.get("dtype") not in (None, "float32"):
+                config.dtype = kept
+                saved["dtype"] = "float32"
+                part = file.with_name(file.name + ".tmp")
+                part.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+                part.replace(file)
+        return written
 
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """A copy of the wrapped module as plain PyTorch would hold it (an EMA model: timm's ModelEmaV2 deep-copies the

@@ -366,10 +366,13 @@ def test_save_pretrained_writes_the_master_weights_that_from_pretrained_loads(bu
         gpt2_loss(cm, ids).backward()
         opt.step()
         opt.zero_grad()
+    kept = cm.config.dtype
     cm.save_pretrained(tmp_path)
-    loaded = GPT2LMHeadModel.from_pretrained(tmp_path, torch_dtype=torch.float32).state_dict()
+    # Its config said bfloat16 (the chunks' dtype, which transformers records), and from_pretrained loaded that.
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
     want = cm.state_dict()
     assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
+    assert cm.config.dtype == kept
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
