@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import re
@@ -43,6 +44,8 @@ log = logging.getLogger("chunkmem")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "data" / "tiny_gpt2.json"
 SCHEDULES = ("constant", "linear", "cosine")
+# Config entries a resumed run may differ in: where it was loaded from, the writer's version, the dtype it loads in.
+VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 # The bundled default's chunks get this share of its model data on the device (beside what
 # activations need), so that the first command a user runs shows chunks streaming every step.
 DEFAULT_CHUNK_SHARE = 0.25
@@ -333,7 +336,11 @@ def _run(cfg: FinetuneConfig) -> Result:
     # The tokens themselves: a data file edited between a run and its resume would otherwise pass unseen.
     tokens = zlib.crc32(torch.cat([data.train.flatten(), data.held_out.flatten()]).numpy().tobytes())
     # And the steps they make: the learning-rate schedule spans them (how --epochs counts steps may change).
-    out.start(cfg.invariants() | {"data_crc32": tokens, "total_steps": total}, resuming, required=cfg.resume)
+    # The architecture: a config.json edited between a run and its resume (an activation, a norm's epsilon) too.
+    shape = {k: v for k, v in source.config.to_dict().items() if k not in VOLATILE_CONFIG}
+    architecture = zlib.crc32(json.dumps(shape, sort_keys=True, default=str).encode())
+    out.start(cfg.invariants() | {"data_crc32": tokens, "model_config_crc32": architecture, "total_steps": total},
+              resuming, required=cfg.resume)
     model, optimizer, _ = build(cfg, source)
     first = out.resume(model, optimizer) if resuming else 0
     last = total if cfg.stop_after is None else min(total, first + cfg.stop_after)

@@ -99,6 +99,10 @@ def test_stop_after_then_resume(tmp_path: Path, tiny_config: str) -> None:
     data.write_text(text.replace("the", "a"), encoding="utf-8")  # edited between the runs: was accepted
     assert cli.main([*args, "--resume"]) == 2
     data.write_text(text, encoding="utf-8")
+    config = Path(tiny_config).read_text()
+    Path(tiny_config).write_text(config.replace('"gelu_new"', '"relu"'))  # edited between the runs: was accepted
+    assert cli.main([*args, "--resume"]) == 2
+    Path(tiny_config).write_text(config)
     assert cli.main([*args, "--resume"]) == 0
     assert RunDir(out).saved_steps()[-1] == 6 and (out / "config.json").exists()
     metrics = (out / "metrics.jsonl").read_text()
