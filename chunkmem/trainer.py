@@ -122,7 +122,7 @@ class ChunkmemTrainer(Trainer):
             return
         if output_dir is None:
             raise ValueError("ChunkmemTrainer: nowhere to save: set TrainingArguments.output_dir")
-        hf.save_pretrained(self.model, output_dir, self.model.runtime.config.dtype)
+        hf.save_pretrained(self.model, output_dir)  # fp32, from the master weights, as the plain Trainer's in bf16
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 

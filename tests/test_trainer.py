@@ -67,6 +67,23 @@ def test_trainer_matches_plain_trainer_and_saves(tmp_path: Path) -> None:
         torch.testing.assert_close(loaded(ids).logits, chunked.model(ids).logits)
 
 
+def test_save_model_in_bf16_writes_the_fp32_master_weights_as_save_pretrained(tmp_path: Path) -> None:
+    # It wrote the bf16 parameters (the plain Trainer's bf16 run writes fp32), and model.save_pretrained the masters.
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                                                 n_head=2, bos_token_id=0, eos_token_id=0))
+    chunked = fit(ChunkmemTrainer, model, tmp_path / "run", chunkmem_config=chunkmem.Config(device="cpu", dtype="bf16"))
+    chunked.save_model(str(tmp_path / "final"))
+    saved = {}
+    for file in (tmp_path / "final").glob("*.safetensors"):
+        saved.update(load_file(file))
+    want = chunked.model.state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    assert all(torch.equal(saved[k], want[k]) for k in saved) and "transformer.wte.weight" in saved
+
+
 def test_label_smoothing_and_a_model_prepared_before_the_trainer_train_and_evaluate_as_plain(tmp_path: Path) -> None:
     """transformers shifts a causal LM's labels for label smoothing by its class name (it saw "ChunkedModel"), and keeps
     the dataset columns and label names the model's forward takes (a prepared model's takes anything: the batches came
