@@ -166,10 +166,9 @@ def test_a_parameter_without_gradient_reads_zero_in_its_chunk_and_no_fp16_step_i
         record = cm.runtime.store.records[cm.module.unused.weight]
         chunk = record.group.chunks["grad"]
         # On the device the chunk lends its payload to the gradients autograd made (chunk's Note on lent ranges)
-        # and has none to leave unwritten yet; this part is not lent.
+        # and has none to leave unwritten yet; this part is not lent. Streamed, the end of backward zeroed it (the
+        # shown gradients view the host payload: grads.py).
         assert record.slot.offset not in chunk.lent
-        assert chunk.lending or any(a <= record.slot.offset and record.slot.offset + record.slot.numel <= b
-                                    for a, b in chunk.unwritten)
         assert torch.count_nonzero(record.view(cm.runtime.data.read(chunk))) == 0
         assert chunk.unwritten == [], "read once, zeroed once"
         opt.step()
