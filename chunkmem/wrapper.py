@@ -28,7 +28,6 @@ from chunkmem.runtime.loading import load_values
 from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
 from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.runtime import Runtime
-from chunkmem.runtime.scaler import LossScaler
 from chunkmem.zero.agreement import fingerprints
 from chunkmem.zero.collectives import default_group
 
@@ -36,11 +35,12 @@ LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # floating inputs a
 
 
 class _ScaleGrad(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by the fp16 loss scale in backward."""
+    """Identity in forward; multiplies the gradient by `scale` in backward (the fp16 loss scale on the model's outputs,
+    its inverse on its inputs)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
-        ctx.scale = scaler.scale
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
         return tensor.view_as(tensor)
 
     @staticmethod
@@ -85,6 +85,12 @@ class ChunkedModel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))
+        scaler = self.runtime.scaler if torch.is_grad_enabled() else None
+        if scaler is not None:
+            # The gradient the model hands back to an input (an encoder's `inputs_embeds` outside it) carries the loss
+            # scale: it comes off at the boundary, in the input's own dtype, before the cast to the compute dtype.
+            leaves = [_ScaleGrad.apply(leaf, 1.0 / scaler.scale) if isinstance(leaf, torch.Tensor) and
+                      leaf.requires_grad else leaf for leaf in leaves]
         leaves = [self._to_compute(leaf) for leaf in leaves]
         args, kwargs = tree_unflatten(leaves, spec)
         inputs = (spec, *[_signature(leaf) for leaf in leaves])
@@ -106,11 +112,10 @@ class ChunkedModel(nn.Module):
             output = self.runtime.placer.out_of_memory(error, again)
         if not torch.is_grad_enabled():
             return output
-        scaler = self.runtime.scaler
         if scaler is not None:
             # One scaling node after the module on each output: every backward path crosses exactly one,
             # even when one output is computed from another inside the module (loss from logits).
-            output = tree_map(lambda t: _ScaleGrad.apply(t, scaler)
+            output = tree_map(lambda t: _ScaleGrad.apply(t, scaler.scale)
                               if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:

@@ -61,6 +61,7 @@ class ShownGrads:
         self.store = store
         self.residency = residency
         self.shown: dict[ParamRecord, torch.Tensor] = {}  # record -> the tensor its p.grad was set to
+        self.versions: dict[ParamRecord, int] = {}  # record -> that tensor's version counter then (`edited`)
         # Parameter chunks on the device whose parameters view their host payload, with those parameters'
         # versions then (the Note).
         self.host_viewed: dict[ChunkGroup, list[int]] = {}
@@ -108,8 +109,13 @@ class ShownGrads:
                 if grad is not None and grad.device == record.param.device:
                     record.param.grad = grad
                     self.shown[record] = grad
+                    self.versions[record] = grad._version
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
+
+    def edited(self) -> bool:
+        """Whether a shown gradient was changed in place since it was shown."""
+        return any(grad._version != self.versions.get(record) for record, grad in self.shown.items())
 
     def show_sharded(self) -> None:
         """Under ZeRO, at the end of a backward: every parameter with a gradient shows a ShardedGrad (the Note)."""

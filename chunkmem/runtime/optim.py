@@ -325,6 +325,7 @@ class ChunkOptimizer(Optimizer):
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
         self.steps_adam = rule.update is _adam
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
+        self.warned_scaled = False  # that p.grad was changed in place while it held scaled fp16 gradients
         self._make_ahead()
 
     @property  # type: ignore[override]
@@ -425,6 +426,13 @@ class ChunkOptimizer(Optimizer):
                                 for g in runtime.groups() if g.grad.state is not ChunkState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
+            if runtime.grads_scaled and runtime.grads.edited() and not self.warned_scaled:
+                self.warned_scaled = True
+                _log.warning("chunkmem: p.grad was changed in place since backward, and under dtype='fp16' it holds "
+                             "each gradient times the loss scale (%g): a change that reads it (torch.nn.utils."
+                             "clip_grad_norm_, whose fp16 norm of scaled values is often inf, clipping every gradient "
+                             "to zero) sees scaled values; clip with model.clip_grad_norm_, which unscales first",
+                             scale)
             runtime.scaler.update(found_inf)
             if found_inf:
                 runtime.optimizer_done(self)

@@ -475,3 +475,38 @@ def test_gradients_zeroed_but_kept_cost_what_freed_ones_do(budget) -> None:
         traffic = cm.memory_stats()
         stats.append({k: traffic[k] for k in ("h2d_bytes", "d2h_bytes", "evictions", "device_chunk_bytes_peak")})
     assert stats[0] == stats[1]
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_under_fp16_an_input_gets_its_gradient_without_the_loss_scale(budget) -> None:
+    # A module outside the prepared model (an encoder feeding `inputs_embeds`, trained by an optimizer of its own) got
+    # every gradient 65536 times too large: the scale chunkmem puts on the model's outputs came back through its inputs.
+    ids = gpt2_batches(1)[0]
+    norms = {}
+    for dtype in ("fp32", "fp16"):
+        torch.manual_seed(5)
+        outside = nn.Embedding(128, 64)
+        cm, _ = prepared(tiny_gpt2(), ADAMW, dtype=dtype, device_memory=gpt2_budget(budget))
+        cm(inputs_embeds=outside(ids), labels=ids).loss.float().backward()
+        norms[dtype] = outside.weight.grad.norm().item()
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2)
+
+
+def test_under_fp16_a_change_to_scaled_gradients_through_p_grad_is_named(caplog) -> None:
+    # torch.nn.utils.clip_grad_norm_ reads p.grad, which holds each gradient times the loss scale: its fp16 norm was
+    # inf, it clipped every gradient to zero, and the model stopped learning without a word.
+    def train(clip: Callable[[nn.Module], object]) -> list[str]:
+        cm, opt = prepared(tiny_gpt2(), ADAMW, dtype="fp16")
+        caplog.clear()
+        for ids in gpt2_batches(2):
+            gpt2_loss(cm, ids).backward()
+            clip(cm)
+            opt.step()
+            opt.zero_grad()
+        return [r.getMessage() for r in caplog.records if "p.grad was changed in place" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        named = train(lambda cm: torch.nn.utils.clip_grad_norm_(cm.parameters(), 1.0))
+        assert len(named) == 1 and "clip with model.clip_grad_norm_" in named[0]  # once
+        assert not train(lambda cm: cm.clip_grad_norm_(1.0))  # it unscales first
+        assert not train(lambda cm: None)
