@@ -15,6 +15,7 @@ every stream, the legacy default stream included.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -178,7 +179,9 @@ class CudaDevice:
             self.h2d_stream = torch.cuda.Stream(self.torch_device)
             self.d2h_stream = torch.cuda.Stream(self.torch_device)
         self.comm_stream = torch.cuda.Stream(self.torch_device)  # ZeRO's collectives
-        self.host_pool = HostPool(allocator, host_memory, before_free=self.synchronize)
+        # Not the bound method: the pool's finalizer needs it when this device is gone (hostpool's _free_all).
+        self.host_pool = HostPool(allocator, host_memory,
+                                  before_free=functools.partial(torch.cuda.synchronize, self.torch_device))
         self.arena = SlotArena(self)
         self.segment_bytes = LARGE_SEGMENT
         self.reads_memory = True

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import inspect
 import logging
 import mmap
 import threading
@@ -126,7 +127,10 @@ class RegisteredAllocator:
         return Block(ptr, nbytes, True, [region, anchor])
 
     def free(self, block: Block) -> None:
-        self.cudart.cudaHostUnregister(block.ptr)
+        status = int(self.cudart.cudaHostUnregister(block.ptr))
+        if status != 0:  # the mapping goes all the same; the error would be reported as the next kernel's
+            self.clear_error()
+            _log.warning("cudaHostUnregister of %d bytes failed with CUDA error %d", block.nbytes, status)
         region = block.owner[0]  # type: ignore[index]
         block.owner = None  # drops the anchor, so the mapping can close
         region.close()
@@ -183,7 +187,14 @@ class PoolStats:
     fallbacks: int = 0  # misses served from pageable memory
 
 
-def _free_all(cache: dict[tuple[str, int], list[Block]], allocator: HostAllocator) -> None:
+def _free_all(cache: dict[tuple[str, int], list[Block]], allocator: HostAllocator,
+              before_free: Callable[[], Callable[[], None] | None]) -> None:
+    """The pool went: its cached blocks go back to the allocator, once the device is done with them (`trim`'s rule: a
+    copy may still use a block whose last view died)."""
+    if any(cache.values()):
+        synchronize = before_free()
+        if synchronize is not None:
+            synchronize()
     for blocks in cache.values():
         for block in blocks:
             allocator.free(block)
@@ -211,8 +222,11 @@ class HostPool:
         # Re-entrant: a garbage collection inside `tensor()` may run a finalizer that gives a block back.
         self._lock = threading.RLock()
         self._warned = False
-        # Cached blocks go back to the allocator when the pool goes; outstanding ones keep it alive.
-        weakref.finalize(self, _free_all, self._cache, pinned).atexit = False
+        # Cached blocks go back to the allocator when the pool goes; outstanding ones keep it alive. The finalizer must
+        # not hold what holds the pool (a device's bound synchronize): such a `before_free` is held weakly there.
+        held: Callable[[], Callable[[], None] | None] = (
+            weakref.WeakMethod(before_free) if inspect.ismethod(before_free) else lambda: before_free)
+        weakref.finalize(self, _free_all, self._cache, pinned, held).atexit = False
 
     def tensor(self, numel: int, dtype: torch.dtype, tag: str = "") -> torch.Tensor:
         """An uninitialised 1-D CPU tensor of `numel` x `dtype` whose bytes come from the pool.
@@ -290,9 +304,7 @@ class HostPool:
         """Free every cached block; returns the bytes freed. Blocks handed out are unaffected."""
         with self._lock:
             freed = self.stats_.cached_bytes
-            if freed and self.before_free is not None:
-                self.before_free()
-            _free_all(self._cache, self.allocator)
+            _free_all(self._cache, self.allocator, lambda: self.before_free)
             self.stats_.pinned_bytes -= freed
             self.stats_.cached_bytes = 0
             return freed

@@ -10,6 +10,7 @@ import collections
 import functools
 import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -247,6 +248,39 @@ def test_trim_lets_copies_finish_before_blocks_go_back_to_the_allocator(plenty_o
     pool.tensor(100, torch.float32)  # dropped at once: cached
     assert pool.trim() == 400 and order == ["synchronize", "free"]
     assert pool.trim() == 0 and order == ["synchronize", "free"], "nothing cached: nothing to wait for"
+
+
+def test_a_pool_that_goes_lets_copies_finish_before_its_blocks_go_back(plenty_of_ram):
+    # As trim: when the model goes, a download may still be writing into a block whose last view died. The pool's
+    # finalizer freed them at once, and a CUDA device's bound synchronize would have kept the pool alive for good.
+    class Owner:  # what a device is to its pool: it holds the pool, and its bound method is the pool's before_free
+        def __init__(self) -> None:
+            self.pool = HostPool(allocator, before_free=self.synchronize)
+
+        def synchronize(self) -> None:
+            order.append("synchronize")
+
+    order: list[str] = []
+    allocator = Recording()
+    allocator.free = lambda block: order.append("free")  # type: ignore[method-assign]
+    pool = HostPool(allocator, before_free=lambda: order.append("synchronize"))
+    pool.tensor(100, torch.float32)  # dropped at once: cached
+    del pool
+    gc.collect()
+    assert order == ["synchronize", "free"]
+    order.clear()
+    owner = weakref.ref(Owner())
+    gc.collect()
+    assert owner() is None, "the finalizer holds a bound before_free weakly"
+
+
+def test_a_failed_unregistration_clears_the_cuda_error_it_leaves(caplog):
+    cudart = FakeCudart()
+    allocator = hostpool.RegisteredAllocator(cudart, clear_error=lambda: setattr(cudart, "last_error", 0))
+    block = allocator.alloc(100)
+    cudart.cudaHostUnregister = lambda ptr: setattr(cudart, "last_error", 1) or 1  # type: ignore[method-assign]
+    allocator.free(block)
+    assert cudart.last_error == 0 and "cudaHostUnregister of 100 bytes failed with CUDA error 1" in caplog.text
 
 
 def test_blocks_of_one_tag_are_never_handed_to_another(plenty_of_ram):
