@@ -149,8 +149,8 @@ def check_replaceable(path: Path) -> None:
 
 def _check_ours(place: Path) -> None:
     found = sorted(entry.name for entry in place.iterdir()) if place.is_dir() else None
-    if found is None or not all(name in (TENSORS, META, "pipeline.json") or re.fullmatch(r"stage-\d+", name)
-                                for name in found):  # a pipeline's checkpoint holds one per stage
+    if found is None or not all(name in (TENSORS, META, "pipeline.json") or re.fullmatch(r"stage-\d+(\.tmp|\.old)?", name)
+                                for name in found):  # a pipeline's checkpoint holds one per stage (and what its save left)
         what = "a file" if found is None else f"a directory holding {', '.join(found[:3])}" + \
             (", ..." if len(found) > 3 else "")
         raise CheckpointError(f"{place} is {what}, not a chunkmem checkpoint, and a save would replace or remove it: "

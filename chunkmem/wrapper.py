@@ -39,13 +39,14 @@ class _ScaleGrad(torch.autograd.Function):
     its inverse on its inputs)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float, copy: bool = False) -> torch.Tensor:
         ctx.scale = scale
-        return tensor.view_as(tensor)
+        # A view made inside a Function may not be changed in place: a model may change its input so (`x += pos`).
+        return tensor.clone() if copy else tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad * ctx.scale, None, None
 
 
 class ChunkedModel(nn.Module):
@@ -89,7 +90,7 @@ class ChunkedModel(nn.Module):
         if scaler is not None:
             # The gradient the model hands back to an input (an encoder's `inputs_embeds` outside it) carries the loss
             # scale: it comes off at the boundary, in the input's own dtype, before the cast to the compute dtype.
-            leaves = [_ScaleGrad.apply(leaf, 1.0 / scaler.scale) if isinstance(leaf, torch.Tensor) and
+            leaves = [_ScaleGrad.apply(leaf, 1.0 / scaler.scale, True) if isinstance(leaf, torch.Tensor) and
                       leaf.requires_grad else leaf for leaf in leaves]
         leaves = [self._to_compute(leaf) for leaf in leaves]
         args, kwargs = tree_unflatten(leaves, spec)
@@ -263,13 +264,17 @@ class ChunkedModel(nn.Module):
             return save(save_directory, *args, **kwargs)
         config = getattr(self.module, "config", None)
         kept = getattr(config, "dtype", None)
-        written = save(save_directory, *args, state_dict=self.state_dict(), **kwargs)
-        # transformers records the model's dtype, its chunks' compute dtype, as the one to load the values in: fp32.
         file = Path(save_directory) / "config.json"
-        if config is not None and file.is_file() and (args[0] if args else kwargs.get("is_main_process", True)):
+        before = file.stat().st_mtime_ns if file.is_file() else None
+        written = save(save_directory, *args, state_dict=self.state_dict(), **kwargs)
+        if config is None:
+            return written
+        config.dtype = kept
+        # transformers records the model's dtype, its chunks' compute dtype, as the one to load the values in: fp32
+        # (in the config.json this save wrote: a PEFT model's writes only its adapter's).
+        if file.is_file() and file.stat().st_mtime_ns != before:
             saved = json.loads(file.read_text())
             if saved.get("dtype") not in (None, "float32"):
-                config.dtype = kept
                 saved["dtype"] = "float32"
                 part = file.with_name(file.name + ".tmp")
                 part.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")

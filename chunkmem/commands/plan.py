@@ -19,6 +19,7 @@ from chunkmem.config import DEFAULT_DTYPE
 
 VERDICTS = ("fits", "tight", "does not fit")
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
+MAX_PARAMS = 1e15  # a quadrillion: far beyond any model, short of the sizes whose arithmetic overflows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,8 +108,8 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             return _error(f"--{name.replace('_', '-')} {value}: expected a positive whole number")
-    if args.params is not None and not 0 < args.params < math.inf:
-        return _error(f"--params {args.params}: expected a positive parameter count, e.g. 1.3e9")
+    if args.params is not None and not 0 < args.params <= MAX_PARAMS:
+        return _error(f"--params {args.params}: expected a positive parameter count up to {MAX_PARAMS:g}, e.g. 1.3e9")
     if args.chunk_sizes and not args.simulate:
         return _error("--chunk-sizes ranks chunk sizes by simulating each: add --simulate")
     if args.overlap_update and (args.dtype == "fp32" or args.optimizer != "adam"):

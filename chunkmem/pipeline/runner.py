@@ -295,10 +295,12 @@ class Pipeline:
             self._carried = flushed
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        if dist.get_rank() == 0:
-            check_replaceable(path)
+        failed = attempt(lambda: check_replaceable(path)) if dist.get_rank() == 0 else None
+        if failed is None and dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # what a save that failed left
-        dist.barrier()
+        if not all_written(dist.group.WORLD, failed is None):  # every rank raises
+            raise failed or CheckpointError(f"rank 0 cannot save the pipeline checkpoint to {path} (its error says "
+                                            "why): the previous checkpoint there is intact")
         failed = attempt(lambda: save_checkpoint(tmp / f"stage-{self.stage}", model, optimizer))  # a collective under ZeRO
         written = all_written(dist.group.WORLD, failed is None)
         if written and dist.get_rank() == 0:

@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.residency import Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
+from chunkmem.errors import MemoryBudgetError
 
 
 ZERO_GRADS = ("under ZeRO each rank holds a share of every gradient, so p.grad can be neither read nor set: clip "
@@ -82,10 +84,7 @@ class ShownGrads:
                 continue
             if chunk.state is ChunkState.FREE:  # zeros still (`forget_zeros`), which `p.grad` shows as PyTorch does,
                 # beside its parameters
-                if group.param.state.on_device:
-                    self.residency.bring(chunk)
-                else:
-                    self.residency.claim_host(chunk)
+                self._materialize(chunk, group.param)
             grads: list[torch.Tensor | None]
             if chunk.state.on_device:
                 lent = [chunk.lent_part(r.slot.offset) for r in held]
@@ -112,6 +111,20 @@ class ShownGrads:
                     self.versions[record] = grad._version
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
+
+    def _materialize(self, chunk: Chunk, param: Chunk) -> None:
+        """A FREE gradient chunk in memory beside its parameter chunk: on the device if that is there (and stays, in
+        use: the parameter chunk of a group that got no gradient is the least recently used), else on the host."""
+        if param.state.on_device:
+            param.pins += 1
+            try:
+                self.residency.bring(chunk)
+                return
+            except MemoryBudgetError:  # no room left beside the chunks in use: on the host
+                pass
+            finally:
+                param.pins -= 1
+        self.residency.claim_host(chunk)
 
     def edited(self) -> bool:
         """Whether a shown gradient was changed in place since it was shown."""

@@ -426,7 +426,7 @@ class ChunkOptimizer(Optimizer):
                                 for g in runtime.groups() if g.grad.state is not ChunkState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
-            if runtime.grads_scaled and runtime.grads.edited() and not self.warned_scaled:
+            if runtime.grads_scaled and runtime.shards is None and not self.warned_scaled and runtime.grads.edited():
                 self.warned_scaled = True
                 _log.warning("chunkmem: p.grad was changed in place since backward, and under dtype='fp16' it holds "
                              "each gradient times the loss scale (%g): a change that reads it (torch.nn.utils."

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import chunkmem
+from chunkmem.errors import CheckpointError
 from chunkmem.pipeline import pipeline
 from chunkmem.pipeline.schedule import order_of, simulate, validate
 from tests.multiproc import free_port, run_workers
@@ -379,3 +380,33 @@ def test_a_pipeline_save_one_stage_cannot_write_raises_on_every_rank_and_keeps_t
         assert got["loaded"].keys() == got["stepped"].keys()
         assert all(torch.equal(got["loaded"][k], v) for k, v in got["stepped"].items())
     assert not (tmp_path / "ckpt.tmp").exists() or not (tmp_path / "ckpt.tmp" / "pipeline.json").exists()
+
+
+def leftover_worker(rank: int, world: int, tmp: str) -> list[str]:
+    data, path, users = batches(3), Path(tmp) / "ckpt", Path(tmp) / "mine"
+    pipe = pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=3, config=chunkmem.Config(device="cpu"))
+    pipe.step(*data[0])
+    pipe.save_checkpoint(path)
+    if rank == 0:  # what a run killed while stage 1 wrote its part leaves, and a folder of the user's
+        (Path(tmp) / "ckpt.tmp" / "stage-1.tmp").mkdir(parents=True)
+        (Path(tmp) / "ckpt.tmp" / "stage-1.tmp" / "state.safetensors").write_bytes(b"\0" * 100)
+        users.mkdir()
+        (users / "notes.txt").write_text("mine")
+    dist.barrier()
+    out = []
+    for target in (path, users):
+        try:
+            pipe.save_checkpoint(target)
+            out.append("saved")
+        except CheckpointError as error:
+            out.append(str(error))
+    return out
+
+
+def test_a_pipeline_save_clears_what_a_killed_save_left_and_refuses_a_users_folder_on_every_rank(tmp_path) -> None:
+    # A stage's leftover part (stage-1.tmp) made rank 0 refuse the save, and a refusal on rank 0 alone left the other
+    # ranks waiting at a barrier.
+    for saved, refused in run_workers(leftover_worker, 2, str(tmp_path), timeout=120):
+        assert saved == "saved"
+        assert "mine" in refused and "not a chunkmem checkpoint" in refused or "rank 0 cannot save" in refused
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"

@@ -229,3 +229,37 @@ def test_a_parameter_without_a_gradient_since_zero_grad_to_zeros_shows_zeros_as_
         for name, grad in want.items():
             assert got[name] is not None and torch.equal(got[name], grad), (step, name)
     assert all(torch.equal(values[n], v) for n, v in plain_values.items())
+
+
+def test_zeros_shown_for_a_layer_skipped_stay_beside_its_parameters_on_the_device():
+    # Showing them brings the freed gradient chunk back to the device, which made room by evicting what was used
+    # least recently: that layer's own parameter chunk, so p.grad and p were on two devices (at 3x the parameter bytes,
+    # one chunk per layer).
+    class Skips(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers, self.head, self.skip = nn.ModuleList(nn.Linear(32, 32) for _ in range(6)), nn.Linear(32, 4), ()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for index, layer in enumerate(self.layers):
+                x = x if index in self.skip else torch.tanh(layer(x))
+            return self.head(x)
+
+    model = Skips()
+    plain = copy.deepcopy(model)
+    pair = [(plain, ADAMW(plain.parameters())),
+            prepared(model, ADAMW, device_memory=budget(model, 3.0), chunk_size=32 * 32 + 32)]
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(5)]
+    for net, opt in pair:
+        inner = getattr(net, "module", net)
+        for step, (x, y) in enumerate(batches):
+            inner.skip = (1, 4) if step == 3 else ()
+            nn.functional.mse_loss(net(x), y).backward()
+            for p in net.parameters():
+                p.grad.add_(p.detach(), alpha=1e-2)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    want, got = plain.state_dict(), pair[1][0].state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in want.items())

@@ -373,6 +373,8 @@ def test_save_pretrained_writes_the_master_weights_that_from_pretrained_loads(bu
     want = cm.state_dict()
     assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], v) for k, v in want.items())
     assert cm.config.dtype == kept
+    cm.save_pretrained(tmp_path / "rank 1", is_main_process=False)  # writes nothing (another ZeRO rank's call)
+    assert cm.config.dtype == kept
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -510,3 +512,26 @@ def test_under_fp16_a_change_to_scaled_gradients_through_p_grad_is_named(caplog)
         assert len(named) == 1 and "clip with model.clip_grad_norm_" in named[0]  # once
         assert not train(lambda cm: cm.clip_grad_norm_(1.0))  # it unscales first
         assert not train(lambda cm: None)
+
+
+def test_under_fp16_a_model_may_change_its_input_in_place() -> None:
+    # The node that takes the scale off an input's gradient returned a view of it, which autograd forbids changing in
+    # place: a model adding its position embedding into its input (`x += pos`) failed in forward.
+    class AddsInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos, self.lin = nn.Parameter(torch.randn(16)), nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x += self.pos
+            return self.lin(x)
+
+    grads = {}
+    for dtype in ("fp32", "fp16"):
+        torch.manual_seed(0)
+        outside, model = nn.Linear(8, 16), AddsInPlace()
+        cm, _ = prepared(model, ADAMW, dtype=dtype)
+        features = outside(torch.randn(4, 8))
+        cm(features.half() if dtype == "fp16" else features).float().pow(2).mean().backward()
+        grads[dtype] = outside.weight.grad
+    torch.testing.assert_close(grads["fp16"], grads["fp32"], rtol=1e-2, atol=1e-3)

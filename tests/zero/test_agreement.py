@@ -65,3 +65,17 @@ def test_fingerprints_tell_apart_what_must_match_and_ignore_the_budgets() -> Non
     high = {k: max(base[k], frozen[k]) for k in base}
     with pytest.raises(ValueError, match=r"disagree at chunkmem.prepare on the model \(parameter names"):
         check_agreed(base, list(low.values()) + [-v for v in high.values()])
+
+
+def fp16_worker(rank: int, world: int) -> float:
+    model = mlp()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", dtype="fp16"))
+    train(cm, opt, [tuple(t[rank::world] for t in b) for b in mlp_batches(2)], mlp_loss)
+    return float(sum(v.double().sum() for v in cm.state_dict().values()))
+
+
+def test_ranks_train_in_fp16() -> None:
+    # step() read p.grad's version counters to see a change made to scaled gradients; under ZeRO p.grad is a
+    # ShardedGrad, whose every use raises: every fp16 step did.
+    first, second = run_workers(fp16_worker, 2)
+    assert first == second
