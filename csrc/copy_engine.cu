@@ -107,8 +107,12 @@ class Event {
   // Work queued on `stream` (a cudaStream_t as an integer, e.g. torch.cuda.current_stream().cuda_stream)
   // after this call starts only once the copies before the event are done.
   std::string wait(std::uintptr_t stream) const {
-    DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
-    return failure(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0), "cudaStreamWaitEvent");
+    try {  // returned, never thrown (CopyEngine::copy)
+      DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
+      return failure(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), event_, 0), "cudaStreamWaitEvent");
+    } catch (const std::exception& caught) {
+      return std::string("chunkmem copy engine: ") + caught.what();
+    }
   }
 
   std::string synchronize() const {
@@ -190,6 +194,18 @@ class CopyEngine {
   // tensors alive, and device buffers recorded on the copy stream, until it fires.
   std::pair<std::shared_ptr<Event>, std::string> copy(const std::vector<at::Tensor>& dst,
                                                       const std::vector<at::Tensor>& src, std::uintptr_t after) {
+    // Errors are returned, never thrown: a C++ exception out of here ended the process on the lent H100's build.
+    try {
+      return copy_or_error(dst, src, after);
+    } catch (const std::exception& caught) {
+      return {nullptr, std::string("chunkmem copy engine: ") + caught.what()};
+    }
+  }
+
+ private:
+  std::pair<std::shared_ptr<Event>, std::string> copy_or_error(const std::vector<at::Tensor>& dst,
+                                                               const std::vector<at::Tensor>& src,
+                                                               std::uintptr_t after) {
     std::string error = error_.empty() ? invalid(dst, src, device_) : error_;
     if (!error.empty()) return {nullptr, error};
     const bool upload = dst[0].is_cuda();
@@ -217,11 +233,15 @@ class CopyEngine {
                       "cudaMemcpyAsync");
     }
     if (error.empty()) error = done->record(stream);
-    if (!error.empty()) return {nullptr, error};
+    if (!error.empty()) {
+      // Copies issued before the failure would go on reading or writing buffers nothing could wait for.
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaGetLastError();
+      return {nullptr, error};
+    }
     return {done, ""};
   }
 
- private:
   int device_;
   std::string error_;
   cudaStream_t h2d_ = nullptr;
@@ -310,8 +330,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("h2d_stream", &CopyEngine::h2d_stream)
       .def_property_readonly("d2h_stream", &CopyEngine::d2h_stream)
       .def("copy", &CopyEngine::copy, pybind11::arg("dst"), pybind11::arg("src"), pybind11::arg("after"));
-  m.def("pinned_alloc", &pinned_alloc, pybind11::arg("nbytes"));
-  m.def("pinned_free", &pinned_free, pybind11::arg("ptr"));
+  // cudaHostAlloc takes a while per GiB and cudaFreeHost waits for the device: the GIL is not held meanwhile (a pool's
+  // finalizer may free blocks on any thread).
+  m.def("pinned_alloc", &pinned_alloc, pybind11::arg("nbytes"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pinned_free", &pinned_free, pybind11::arg("ptr"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("track_allocations", &track_allocations);
   m.def("take_allocation_reading", &take_allocation_reading, pybind11::arg("device"));
   m.def("held_bytes", &held_bytes, pybind11::arg("device"));
