@@ -180,6 +180,7 @@ class SimulatedDevice:
 
     # -- copies ---------------------------------------------------------------------------------------
     def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
+        _engine_pair(device, host)
         # `.data`: a copy engine's copy moves no version counter (code that counted on one would pass here only)
         copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.data.copy_(host), device, after)
         check_copy(self, copy, device, written=True)
@@ -189,6 +190,7 @@ class SimulatedDevice:
         return copy
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
+        _engine_pair(host, device)
         copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.data.copy_(device), device)
         check_copy(self, copy, device, written=False)
         check_copy(self, copy, host, written=True)
@@ -510,6 +512,16 @@ def check_unseen(op: str, reads: Sequence[torch.Tensor | None], writes: Sequence
         for tensor in tensors:
             if tensor is not None:
                 checker._check_tensor(op, tensor, written)
+
+
+def _engine_pair(to: torch.Tensor, from_: torch.Tensor) -> None:
+    """The CUDA copy engine's rules for a pair (csrc/copy_engine.cu, native._invalid_batch), which torch's copy_ here
+    does not keep: it casts and follows strides, where the engine copies bytes between flat buffers of one dtype."""
+    if not (to.is_contiguous() and from_.is_contiguous()):
+        raise RuntimeError("chunkmem copy engine: pair 0 is not contiguous; chunks are flat buffers, pass them whole")
+    if to.nbytes != from_.nbytes or to.dtype != from_.dtype:
+        raise RuntimeError(f"chunkmem copy engine: pair 0 has {from_.nbytes} bytes for {to.nbytes} bytes, or another "
+                           "dtype; both sides must match")
 
 
 def check_copy(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, written: bool) -> None:

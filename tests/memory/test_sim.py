@@ -25,6 +25,18 @@ def test_an_upload_lands_only_when_compute_waits_for_it():
     assert torch.equal(device.to("cpu", copy=True), host)  # a download: CUDA compares on one device
 
 
+def test_copies_keep_the_copy_engines_rules():
+    # torch's copy_ here casts and follows strides; the CUDA copy engine copies bytes between flat buffers of one dtype
+    # and refuses anything else, so a caller that relied on a cast passed here and failed on a GPU.
+    dev = SimulatedDevice()
+    host, device = pair(dev)
+    with pytest.raises(RuntimeError, match="pair 0 has 32 bytes for 16 bytes, or another dtype"):
+        dev.download(device, dev.host_alloc(8, torch.bfloat16))
+    with pytest.raises(RuntimeError, match="pair 0 is not contiguous"):
+        dev.upload(dev.host_alloc(16, torch.float32)[::2], device)
+    dev.wait(dev.upload(host, device))  # one dtype, flat: as the engine copies
+
+
 def test_the_copy_clock_runs_while_bytes_land_not_when_copies_are_issued():
     dev = SimulatedDevice(landing="wait")  # not at random, whatever CHUNKMEM_SIM_LANDING says
     host, device = dev.host_alloc(1 << 22, torch.float32), dev.alloc(1 << 22, torch.float32)
