@@ -149,8 +149,9 @@ def check_replaceable(path: Path) -> None:
 
 def _check_ours(place: Path) -> None:
     found = sorted(entry.name for entry in place.iterdir()) if place.is_dir() else None
-    if found is None or not all(name in (TENSORS, META, "pipeline.json") or re.fullmatch(r"stage-\d+(\.tmp|\.old)?", name)
-                                for name in found):  # a pipeline's checkpoint holds one per stage (and what its save left)
+    # A pipeline's checkpoint holds a part per stage (and what a stage's save left)
+    ours = (TENSORS, META, "pipeline.json")
+    if found is None or not all(name in ours or re.fullmatch(r"stage-\d+(\.tmp|\.old)?", name) for name in found):
         what = "a file" if found is None else f"a directory holding {', '.join(found[:3])}" + \
             (", ..." if len(found) > 3 else "")
         raise CheckpointError(f"{place} is {what}, not a chunkmem checkpoint, and a save would replace or remove it: "

@@ -23,7 +23,8 @@ accumulates into the chunks, not into `p.grad`. A `p.grad` the user assigns with
 torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
-frees it, and the next backward writes it afresh.
+frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
+frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`).
 Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
 raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
 torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
@@ -82,8 +83,7 @@ class ShownGrads:
             chunk = group.grad
             if not held:
                 continue
-            if chunk.state is ChunkState.FREE:  # zeros still (`forget_zeros`), which `p.grad` shows as PyTorch does,
-                # beside its parameters
+            if chunk.state is ChunkState.FREE:  # zeros since zero_grad(set_to_none=False) (`forget_zeros`): shown
                 self._materialize(chunk, group.param)
             grads: list[torch.Tensor | None]
             if chunk.state.on_device:
