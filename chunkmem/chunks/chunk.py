@@ -335,8 +335,9 @@ class Chunk:
             host = self.settled()
             pairs = self._lent_targets(host)
             self._zero_unwritten(host)
-            for tensor, target in pairs:
-                self.landings.append((dev.download(tensor.view(-1), target, self.name), None))
+            for tensor, target in pairs:  # one dtype, as the copy engine moves bytes (a gradient lent in fp32 of a
+                # parameter cast in forward is rounded as copying it in rounds it)
+                self.landings.append((dev.download(tensor.view(-1).to(self.dtype), target, self.name), None))
         else:
             self._last_copy = dev.download(self.device, self.host_unfenced, self.name)  # type: ignore[arg-type]
             self.landings.append((self._last_copy, None))

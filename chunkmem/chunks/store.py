@@ -34,6 +34,9 @@ class ParamRecord:
     state: TensorState = TensorState.HOLD
     uses: int = 0  # nested COMPUTE uses (a module called inside another that shares the weight)
     grad_state: TensorState = TensorState.FREE
+    # The parameter's version counter when its master last took its value (-1: not read yet): a change made in place
+    # since, which moves it, goes into the master too (Runtime.adopt_data).
+    version: int = -1
 
     def move(self, move: str) -> None:
         # The hot path (every module call): a lookup, the message only for an illegal move.
@@ -180,6 +183,7 @@ class ParamStore:
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
                 # object (the optimizer's and the records' key) and gives it the chunk view once.
                 torch.utils.swap_tensors(record.param, nn.Parameter(record.view(flat), record.param.requires_grad))
+                record.version = -1  # its version counter is the new tensor's
             else:
                 record.param.data = record.view(flat)
 

@@ -25,9 +25,8 @@ import torch
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.family import Role
-from chunkmem.runtime.activations import Saved
 from chunkmem.runtime.optim import ChunkOptimizer
-from chunkmem.runtime.runtime import ChunkRef
+from chunkmem.runtime.runtime import ChunkRef, Kept
 from chunkmem.wrapper import ChunkedModel
 
 STALE = "stale"
@@ -95,14 +94,14 @@ class WeightVersions:
             self.runtime.residency.copy_on_host(stale, newest)
 
     # -- saved tensors, by version ------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> Saved | ChunkRef | torch.Tensor | _Versioned:
+    def pack(self, tensor: torch.Tensor) -> Kept | _Versioned:
         saved = self.runtime.pack(tensor)
         if isinstance(saved, ChunkRef) and id(saved.source) in self._role:
             _, newest = self._role[id(saved.source)]
             return _Versioned(self.newest if newest else self.newest - 1, saved)
         return saved
 
-    def unpack(self, saved: Saved | ChunkRef | torch.Tensor | _Versioned) -> torch.Tensor:
+    def unpack(self, saved: Kept | _Versioned) -> torch.Tensor:
         if not isinstance(saved, _Versioned):
             return self.runtime.unpack(saved)
         index, _ = self._role[id(saved.ref.source)]

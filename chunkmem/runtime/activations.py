@@ -29,17 +29,28 @@ MIN_OFFLOAD_BYTES = 4096  # smaller tensors cost more in copies than they free
 class Saved:
     """A saved activation; autograd keeps it, and frees it after the backward that used it."""
 
-    __slots__ = ("tensor", "device", "__weakref__")
+    __slots__ = ("tensor", "device", "version", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor, device: torch.device | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, device: torch.device | None = None, version: int = 0) -> None:
         self.tensor = tensor  # on the device, or on the host when `device` says where it goes back
         self.device = device
+        self.version = version  # the tensor's version counter when saved (not offloaded: `device` None)
 
     def get(self, meter: ActivationMeter) -> torch.Tensor:
         if self.device is None:
-            return self.tensor
+            return unchanged(self.tensor, self.version)
         meter.offload_bytes += self.tensor.nbytes
         return meter.device_like(self.tensor, self.device).copy_(self.tensor, non_blocking=True)
+
+
+def unchanged(tensor: torch.Tensor, version: int) -> torch.Tensor:
+    """`tensor`, saved for backward at `version`, unless changed in place since: then the error autograd gives for a
+    tensor it saved itself (it checks none that saved-tensor hooks keep, as chunkmem's do), as plain PyTorch would."""
+    if tensor._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: [{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; "
+                           f"expected version {version} instead (it was changed in place after the forward saved it)")
+    return tensor
 
 
 class ActivationMeter:
@@ -71,7 +82,7 @@ class ActivationMeter:
             host.copy_(tensor, non_blocking=True)
             self.offload_bytes += tensor.nbytes
             return Saved(host, tensor.device)
-        saved = Saved(tensor.detach())  # not the tensor itself: Runtime.pack says why
+        saved = Saved(tensor.detach(), version=tensor._version)  # not the tensor itself: Runtime.pack says why
         if storage is None:
             try:
                 storage = tensor.untyped_storage()

@@ -78,7 +78,7 @@ from chunkmem.memory.allocator import Room
 from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
 from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
-from chunkmem.runtime.activations import ActivationMeter, Saved
+from chunkmem.runtime.activations import ActivationMeter, Saved, unchanged
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
@@ -108,6 +108,10 @@ class ChunkRef:
     param: nn.Parameter | None = None
     version: int = 0
 
+
+# What autograd keeps of a saved tensor (Runtime.pack): an activation metered (or offloaded), a chunk view by address,
+# an activation with its version counter then, or one without storage as it is.
+Kept = Saved | ChunkRef | tuple[torch.Tensor, int] | torch.Tensor
 
 LAZY_ROOM, LAZY_ROOM_MAX = 0.02, 256 << 20  # Runtime.outside's room for what loads lazily: a share, at most
 
@@ -341,7 +345,7 @@ class Runtime:
                 record.uses = 1
                 self.release([record])
 
-    def pack(self, tensor: torch.Tensor, metered: bool = True) -> Saved | ChunkRef | torch.Tensor:
+    def pack(self, tensor: torch.Tensor, metered: bool = True) -> Kept:
         """What autograd keeps of a saved tensor: a reference into its chunk, or the tensor detached (and metered,
         while the forward meters them and `metered`). Never the tensor itself: an op's output, saved by that op,
         holds its grad_fn, which holds what the hook returned, a cycle through autograd's C++ side that Python's
@@ -357,14 +361,17 @@ class Runtime:
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
         if source is None or tensor.dtype != self.config.torch_dtype:
-            return self.activations.wrap(tensor, storage) if metered else tensor.detach()
+            # with its version counter then, which backward checks (`unchanged`)
+            return self.activations.wrap(tensor, storage) if metered else (tensor.detach(), tensor._version)
         param = tensor if tensor._base is None else tensor._base  # views of a parameter share its version counter
         if not isinstance(param, nn.Parameter):
             return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride())
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride(), param, param._version)
 
-    def unpack(self, saved: Saved | ChunkRef | torch.Tensor) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):  # kept as it is, unmetered (the Note on lean forwards)
+    def unpack(self, saved: Kept) -> torch.Tensor:
+        if isinstance(saved, tuple):  # kept as it is, unmetered (the Note on lean forwards)
+            return unchanged(*saved)
+        if isinstance(saved, torch.Tensor):  # one without storage
             return saved
         if not isinstance(saved, ChunkRef):
             if self.placer.phase is Phase.DIVERGED:
@@ -628,6 +635,8 @@ class Runtime:
                 continue
             viewed = flat.untyped_storage().data_ptr()
             moved = [r for r in group.members if r.param.untyped_storage().data_ptr() != viewed]
+            if "master" in group.chunks:
+                self._adopt_edits(group, moved)
             for record in moved:
                 value = record.param.detach()
                 if value.shape != record.shape:
@@ -640,6 +649,19 @@ class Runtime:
                     self.data.set_value(record, value.to("cpu", copy=True))
             if moved:
                 store.point_views(chunk)
+
+    def _adopt_edits(self, group: ChunkGroup, moved: list[ParamRecord]) -> None:
+        """In low precision, a parameter changed in place since its master last took its value (`with torch.no_grad():
+        p.clamp_(-c, c)`, EMA weights copied in) gives the master its value, as the parameter is the model's value in
+        PyTorch: else the step would overwrite the change from the master, and state_dict() would not show it. Found by
+        its version counter, which chunkmem's own writes (into the chunk, not through the parameter) leave alone."""
+        for record in group.members:
+            version = record.param._version
+            if version != record.version:
+                if record.version >= 0 and record not in moved:  # those are written whole (`p.data =`) below
+                    master = self.data.writable(group.master, group.master.state.on_device)
+                    record.view(master).copy_(record.param.detach())
+                record.version = version
 
     def adopt_grads(self, assigned: bool = False) -> None:
         """The gradients autograd left in `p.grad` while gradient hooks were off go to their chunks, as grad_ready
@@ -704,7 +726,10 @@ class Runtime:
             else:  # overwrites its part: the chunk is not zeroed for it (chunk's Note on unwritten ranges)
                 chunk.overwrite(part).copy_(grad)
             return
-        self.residency.stream_down(chunk, grad, part, self._host_like(grad) if accumulate else None)
+        # The copy engine moves bytes between flat buffers of one dtype: a gradient of a parameter cast in forward
+        # (SwitchTransformers' router casts its weights to fp32) is rounded to the chunk's first, as a copy rounds it.
+        source = (grad if accumulate else grad.to(chunk.dtype)).contiguous()
+        self.residency.stream_down(chunk, source, part, self._host_like(source) if accumulate else None)
 
     def _add_share(self, key: Key, share: torch.Tensor) -> None:
         """Add this rank's reduce-scattered share of a gradient group to its gradient chunk."""
