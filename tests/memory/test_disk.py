@@ -119,6 +119,22 @@ def test_a_full_disk_fails_naming_the_file(tmp_path, monkeypatch):
     tier.close()
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
+def test_room_the_file_cannot_take_names_why(tmp_path, monkeypatch, code):
+    # A file-size limit (`ulimit -f`, FAT32's 4 GiB) was reported as a lack of space, beside the gigabytes free.
+    tier = DiskTier(tmp_path)
+    tier.slot(ALIGN)
+
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disk_module.os, "posix_fallocate", refuse)
+    why = "free space under" if code == errno.ENOSPC else f"may grow to {ALIGN} bytes at most there .a file-size limit"
+    with pytest.raises(DiskTierError, match=rf"cannot reserve {ALIGN} more bytes in {tier.file} .*{why}"):
+        tier.slot(ALIGN)
+    tier.close()
+
+
 def test_a_write_that_moves_nothing_fails_instead_of_spinning(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path)
     offset = tier.slot(ALIGN)
