@@ -114,6 +114,9 @@ class FinetuneConfig:
                              "is no checkpoint, --resume-or-start then starts)")
         if not self.peak_lr > 0 or (self.epochs is not None and not self.epochs > 0):  # NaN too
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
+        if self.lora_rank and not self.lora_alpha > 0:  # NaN too: alpha / rank scales the adapters' output
+            raise InputError(f"--lora-alpha {self.lora_alpha}: expected a positive scale (alpha / rank multiplies "
+                             "the adapters' output; 16 is usual)")
         if not self.max_grad_norm >= 0:
             raise InputError(f"--max-grad-norm {self.max_grad_norm}: expected 0 (no clipping) or more")
         if Path(self.output).exists() and not Path(self.output).is_dir():

@@ -199,6 +199,7 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
     (["--lr", "nan"], "--lr nan / --epochs None: expected positive numbers"),
     (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: expected 0 (no clipping) or more"),
+    (["--lora-rank", "4", "--lora-alpha", "-3"], "--lora-alpha -3.0: expected a positive scale"),  # was accepted
 ])
 def test_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str], expected: str) -> None:
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), *args)
