@@ -26,8 +26,7 @@ def same_bits(loop: Loop, budget: float | None, model: nn.Module | None = None) 
     model = model or tiny_gpt2()
     plain = copy.deepcopy(model)
     loop(plain, ADAMW(plain.parameters()))
-    cm, opt = prepared(model, ADAMW, device_memory=None if budget is None else int(param_bytes(model) * budget),
-                       chunk_size=16 * 16 + 16)
+    cm, opt = prepared(model, ADAMW, device_memory=None if budget is None else int(param_bytes(model) * budget))
     loop(cm, opt)
     want, got = plain.state_dict(), cm.state_dict()
     differ = [k for k, v in want.items() if not torch.equal(v, got[k])]
@@ -317,8 +316,7 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_an_error_a
 
     model = tiny_gpt2()
     plain = copy.deepcopy(model)
-    cm, opt = prepared(model, ADAMW, device_memory=None if budget is None else int(param_bytes(model) * budget),
-                       chunk_size=16 * 16 + 16)
+    cm, opt = prepared(model, ADAMW, device_memory=None if budget is None else int(param_bytes(model) * budget))
     expected, got = loop(plain, ADAMW(plain.parameters())), loop(cm, opt)
     assert len(expected) == len(got) == 1 and "modified by an inplace operation" in got[0]
     assert "transformer.h.1.mlp.c_fc.weight" in got[0] or budget is None  # resident: autograd's own check
