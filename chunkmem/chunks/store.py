@@ -34,9 +34,9 @@ class ParamRecord:
     state: TensorState = TensorState.HOLD
     uses: int = 0  # nested COMPUTE uses (a module called inside another that shares the weight)
     grad_state: TensorState = TensorState.FREE
-    # The parameter's version counter when its master last took its value (-1: not read yet): a change made in place
-    # since, which moves it, goes into the master too (Runtime.adopt_data).
-    version: int = -1
+    # The parameter's version counter when its master last took its value: a change made in place since, which moves
+    # it, goes into the master too (Runtime.adopt_data).
+    version: int = 0
 
     def move(self, move: str) -> None:
         # The hot path (every module call): a lookup, the message only for an illegal move.
@@ -114,7 +114,8 @@ class ParamStore:
                                                   for f in families if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
-                record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group)
+                record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group,
+                                     version=param._version)
                 group.members.append(record)
                 self.records[param] = record
             self.groups.append(group)
@@ -182,8 +183,13 @@ class ParamStore:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
                 # object (the optimizer's and the records' key) and gives it the chunk view once.
-                torch.utils.swap_tensors(record.param, nn.Parameter(record.view(flat), record.param.requires_grad))
-                record.version = -1  # its version counter is the new tensor's
+                # A tensor of its own over the view: a view shares its chunk payload's version counter, which
+                # chunkmem's writes into the chunk move, and the parameter's must move for the user's writes alone.
+                view = record.view(flat)
+                own = torch.empty(0, dtype=view.dtype, device=view.device)
+                own.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+                torch.utils.swap_tensors(record.param, nn.Parameter(own, record.param.requires_grad))
+                record.version = record.param._version
             else:
                 record.param.data = record.view(flat)
 

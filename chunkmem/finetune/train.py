@@ -114,7 +114,7 @@ class FinetuneConfig:
                              "is no checkpoint, --resume-or-start then starts)")
         if not self.peak_lr > 0 or (self.epochs is not None and not self.epochs > 0):  # NaN too
             raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
-        if self.lora_rank and not self.lora_alpha > 0:  # NaN too: alpha / rank scales the adapters' output
+        if self.lora_rank and not 0 < self.lora_alpha < math.inf:  # NaN too: alpha / rank scales the adapters' output
             raise InputError(f"--lora-alpha {self.lora_alpha}: expected a positive scale (alpha / rank multiplies "
                              "the adapters' output; 16 is usual)")
         if not self.max_grad_norm >= 0:

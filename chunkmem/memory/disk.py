@@ -168,8 +168,8 @@ class DiskTier:
             os.posix_fallocate(self.fd, offset, length)
         except OSError as error:
             free = shutil.disk_usage(self.root).free
-            fix = (f"the file may grow to {offset} bytes at most there (a file-size limit: `ulimit -f`, or the file "
-                   "system's own, as FAT32's 4 GiB)" if error.errno == errno.EFBIG else f"free space under {self.root}")
+            fix = (f"a file-size limit stops it below {offset + length} bytes (`ulimit -f`, or the file system's own, "
+                   "as FAT32's 4 GiB): raise it" if error.errno == errno.EFBIG else f"free space under {self.root}")
             raise DiskTierError(f"cannot reserve {length} more bytes in {self.file} ({error.strerror}; {free} bytes "
                                 f"free there): {fix}, or point Config.disk elsewhere") from None
         self.size = offset + length

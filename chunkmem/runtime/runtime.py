@@ -658,9 +658,12 @@ class Runtime:
         for record in group.members:
             version = record.param._version
             if version != record.version:
-                if record.version >= 0 and record not in moved:  # those are written whole (`p.data =`) below
+                if record not in moved:  # those are written whole (`p.data =`) below
+                    # What the parameter views, once a copy into it has landed (a download into the host payload)
+                    chunk = group.param
+                    viewed = chunk.device if chunk in self.store.device_views else chunk.landed()
                     master = self.data.writable(group.master, group.master.state.on_device)
-                    record.view(master).copy_(record.param.detach())
+                    record.view(master).copy_(record.view(viewed))  # type: ignore[arg-type]  # on the device there
                 record.version = version
 
     def adopt_grads(self, assigned: bool = False) -> None:

@@ -129,7 +129,7 @@ def test_room_the_file_cannot_take_names_why(tmp_path, monkeypatch, code):
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(disk_module.os, "posix_fallocate", refuse)
-    why = "free space under" if code == errno.ENOSPC else f"may grow to {ALIGN} bytes at most there .a file-size limit"
+    why = "free space under" if code == errno.ENOSPC else f"a file-size limit stops it below {2 * ALIGN} bytes"
     with pytest.raises(DiskTierError, match=rf"cannot reserve {ALIGN} more bytes in {tier.file} .*{why}"):
         tier.slot(ALIGN)
     tier.close()

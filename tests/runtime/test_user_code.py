@@ -294,6 +294,52 @@ def test_in_low_precision_parameters_changed_in_place_keep_the_change(budget, dt
     assert all(torch.all(v == 0.5) for k, v in cm.state_dict().items() if "attn.bias" not in k)
 
 
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_in_low_precision_a_model_built_on_the_meta_device_keeps_fp32_masters(budget) -> None:
+    # Its parameters took their chunk views by a swap that shared the chunk's version counter, which chunkmem's own
+    # writes into the chunk move: every step read as a change made in place, and rounded the masters to bf16.
+    real = tiny_gpt2()
+    with torch.device("meta"):
+        model = tiny_gpt2()
+    runs = []
+    for built in (copy.deepcopy(real), model):
+        cm, opt = prepared(built, ADAMW, dtype="bf16", device_memory=gpt2_budget(budget))
+        cm.load_state_dict(real.state_dict())
+        for ids in gpt2_batches(3):
+            gpt2_loss(cm, ids).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(cm.state_dict())
+    assert all(torch.equal(v, runs[1][k]) for k, v in runs[0].items())
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in runs[1].values()), "fp32 masters, not bf16"
+
+
+def test_in_low_precision_a_change_made_before_the_first_forward_and_one_made_by_forward_are_kept() -> None:
+    # The first was missed (no version had been read yet). The second, Embedding(max_norm) renormalizing its rows in
+    # forward, was read from a host payload a download was still landing in.
+    class Renormalizes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.lin = nn.Embedding(10, 16, max_norm=1.0), nn.Linear(16, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.tanh(self.emb(ids)))
+
+    model = Renormalizes()
+    cm, opt = prepared(model, functools.partial(torch.optim.SGD, lr=0.0), dtype="bf16",
+                       device_memory=int(param_bytes(model) * 1.5))
+    with torch.no_grad():
+        cm.module.lin.weight.fill_(0.5)
+    assert torch.all(cm.state_dict()["lin.weight"] == 0.5)
+    for _ in range(3):
+        cm(torch.arange(8) % 10).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    rows = cm.state_dict()["emb.weight"][:8].norm(dim=1)
+    assert torch.all(rows <= 1.01), "the renormalized rows reached the masters"
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_parameter_changed_in_place_between_forward_and_backward_is_an_error_as_in_pytorch(budget) -> None:
     # Autograd checks the version of every tensor it saved; a parameter chunkmem saved by address was read as it was
