@@ -238,11 +238,9 @@ def _invalid_batch(dst: list[torch.Tensor], src: list[torch.Tensor], device: int
             way = f"cpu -> cuda:{device}" if upload else f"cuda:{device} -> cpu"
             return (f"chunkmem copy engine: pair {i} goes the wrong direction for this batch ({way}); split batches "
                     "by direction and device")
-        if not (to.is_contiguous() and from_.is_contiguous()):
-            return f"chunkmem copy engine: pair {i} is not contiguous; chunks are flat buffers, pass them whole"
-        if to.nbytes != from_.nbytes or to.dtype != from_.dtype:
-            return (f"chunkmem copy engine: pair {i} has {from_.nbytes} bytes for {to.nbytes} bytes, or another "
-                    "dtype; both sides must match")
+        error = sim.invalid_pair(i, to, from_)
+        if error:
+            return error
     return ""
 
 

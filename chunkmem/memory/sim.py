@@ -514,14 +514,22 @@ def check_unseen(op: str, reads: Sequence[torch.Tensor | None], writes: Sequence
                 checker._check_tensor(op, tensor, written)
 
 
-def _engine_pair(to: torch.Tensor, from_: torch.Tensor) -> None:
-    """The CUDA copy engine's rules for a pair (csrc/copy_engine.cu, native._invalid_batch), which torch's copy_ here
-    does not keep: it casts and follows strides, where the engine copies bytes between flat buffers of one dtype."""
+def invalid_pair(index: int, to: torch.Tensor, from_: torch.Tensor) -> str:
+    """What breaks the CUDA copy engine's rules for pair `index` of a batch ("" when nothing does): it copies bytes
+    between flat buffers of one dtype (native._invalid_batch checks a batch so). The simulation keeps them too, where
+    torch's copy_ would cast and follow strides."""
     if not (to.is_contiguous() and from_.is_contiguous()):
-        raise RuntimeError("chunkmem copy engine: pair 0 is not contiguous; chunks are flat buffers, pass them whole")
+        return f"chunkmem copy engine: pair {index} is not contiguous; chunks are flat buffers, pass them whole"
     if to.nbytes != from_.nbytes or to.dtype != from_.dtype:
-        raise RuntimeError(f"chunkmem copy engine: pair 0 has {from_.nbytes} bytes for {to.nbytes} bytes, or another "
-                           "dtype; both sides must match")
+        return (f"chunkmem copy engine: pair {index} has {from_.nbytes} bytes for {to.nbytes} bytes, or another "
+                "dtype; both sides must match")
+    return ""
+
+
+def _engine_pair(to: torch.Tensor, from_: torch.Tensor) -> None:
+    error = invalid_pair(0, to, from_)
+    if error:
+        raise RuntimeError(error)
 
 
 def check_copy(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, written: bool) -> None:
