@@ -30,12 +30,22 @@ and the host learn separately: compute waiting on an upload tells the host nothi
 host write into a host buffer an upload reads needs the host to have synchronised (directly, or with
 a later download fenced after compute's wait). The simulation's compute is the host's thread, so it
 cannot model a kernel running late; that is the fence's job, and every copy here carries one.
+
+[Note: host buffers]
+CUDA keeps a device buffer a copy uses from reuse until the copy is done (record_stream), but nothing keeps a
+pinned host block: once its last view dies the pool hands it to the next request of its size, and a download
+still in flight writes into the new user's bytes, or an upload reads them. So the simulation's copies keep no
+view of a pinned pool block (the block and a tensor over its bytes: `_unheld`), its last view may die while they
+are in flight, and its next user finds their hazards on it (`handed_out`): it may touch those bytes once the host
+learned that the copies landed, and copy onto them only after them. Pageable buffers are held: on CUDA a copy
+from or into pageable memory is staged, and the host may free it once the copy was issued.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import logging
@@ -53,7 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunkmem.memory.allocator import Room
 from chunkmem.memory.arena import SlotArena
-from chunkmem.memory.hostpool import HostPool, PlainAllocator
+from chunkmem.memory.hostpool import Block, HostPool, PlainAllocator
 from chunkmem.memory.landing import CopyThread, idle_priority_available
 from chunkmem.memory.simmemory import SimulatedMemory, moving_versions, simulated_memory
 
@@ -78,18 +88,41 @@ class Copy:
     land: Callable[[], Any] | None  # moves the bytes; None once landed (or for a collective)
     work: Any = None  # a torch.distributed Work to wait for (collectives)
     held: torch.Tensor | None = None  # the device buffer `land` holds until it lands (Device.holds)
+    # The pinned pool block of its host side and the bytes [start, end) of it the copy uses (the Note on host buffers)
+    host: tuple[Block, int, int] | None = None
 
 
 class _HostPool(HostPool):
-    """The simulated device's pinned pool: what it hands out is host memory to the allocator model's op hook."""
+    """The simulated device's pinned pool: what it hands out is host memory to the allocator model's op hook, and a
+    block that copies in flight still use is handed out again as CUDA's would be (the Note on host buffers)."""
 
-    def __init__(self, memory: SimulatedMemory | None, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, memory: SimulatedMemory | None, device: SimulatedDevice, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.memory = memory
+        self.device = weakref.ref(device)  # (the device holds the pool)
+        self.lent: dict[int, Block] = {}  # address -> pinned block handed out, until its last view dies
+        # A tensor over each block's bytes per dtype, which keeps none of its views alive (SimulatedDevice._unheld)
+        self.raw: weakref.WeakKeyDictionary[Block, dict[torch.dtype, torch.Tensor]] = weakref.WeakKeyDictionary()
 
     def tensor(self, numel: int, dtype: torch.dtype, tag: str = "") -> torch.Tensor:
         out = super().tensor(numel, dtype, tag)
-        return self.memory.mark_host(out) if self.memory is not None and out.numel() else out
+        if not out.numel():
+            return out
+        device = self.device()
+        if device is not None:
+            device.handed_out(out)
+        return self.memory.mark_host(out) if self.memory is not None else out
+
+    def _take(self, nbytes: int, tag: str) -> Block:
+        block = super()._take(nbytes, tag)
+        if block.pinned:
+            self.lent[block.ptr] = block
+        return block
+
+    def _give_back(self, block: Block, tag: str) -> None:
+        if self.lent.get(block.ptr) is block:
+            del self.lent[block.ptr]
+        super()._give_back(block, tag)
 
 
 class SimulatedDevice:
@@ -115,8 +148,8 @@ class SimulatedDevice:
         self.segment_bytes = self.allocator.sizes.large_segment if self.allocator is not None else 0
         self.reads_memory = self.allocator is not None
         self.memory_limit: int | None = None  # what limit_memory was told
-        self.host_pool: HostPool = _HostPool(self.memory, PlainAllocator(pinned=True), host_memory,
-                                             before_free=self.synchronize)
+        self.pool = _HostPool(self.memory, self, PlainAllocator(pinned=True), host_memory, before_free=self.synchronize)
+        self.host_pool: HostPool = self.pool
         self.compute_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         self.host_knows: Knowledge = dict.fromkeys(STREAMS, 0)
         # Per thread, the newest copy of each stream that thread waited for (`wait_landed`): it, and nobody else,
@@ -181,8 +214,10 @@ class SimulatedDevice:
     # -- copies ---------------------------------------------------------------------------------------
     def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
         _engine_pair(device, host)
+        source, block = self._unheld(host)
         # `.data`: a copy engine's copy moves no version counter (code that counted on one would pass here only)
-        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: device.data.copy_(host), device, after)
+        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: (block, device.data.copy_(source)),
+                           device, after, _bytes_of(block, host))
         check_copy(self, copy, device, written=True)
         check_copy(self, copy, host, written=False)
         guard(self, copy, device, "device", write_only=False)
@@ -191,7 +226,9 @@ class SimulatedDevice:
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
         _engine_pair(host, device)
-        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: host.data.copy_(device), device)
+        target, block = self._unheld(host)
+        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: (block, target.data.copy_(device)),
+                           device, host=_bytes_of(block, host))
         check_copy(self, copy, device, written=False)
         check_copy(self, copy, host, written=True)
         guard(self, copy, device, "device", write_only=True)
@@ -266,10 +303,37 @@ class SimulatedDevice:
             fence[before.stream] = max(fence[before.stream], before.id)
         return fence
 
+    def _unheld(self, host: torch.Tensor) -> tuple[torch.Tensor, Block | None]:
+        """What a copy's landing keeps of host buffer `host`: of a pinned pool block, the block and a tensor over its
+        bytes that keeps no view of it alive, so that the buffer's last view may die while the copy is in flight,
+        and the block go to its next user, as on CUDA (the Note on host buffers); else `host` itself."""
+        pool = self.pool
+        block = pool.lent.get(host.untyped_storage().data_ptr())
+        if block is None or block.nbytes % host.element_size():
+            return host, None
+        typed = pool.raw.setdefault(block, {})
+        raw = typed.get(host.dtype)
+        if raw is None:  # made once per block and dtype: a copy costs the simulation a view more, no more
+            raw = typed[host.dtype] = torch.frombuffer((ctypes.c_ubyte * block.nbytes).from_address(block.ptr),
+                                                       dtype=torch.uint8).view(host.dtype)
+        return raw.as_strided(host.shape, host.stride(), host.storage_offset()), block
+
+    def handed_out(self, buffer: torch.Tensor) -> None:
+        """The pool handed out `buffer`: copies in flight on its block's bytes, which its last user gave up before
+        they landed, still use them, as on CUDA: the host (its new user) must learn that they landed before it
+        touches those bytes, and a copy issued onto them must run after them (`check_copy`)."""
+        if _active is None:
+            return
+        address = buffer.untyped_storage().data_ptr()
+        for copy in list(self._in_flight):
+            if copy.host is not None and copy.host[0].ptr == address and copy.land is not None:
+                _active.add(Hazard(self, copy, address, *copy.host[1:], "host", copy.stream == "h2d"))
+                _watch(buffer, address)
+
     def _issue(self, stream: str, what: str, land: Callable[[], Any], held: torch.Tensor | None = None,
-               after: object | None = None) -> Copy:
+               after: object | None = None, host: tuple[Block, int, int] | None = None) -> Copy:
         self._tick()
-        copy = Copy(next(self._ids), stream, what, self._fence(after), land, held=held)
+        copy = Copy(next(self._ids), stream, what, self._fence(after), land, held=held, host=host)
         self._in_flight.append(copy)
         if self._background:
             if self._copy_thread is None or self._copy_thread.pid != os.getpid():
@@ -337,6 +401,12 @@ def undefined(tensor: torch.Tensor) -> torch.Tensor:
     if _active is not None and tensor.dtype.is_floating_point:
         tensor.fill_(float("nan"))
     return tensor
+
+
+def _bytes_of(block: Block | None, host: torch.Tensor) -> tuple[Block, int, int] | None:
+    """`block` and the bytes of it that `host` spans, for a copy to note (Copy.host)."""
+    span = _span(host) if block is not None else None
+    return (block, *span[1:]) if block is not None and span is not None else None
 
 
 def _copy(token: object) -> Copy:
@@ -586,9 +656,10 @@ def guard_io(token: Knower, tensor: torch.Tensor, write_only: bool) -> None:
 
 
 def _watch(tensor: torch.Tensor, address: int) -> None:
-    """Drop the hazards on `tensor`'s storage when it dies. The checker keeps no tensor alive: CUDA frees a block a
-    copy used once the copy is done (record_stream), whoever has learned it, and the simulation's copies hold
-    their buffers until they land, as long."""
+    """Drop the hazards on `tensor`'s storage when it dies. The checker keeps no tensor alive: CUDA frees a device
+    block a copy used once the copy is done (record_stream), whoever has learned it, and the simulation's copies
+    hold their device buffers until they land, as long. A pinned host block given up early is handed out with
+    its hazards (the Note on host buffers)."""
     checker = _active
     if checker is not None and checker.watch(address):
         weakref.finalize(tensor.untyped_storage(), checker.storage_died, address)

@@ -235,6 +235,44 @@ def test_a_block_under_a_copy_in_flight_is_not_reused():
     dev.wait(token)
 
 
+def test_a_pinned_host_block_given_up_before_its_copy_landed_goes_to_its_next_user_with_the_copy_still_on_it():
+    """CUDA keeps nothing of a pinned host buffer alive for a copy: its last view may die first, and the pool hands
+    the block to the next request of its size, whose bytes the copy then reads or writes (the Note on host
+    buffers). Its next user may touch them once the host knows the copy landed, and copy onto them after it."""
+    dev = SimulatedDevice(landing="wait")
+    host = dev.host_alloc(8, torch.float32).zero_()
+    device = dev.alloc(8, torch.float32).fill_(5.0)
+    address = host.data_ptr()
+    down = dev.download(device, host, "grad.2")
+    del host  # given up in flight: the pool has it back
+    reused = dev.host_alloc(8, torch.float32)
+    assert reused.data_ptr() == address, "the block went to the next request of its size"
+    with pytest.raises(HazardError, match=r"host op .* writes .* download of grad\.2 .*wait_host"):
+        reused.fill_(1.0)
+    source = dev.alloc(8, torch.float32)
+    with pytest.raises(HazardError, match=r"issuing the upload of param\.3 .* download of grad\.2"):
+        dev.upload(reused, source, "param.3")  # on another stream, fenced after no wait for the download
+    dev.wait_host(down)
+    assert torch.equal(reused, torch.full((8,), 5.0)), "the download landed in the new user's bytes, as on CUDA"
+    reused.fill_(1.0)  # known landed: the bytes are the new user's
+
+
+def test_an_upload_from_a_given_up_pinned_block_reads_what_its_next_user_wrote_there():
+    dev = SimulatedDevice(landing="wait")
+    host = dev.host_alloc(8, torch.float32).fill_(3.0)
+    device = dev.alloc(8, torch.float32)
+    up = dev.upload(host, device, "param.0")
+    del host
+    reused = dev.host_alloc(8, torch.float32)
+    reused.sum()  # reading bytes an upload reads races with nothing
+    with pytest.raises(HazardError, match=r"host op .* writes .* upload of param\.0"):
+        reused.fill_(9.0)
+    with sim.paused():
+        reused.fill_(9.0)  # as a racing host write would, on CUDA
+    dev.wait(up)
+    assert torch.equal(device.to("cpu", copy=True), torch.full((8,), 9.0)), "the upload read the new user's bytes"
+
+
 def test_a_storage_that_dies_while_the_checker_forgets_takes_its_hazards_with_it():
     """Storages die on the copy thread and in collections at any moment: one that dies while `forget` walks the
     hazards (here: inside its test) leaves no KeyError and no hazard behind for the next storage at its address."""
