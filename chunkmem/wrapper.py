@@ -364,6 +364,9 @@ def _global_norm(runtime: Runtime, local: torch.Tensor, norm_type: float) -> tor
     return (summed ** (1.0 / norm_type)).to(local.dtype)
 
 
+CHUNK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter dtypes chunks hold without loss
+
+
 def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     """Check that `model` and `optimizer` (if any) are ones prepare can take: neither prepared nor used before."""
     if isinstance(model, ChunkedModel):
@@ -388,6 +391,13 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     if sparse is not None:
         raise ValueError(f"module {sparse} is an embedding with sparse=True, whose gradients are sparse tensors, and "
                          "chunks hold dense ones: make it with sparse=False before prepare")
+    odd = next(((n, p.dtype) for n, p in model.named_parameters() if p.dtype not in CHUNK_DTYPES), None)
+    if odd is not None:
+        name, dtype = odd
+        raise ValueError(f"parameter {name} is {dtype}, and chunks hold parameters as float32 master weights and "
+                         f"copies in Config.dtype: its values would be {'rounded' if dtype.is_floating_point else 'cast'}"
+                         ". Cast it to float32 before prepare (model.float()), or, if it is not trained, make it a "
+                         "buffer (register_buffer), which keeps its dtype")
     hooked = already_hooked(model)
     if hooked is not None:
         raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import io
 import weakref
 
 import pytest
@@ -213,6 +214,35 @@ def test_a_sparse_embedding_and_state_dicts_of_the_parameters_themselves_are_ref
     cm, _ = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
     with pytest.raises(ValueError, match=r"keep_vars=True.*model.named_parameters\(\)"):
         cm.state_dict(keep_vars=True)  # they were copies, not the parameters
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8])
+def test_a_parameter_chunks_would_round_or_cast_is_refused_at_prepare_naming_it(dtype) -> None:
+    # A float64 temperature went into fp32 chunks, rounded (1 + 1e-12 read 1.0), with no word; a .double() Linear
+    # failed in its first forward with torch's dtype error; an integer one would have computed as a float.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].weight = nn.Parameter(model[1].weight.detach().to(dtype), requires_grad=dtype.is_floating_point)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"parameter 1.weight is {dtype}.*model.float\(\).*register_buffer"):
+        chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    assert hook_count(model) == 0 and model[1].weight.dtype == dtype
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_deep_copying_or_pickling_a_module_inside_a_prepared_model_says_to_copy_the_model(budget) -> None:
+    # It raised "cannot pickle '_thread.lock' object", from the runtime its hooks hold.
+    model = mlp()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory=budget and int(param_bytes(model) * budget)))
+    train(cm, opt, mlp_batches(1), mlp_loss)
+    for inner in (cm.module, next(iter(cm.module.children()))):
+        with pytest.raises(TypeError, match=r"module inside a model chunkmem prepared.*copy.deepcopy\(model\)"):
+            copy.deepcopy(inner)
+    with pytest.raises(TypeError, match="module inside a model chunkmem prepared"):
+        torch.save(cm.module, io.BytesIO())
+    plain = copy.deepcopy(cm)
+    assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), cm.state_dict().values()))
 
 
 class FusedQKV(nn.Module):

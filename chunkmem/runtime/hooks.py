@@ -140,6 +140,15 @@ class Hooks:
         self._grad_hooks(True)
         _LIVE.add(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A module inside a prepared model, deep-copied or pickled, would take these hooks (and the runtime) along: its
+        parameters are views into this model's chunks, in the compute dtype. ChunkedModel.__deepcopy__ makes the copy
+        as plain PyTorch holds it."""
+        raise TypeError("copy.deepcopy or pickling of a module inside a model chunkmem prepared: its parameters are "
+                        "views into chunkmem's chunks and its hooks serve that model. Copy the prepared model itself "
+                        "(copy.deepcopy(model) gives a plain module, fp32 values on the host, and its submodules), or "
+                        "save model.state_dict()")
+
     def _module_hooks(self, on: bool) -> None:
         """Put the forward hooks on every module, or take them off. A resident step needs none (they would return at
         once), and a module with no hook takes PyTorch's short call path: 1.9 ms of a 39 ms launch-bound step of a
