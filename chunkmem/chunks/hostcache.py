@@ -40,7 +40,7 @@ from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.observe import Move, Observer
 from chunkmem.chunks.plan import INFINITY
 from chunkmem.chunks.state import ChunkState
-from chunkmem.errors import MemoryBudgetError
+from chunkmem.errors import DiskTierError, MemoryBudgetError
 from chunkmem.memory.disk import DiskTier, IoToken, aligned
 
 log = logging.getLogger("chunkmem")
@@ -187,7 +187,16 @@ class HostCache:
         chunk = self.chunks[name]
         if name in self.dirty:
             self._write(chunk)
-        chunk.settled()  # the write-back (if any) has landed: the buffer may go
+        try:
+            chunk.settled()  # the write-back (if any) has landed: the buffer may go
+        except DiskTierError:
+            # A write-back that failed left the disk with older bytes: the buffer stays, changed, and its next release
+            # writes it again. Dropped, a caller that went on after the error (to save a checkpoint) read the older.
+            write = self.writes.get(name)
+            if write is not None and write.failure is not None:
+                del self.writes[name]
+                self.dirty.add(name)
+            raise
         self.writes.pop(name, None)
         chunk.spill()
         self.used -= self.buffers.pop(name).numel()

@@ -4,6 +4,7 @@ under ZeRO too; checkpoints across runs with and without it; faults; files only 
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch
 import chunkmem
 from chunkmem.chunks.hostcache import HostCache
 from chunkmem.errors import DiskTierError, MemoryBudgetError
+from chunkmem.memory import disk as disk_module
 from chunkmem.memory.disk import IoToken
 from tests.helpers import (assert_updates_close, gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, tiny_gpt2, train,
                            updates)
@@ -223,3 +225,30 @@ def test_zero_two_ranks_with_the_disk_tier_equal_zero_without_it_bit_for_bit(tmp
     _, ref_state = reference(mlp(width=64, depth=6), ADAMW, mlp_batches(4, width=64), mlp_loss)
     assert_updates_close(updates(initial, ref_state), updates(initial, disk[0]["state"]), rtol=2e-3)
     assert list(tmp_path.iterdir()) == [], "each rank removed its files at exit"
+
+
+def test_a_failed_write_back_keeps_the_chunk_changed_in_host_memory_and_writes_it_next_time(tmp_path, monkeypatch):
+    # The chunk was spilled at its next release as if written: a caller that went on after the error (to save a
+    # checkpoint elsewhere) read the states of a step before.
+    model = mlp(width=64, depth=6)
+    cm, opt = prepare(model, ADAMW, tmp_path)
+    train(cm, opt, mlp_batches(2, width=64), mlp_loss)
+    cache = cm.runtime.host_cache
+    name = next(iter(cache.buffers))
+    chunk = cache.chunks[name]
+    expected = chunk.settled().add_(1.0).clone()  # a step's change, not on disk yet
+    cache.changed(chunk)
+    original = disk_module.os.pwritev
+
+    def broken(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk_module.os, "pwritev", broken)
+    with pytest.raises(DiskTierError, match="Input/output error"):
+        cache._release(name)
+    assert name in cache.buffers and torch.equal(chunk.settled(), expected), "still in host memory, as changed"
+    monkeypatch.setattr(disk_module.os, "pwritev", original)
+    cache._release(name)  # written now
+    assert name not in cache.buffers
+    cache.needed(chunk)
+    assert torch.equal(chunk.settled(), expected)
