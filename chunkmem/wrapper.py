@@ -394,10 +394,11 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
     odd = next(((n, p.dtype) for n, p in model.named_parameters() if p.dtype not in CHUNK_DTYPES), None)
     if odd is not None:
         name, dtype = odd
+        lost = "rounded" if dtype.is_floating_point else "cast"
         raise ValueError(f"parameter {name} is {dtype}, and chunks hold parameters as float32 master weights and "
-                         f"copies in Config.dtype: its values would be {'rounded' if dtype.is_floating_point else 'cast'}"
-                         ". Cast it to float32 before prepare (model.float()), or, if it is not trained, make it a "
-                         "buffer (register_buffer), which keeps its dtype")
+                         f"copies in Config.dtype: its values would be {lost}. Cast it to float32 before prepare "
+                         "(model.float()), or, if it is not trained, make it a buffer (register_buffer), which keeps "
+                         "its dtype")
     hooked = already_hooked(model)
     if hooked is not None:
         raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "
