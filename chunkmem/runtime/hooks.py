@@ -180,12 +180,18 @@ class Hooks:
         if on == (not self.idle_off):
             return
         self.idle_off = not on
+        before, after = self._pre_forward, self._post_forward
         for sub, pre, post in self.idle_handles:
             if on:  # ours first before the module and last after it, as registered (the handles hold these dicts)
-                users = dict(sub._forward_pre_hooks)
-                sub._forward_pre_hooks.clear()
-                sub._forward_pre_hooks.update({pre.id: self._pre_forward, **users})
-                sub._forward_hooks[post.id] = self._post_forward
+                hooks = sub._forward_pre_hooks
+                if hooks:  # a user's: ours goes in front
+                    users = dict(hooks)
+                    hooks.clear()
+                    hooks[pre.id] = before
+                    hooks.update(users)
+                else:
+                    hooks[pre.id] = before
+                sub._forward_hooks[post.id] = after
             else:  # a user may have cleared the dicts: nothing of ours to take off then
                 sub._forward_pre_hooks.pop(pre.id, None)
                 sub._forward_hooks.pop(post.id, None)
