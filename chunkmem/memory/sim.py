@@ -37,9 +37,9 @@ pinned host block: once its last view dies the pool hands it to the next request
 still in flight writes into the new user's bytes, or an upload reads them. So the simulation's copies keep no
 view of a pinned pool block (the block and a tensor over its bytes: `_unheld`), its last view may die while they
 are in flight, and its next user finds their hazards on it (`handed_out`): it may touch those bytes once the host
-learned that the copies landed, and copy onto them only after them. While the checker is on, as it is in tests:
-without it nothing would report the race. Pageable buffers are held: on CUDA a copy
-from or into pageable memory is staged, and the host may free it once the copy was issued.
+learned that the copies landed, and copy onto them only after them. So while the checker is on, as in tests:
+without it nothing would report the race. Pageable buffers are held: on CUDA a copy from or into pageable memory
+is staged, and the host may free it once the copy was issued.
 """
 
 from __future__ import annotations
