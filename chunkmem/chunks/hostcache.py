@@ -185,22 +185,27 @@ class HostCache:
 
     def _release(self, name: str) -> None:
         chunk = self.chunks[name]
+        self._failed_write(name)
         if name in self.dirty:
             self._write(chunk)
         try:
             chunk.settled()  # the write-back (if any) has landed: the buffer may go
         except DiskTierError:
-            # A write-back that failed left the disk with older bytes: the buffer stays, changed, and its next release
-            # writes it again. Dropped, a caller that went on after the error (to save a checkpoint) read the older.
-            write = self.writes.get(name)
-            if write is not None and write.failure is not None:
-                del self.writes[name]
-                self.dirty.add(name)
+            self._failed_write(name)
             raise
         self.writes.pop(name, None)
         chunk.spill()
         self.used -= self.buffers.pop(name).numel()
         del self.lru[name]
+
+    def _failed_write(self, name: str) -> None:
+        """A write-back that failed (it raised wherever it was waited for: here, a step, a checkpoint's read) left the
+        disk with older bytes: the buffer keeps the changed ones, and its next release writes them again. Spilled as if
+        written, a caller that went on after the error (to save a checkpoint) read the older."""
+        write = self.writes.get(name)
+        if write is not None and write.failure is not None:
+            del self.writes[name]
+            self.dirty.add(name)
 
     def _make_room(self, nbytes: int) -> None:
         """Release chunks (the plan's or LRU's victims, waiting for their write-backs) until `nbytes` fit."""
@@ -240,6 +245,7 @@ class HostCache:
         best, best_use = None, at
         pending = []
         for name in self.lru:
+            self._failed_write(name)
             if self.held[name] or name in self.dirty:
                 continue
             use = self.next_use(name)

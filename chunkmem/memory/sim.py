@@ -70,6 +70,7 @@ from chunkmem.memory.simmemory import SimulatedMemory, moving_versions, simulate
 
 log = logging.getLogger("chunkmem")
 STREAMS = ("h2d", "d2h", "comm")
+MAX_ON_BLOCKS = 4096  # copies on pool blocks kept for `handed_out` before those the host knows landed are dropped
 LANDING_POLL_S = 0.0002  # how often a worker waiting for a copy to land looks again (wait_landed)
 Knowledge = dict[str, int]  # stream -> id of the newest copy known to have landed
 
@@ -159,6 +160,8 @@ class SimulatedDevice:
         self._waited = threading.local()
         self._ids = itertools.count(1)
         self._in_flight: list[Copy] = []  # not landed yet, oldest first
+        # Copies on pinned pool blocks the host may not know landed, landed or not (`handed_out`), oldest first
+        self._on_blocks: list[Copy] = []
         landing = landing if landing is not None else os.environ.get("CHUNKMEM_SIM_LANDING", "background")
         self._random = _landing_rng(landing)
         self._background = landing == "background" and idle_priority_available()
@@ -323,14 +326,15 @@ class SimulatedDevice:
         return raw.as_strided(host.shape, host.stride(), host.storage_offset()), block
 
     def handed_out(self, buffer: torch.Tensor) -> None:
-        """The pool handed out `buffer`: copies in flight on its block's bytes, which its last user gave up before
-        they landed, still use them, as on CUDA: the host (its new user) must learn that they landed before it
+        """The pool handed out `buffer`: copies on its block's bytes that its last user gave up before the host knew
+        they landed may still use them, as on CUDA: the host (its new user) must learn that they landed before it
         touches those bytes, and a copy issued onto them must run after them (`check_copy`)."""
         if _active is None:
             return
+        self._on_blocks = [c for c in self._on_blocks if not self.knows(c, "host")]
         address = buffer.untyped_storage().data_ptr()
-        for copy in list(self._in_flight):
-            if copy.host is not None and copy.host[0].ptr == address and copy.land is not None:
+        for copy in self._on_blocks:
+            if copy.host is not None and copy.host[0].ptr == address:
                 _active.add(Hazard(self, copy, address, *copy.host[1:], "host", copy.stream == "h2d"))
                 _watch(buffer, address)
 
@@ -339,6 +343,10 @@ class SimulatedDevice:
         self._tick()
         copy = Copy(next(self._ids), stream, what, self._fence(after), land, held=held, host=host)
         self._in_flight.append(copy)
+        if host is not None:
+            if len(self._on_blocks) > MAX_ON_BLOCKS:
+                self._on_blocks = [c for c in self._on_blocks if not self.knows(c, "host")]
+            self._on_blocks.append(copy)
         if self._background:
             if self._copy_thread is None or self._copy_thread.pid != os.getpid():
                 self._copy_thread = CopyThread()

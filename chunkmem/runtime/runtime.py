@@ -54,6 +54,7 @@ upload still landing (the simulation's checker reports it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Container, Iterable, Sequence
@@ -188,6 +189,7 @@ class Runtime:
                              config.gather_units) if world > 1 else None
         self.data = ModelData(self.store, self.residency, self.shards)
         self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
+        self.queued: set[int] = set()  # the tasks whose end calls it (a nested one's asks its outer's: _backward_done)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
@@ -607,7 +609,16 @@ class Runtime:
         # -1: a pipeline's own call. A backward that raised never called back: the next one queues its end again.
         if task != -1 and task != self.backward_task:
             self.backward_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            if task not in self.queued:
+                self.queued.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._backward_done, task))
+
+    def _after_node(self, node: Any) -> None:
+        """`_end_of_backward_called` once autograd node `node`, running now, has run: in its backward's task."""
+        def ran(*_: Any) -> None:
+            handle.remove()
+            self._end_of_backward_called()
+        handle = node.register_hook(ran)
 
     def grads_unhooked(self, hooks: object, off: bool) -> None:
         """A model's gradient hooks went off (Hooks._grad_hooks) or came back."""
@@ -762,10 +773,19 @@ class Runtime:
         if self.config.device_memory is not None and self.shards is None and self.largest_block:
             self._room_for([self.largest_block] * 2)
 
-    def _backward_done(self) -> None:
+    def _backward_done(self, task: int) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
-        readable by what runs next (`fence_uploads`)."""
+        readable by what runs next (`fence_uploads`). A backward nested in a node of another (torch.utils.checkpoint's
+        reentrant kind runs one per segment) ends the outer one's part: its end is the outer's, after that node.
+        Ending here, it showed the gradients so far in `p.grad`, into which the next segment's backward added
+        (streamed groups' on the host: a device mismatch) before the outer backward ended."""
+        self.queued.discard(task)
         self.backward_task = -1
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self._after_node(node)
+            return
+        self.queued.clear()  # those of backwards that raised: they never end
         self.adopt_grads()
         self.placer.backwards += 1
         if self.placer.resident:

@@ -273,6 +273,19 @@ def test_an_upload_from_a_given_up_pinned_block_reads_what_its_next_user_wrote_t
     assert torch.equal(device.to("cpu", copy=True), torch.full((8,), 9.0)), "the upload read the new user's bytes"
 
 
+def test_a_given_up_pinned_block_keeps_the_copies_the_host_does_not_know_landed_though_compute_waited():
+    dev = SimulatedDevice(landing="wait")
+    host = dev.host_alloc(8, torch.float32).fill_(3.0)
+    up = dev.upload(host, dev.alloc(8, torch.float32), "param.0")
+    dev.wait(up)  # compute waited (the copy landed): the host knows nothing
+    del host
+    reused = dev.host_alloc(8, torch.float32)
+    with pytest.raises(HazardError, match=r"host op .* writes .* upload of param\.0"):
+        reused.fill_(9.0)
+    dev.wait_host(up)
+    reused.fill_(9.0)
+
+
 def test_a_storage_that_dies_while_the_checker_forgets_takes_its_hazards_with_it():
     """Storages die on the copy thread and in collections at any moment: one that dies while `forget` walks the
     hazards (here: inside its test) leaves no KeyError and no hazard behind for the next storage at its address."""

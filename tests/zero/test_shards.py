@@ -41,7 +41,12 @@ def shard(batch, rank: int, world: int):
 
 
 def build(kind: str, frozen: bool) -> torch.nn.Module:
-    return mlp_case(frozen) if kind == "mlp" else tiny_gpt2()
+    if kind == "mlp":
+        return mlp_case(frozen)
+    model = tiny_gpt2()
+    if kind == "gpt2-reentrant":  # a backward nested in the model's per block (runtime's _backward_done)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    return model
 
 
 def worker(rank: int, world: int, kind: str, frozen: bool, accumulate: int, clip: float | None, steps: int,
@@ -88,6 +93,7 @@ CASES = [  # kind, world, frozen, accumulate, clip, budget
     ("mlp", 3, True, 2, 0.5, 3.0),
     ("gpt2", 2, False, 1, 1.0, None),
     ("gpt2", 3, False, 1, None, 1.0),
+    ("gpt2-reentrant", 2, False, 2, 1.0, 1.0),
 ]
 
 
