@@ -218,10 +218,10 @@ class SimulatedDevice:
     # -- copies ---------------------------------------------------------------------------------------
     def upload(self, host: torch.Tensor, device: torch.Tensor, label: str = "", after: object | None = None) -> Copy:
         _engine_pair(device, host)
-        source, block = self._unheld(host)
+        source, on_block = self._unheld(host)
         # `.data`: a copy engine's copy moves no version counter (code that counted on one would pass here only)
-        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: (block, device.data.copy_(source)),
-                           device, after, _bytes_of(block, host))
+        copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: (on_block, device.data.copy_(source)),
+                           device, after, on_block)
         check_copy(self, copy, device, written=True)
         check_copy(self, copy, host, written=False)
         guard(self, copy, device, "device", write_only=False)
@@ -230,9 +230,9 @@ class SimulatedDevice:
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
         _engine_pair(host, device)
-        target, block = self._unheld(host)
-        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: (block, target.data.copy_(device)),
-                           device, host=_bytes_of(block, host))
+        target, on_block = self._unheld(host)
+        copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: (on_block, target.data.copy_(device)),
+                           device, host=on_block)
         check_copy(self, copy, device, written=False)
         check_copy(self, copy, host, written=True)
         guard(self, copy, device, "device", write_only=True)
@@ -307,23 +307,22 @@ class SimulatedDevice:
             fence[before.stream] = max(fence[before.stream], before.id)
         return fence
 
-    def _unheld(self, host: torch.Tensor) -> tuple[torch.Tensor, Block | None]:
-        """What a copy's landing keeps of host buffer `host`: of a pinned pool block, the block and a tensor over its
-        bytes that keeps no view of it alive, so that the buffer's last view may die while the copy is in flight,
-        and the block go to its next user, as on CUDA (the Note on host buffers); else `host` itself, and always
-        without the checker, which alone reports the race (the extra view costs benchmarks that stand in for CUDA)."""
-        if _active is None:
+    def _unheld(self, host: torch.Tensor) -> tuple[torch.Tensor, tuple[Block, int, int] | None]:
+        """What a copy's landing keeps of host buffer `host`: of a pinned pool block, a tensor over its bytes that keeps
+        no view of it alive, and the block with the bytes [start, end) of it that `host` spans (Copy.host), so that the
+        buffer's last view may die while the copy is in flight, and the block go to its next user, as on CUDA (the Note
+        on host buffers); else `host` itself, and always without the checker, which alone reports the race (the extra
+        view costs benchmarks that stand in for CUDA)."""
+        span = _span(host) if _active is not None else None
+        block = self.pool.lent.get(span[0]) if span is not None else None
+        if span is None or block is None or block.nbytes % host.element_size():
             return host, None
-        pool = self.pool
-        block = pool.lent.get(host.untyped_storage().data_ptr())
-        if block is None or block.nbytes % host.element_size():
-            return host, None
-        typed = pool.raw.setdefault(block, {})
+        typed = self.pool.raw.setdefault(block, {})
         raw = typed.get(host.dtype)
         if raw is None:  # made once per block and dtype: a copy costs the simulation a view more, no more
             raw = typed[host.dtype] = torch.frombuffer((ctypes.c_ubyte * block.nbytes).from_address(block.ptr),
                                                        dtype=torch.uint8).view(host.dtype)
-        return raw.as_strided(host.shape, host.stride(), host.storage_offset()), block
+        return raw.as_strided(host.shape, host.stride(), host.storage_offset()), (block, span[1], span[2])
 
     def handed_out(self, buffer: torch.Tensor) -> None:
         """The pool handed out `buffer`: copies on its block's bytes that its last user gave up before the host knew
@@ -331,12 +330,15 @@ class SimulatedDevice:
         touches those bytes, and a copy issued onto them must run after them (`check_copy`)."""
         if _active is None:
             return
-        self._on_blocks = [c for c in self._on_blocks if not self.knows(c, "host")]
+        self._forget_on_blocks()
         address = buffer.untyped_storage().data_ptr()
         for copy in self._on_blocks:
             if copy.host is not None and copy.host[0].ptr == address:
                 _active.add(Hazard(self, copy, address, *copy.host[1:], "host", copy.stream == "h2d"))
                 _watch(buffer, address)
+
+    def _forget_on_blocks(self) -> None:
+        self._on_blocks = [c for c in self._on_blocks if not self.knows(c, "host")]
 
     def _issue(self, stream: str, what: str, land: Callable[[], Any], held: torch.Tensor | None = None,
                after: object | None = None, host: tuple[Block, int, int] | None = None) -> Copy:
@@ -345,7 +347,7 @@ class SimulatedDevice:
         self._in_flight.append(copy)
         if host is not None:
             if len(self._on_blocks) > MAX_ON_BLOCKS:
-                self._on_blocks = [c for c in self._on_blocks if not self.knows(c, "host")]
+                self._forget_on_blocks()
             self._on_blocks.append(copy)
         if self._background:
             if self._copy_thread is None or self._copy_thread.pid != os.getpid():
@@ -413,12 +415,6 @@ def undefined(tensor: torch.Tensor) -> torch.Tensor:
     if _active is not None and tensor.dtype.is_floating_point:
         tensor.fill_(float("nan"))
     return tensor
-
-
-def _bytes_of(block: Block | None, host: torch.Tensor) -> tuple[Block, int, int] | None:
-    """`block` and the bytes of it that `host` spans, for a copy to note (Copy.host)."""
-    span = _span(host) if block is not None else None
-    return (block, *span[1:]) if block is not None and span is not None else None
 
 
 def _copy(token: object) -> Copy:
