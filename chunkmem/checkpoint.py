@@ -55,7 +55,7 @@ _META_KEYS = ("optimizer", "steps", "param_groups", "loss_scaler")
 class _Restore:
     """Everything a load writes, checked: model values, group settings, step counts, optimizer states."""
 
-    values: dict[str, torch.Tensor]
+    values: dict[str, Any]  # tensors, and modules' extra state
     groups: list[dict[str, Any]]
     steps: dict[ParamRecord, float]
     states: dict[tuple[ParamRecord, str], torch.Tensor]
@@ -120,6 +120,11 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -
     """Write a checkpoint beside `path`, check that it reads back whole, then put it in place of the last one."""
     tmp = path.with_name(path.name + ".tmp")
     check_replaceable(path)
+    for key, value in meta.get("extra_state", {}).items():
+        if not _round_trips(value):
+            raise CheckpointError(f"model/{key} is a module's extra state (get_extra_state), a {type(value).__name__} "
+                                  f"that a checkpoint holds only as JSON (numbers, strings, lists and dicts of them) or "
+                                  f"as a tensor: make get_extra_state return such values, or save that state apart")
     shutil.rmtree(tmp, ignore_errors=True)
     meta["checksums"] = {key: checksum(value) for key, value in tensors.items()}
     meta["meta_checksum"] = meta_checksum(meta)
@@ -165,8 +170,20 @@ def swap_in(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
     tmp.rename(path)
-    fsync_dir(path.parent)
+    try:
+        fsync_dir(path.parent)
+    except OSError as error:
+        raise CheckpointError(f"the checkpoint {path} is in place, but its directory could not be synced to disk "
+                              f"({error}), so a crash may lose it: the previous one stays at {old}") from error
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _round_trips(value: Any) -> bool:
+    """Whether `value` comes back from JSON as it is."""
+    try:
+        return bool(json.loads(json.dumps(value)) == value)
+    except (TypeError, ValueError):
+        return False
 
 
 def checksum(tensor: torch.Tensor) -> str:
@@ -193,7 +210,7 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     meta = _read_meta(path)
     tensors = _read_tensors(path / TENSORS)
     _verify(path, meta, tensors)
-    restore = _Restore(_model_values(path, tensors, model), *_optimizer_values(path, meta, tensors, optimizer))
+    restore = _Restore(_model_values(path, meta, tensors, model), *_optimizer_values(path, meta, tensors, optimizer))
     _apply(restore, model, optimizer)
     return meta
 
@@ -292,13 +309,22 @@ def _check_sum(file: Path, key: str, value: torch.Tensor, expected: str) -> None
                                 f"the file is damaged; resume from an earlier checkpoint")
 
 
-def _model_values(path: Path, tensors: dict[str, torch.Tensor], model: ChunkedModel) -> dict[str, torch.Tensor]:
-    """The model's values from the checkpoint: every parameter and buffer present, each of its shape."""
+def _model_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: ChunkedModel
+                  ) -> dict[str, Any]:
+    """The model's values from the checkpoint: every parameter and buffer present, each of its shape, and the extra
+    state of modules that have one (`get_extra_state`)."""
     file = path / TENSORS
     given = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     records = model.runtime.store.records
     known: set[str] = set()
+    extra: dict[str, Any] = {}
     for name, target in model.module.state_dict(keep_vars=True).items():
+        if not isinstance(target, torch.Tensor):  # extra state, kept in the metadata
+            if name not in meta.get("extra_state", {}):
+                raise CheckpointError(f"{path / META} has no extra state for model/{name}: the checkpoint is of "
+                                      f"another model; load it into the model it was saved from")
+            extra[name] = meta["extra_state"][name]
+            continue
         record = records.get(target)  # type: ignore[call-overload]  # buffers are not records
         names = (name, *record.aliases) if record is not None else (name,)
         known.update(names)
@@ -315,7 +341,7 @@ def _model_values(path: Path, tensors: dict[str, torch.Tensor], model: ChunkedMo
     if unexpected:
         raise CheckpointError(f"{file} holds model/{unexpected[0]}, which the model does not have "
                               f"({len(unexpected)} such keys): the checkpoint is of another model")
-    return given
+    return {**given, **extra}
 
 
 def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor], optimizer: ChunkOptimizer
@@ -434,7 +460,8 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     """What save_checkpoint writes: under ZeRO gathered on rank 0 alone, which writes it (a collective)."""
     runtime = model.runtime
     root = None if runtime.shards is None else 0
-    tensors = {f"model/{k}": v.contiguous() for k, v in _untied(model.consolidated(root)).items()}
+    state = _untied(model.consolidated(root))
+    tensors = {f"model/{k}": v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
     steps = steps_by_name(optimizer)
     for (record, kind), value in optimizer_states(optimizer, root).items():
         if steps[record.name] > 0:
@@ -445,6 +472,9 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     scaler = runtime.scaler.__dict__ if runtime.scaler else None
     meta = {"format": FORMAT, "optimizer": optimizer.wrapped_type.__name__, "steps": steps,
             "param_groups": _jsonable(groups), "loss_scaler": scaler, "dtype": runtime.config.dtype}
+    extra = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}  # modules' get_extra_state
+    if extra:
+        meta["extra_state"] = extra
     return tensors, meta
 
 
@@ -466,7 +496,7 @@ def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:
     return {r.name: s for r, s in zip(records, steps.tolist())}
 
 
-def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _untied(state: dict[str, Any]) -> dict[str, Any]:
     """safetensors refuses shared tensors: keep the first name of each tied group."""
     seen: set[int] = set()
     out = {}

@@ -312,7 +312,7 @@ class ChunkedModel(nn.Module):
         out.update((prefix + name, value) for name, value in self.consolidated().items())
         return out
 
-    def consolidated(self, root: int | None = None) -> dict[str, torch.Tensor]:
+    def consolidated(self, root: int | None = None) -> dict[str, Any]:
         """state_dict's values, on every rank, or under ZeRO on rank `root` alone (empty elsewhere). Under ZeRO a
         collective: every rank calls it."""
         records = self.runtime.store.records
@@ -321,8 +321,7 @@ class ChunkedModel(nn.Module):
         if not self.runtime.data.receives(root):
             return {}
         values: dict[torch.Tensor, torch.Tensor] = {p: by_record[r] for p, r in records.items()}
-        return {name: values[tensor] if tensor in records else tensor.detach().to("cpu", copy=True)
-                for name, tensor in self.module.state_dict(keep_vars=True).items()}
+        return {name: _consolidated(value, values) for name, value in self.module.state_dict(keep_vars=True).items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> _IncompatibleKeys:
@@ -332,6 +331,14 @@ class ChunkedModel(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace the parameters chunkmem laid out in chunks: "
                              "load the values into them (assign=False)")
         return load_values(self.module, self.runtime, state_dict, strict)
+
+
+def _consolidated(value: Any, values: dict[torch.Tensor, torch.Tensor]) -> Any:
+    """A state dict entry: a parameter's value from its chunks, a buffer's copy on the host, and a module's extra state
+    (`get_extra_state`) as it gave it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return values[value] if value in values else value.detach().to("cpu", copy=True)
 
 
 def _signature(value: Any) -> Any:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import chunkmem
+from chunkmem.errors import CheckpointError
 from tests import zoo
 from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
 
@@ -99,6 +100,67 @@ def test_load_state_dict_checks_every_shape_before_writing_any() -> None:
     with pytest.raises(RuntimeError, match=rf"size mismatch for {running}: .*\[1\].*\[16\]"):
         cm.load_state_dict(bad)
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
+
+
+def test_load_state_dict_leaves_the_callers_dict_and_tensors_as_they_were_and_refuses_values_without_data() -> None:
+    # torch's loader, run with assign=True on the caller's dict, marked its metadata so that every later plain load of it
+    # assigned its tensors (two models loaded from it shared their parameters), and set the requires_grad of the
+    # Parameters in it; a value a write would fail on (sparse) failed after the values before it were written, and a
+    # meta one was skipped with no error.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    source = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    source[1].weight.requires_grad_(False)
+    given = source.state_dict(keep_vars=True)
+    metadata = copy.deepcopy(given._metadata)
+    cm.load_state_dict(given)
+    assert given._metadata == metadata
+    assert [p.requires_grad for p in source.parameters()] == [True, True, False, True]
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in source.state_dict().items())
+    twin = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    twin.load_state_dict(given)  # plain PyTorch copies: it shares nothing with the dict
+    assert twin[0].weight.data_ptr() != source[0].weight.data_ptr()
+    before = cm.state_dict()
+    with torch.device("meta"):
+        meta_values = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).state_dict()
+    sparse = {**{k: v + 1 for k, v in before.items()}, "1.bias": before["1.bias"].to_sparse()}
+    for bad, what in ((meta_values, "meta device"), (sparse, "sparse_coo")):
+        with pytest.raises(RuntimeError, match=f"value for .* is .*{what}.*nothing was loaded"):
+            cm.load_state_dict(bad)
+        assert all(torch.equal(cm.state_dict()[k], v) for k, v in before.items())
+    ints = {k: torch.ones_like(v, dtype=torch.int64) for k, v in before.items()}  # cast, as plain PyTorch casts them
+    cm.load_state_dict(ints)
+    assert all(torch.equal(v, torch.ones_like(v)) for v in cm.state_dict().values())
+
+
+class _Counted(nn.Linear):
+    """A module with extra state (`get_extra_state`), as quantized and transformer-engine layers have."""
+
+    def __init__(self, extra: object) -> None:
+        super().__init__(4, 4)
+        self.extra = extra
+
+    def get_extra_state(self) -> object:
+        return self.extra
+
+    def set_extra_state(self, state: object) -> None:
+        self.extra = state
+
+
+def test_a_modules_extra_state_is_in_the_state_dict_and_in_checkpoints(tmp_path) -> None:
+    model = nn.Sequential(_Counted({"calls": 3, "scales": [0.5, 2.0]}), nn.Linear(4, 2))
+    plain = copy.deepcopy(model).state_dict()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    assert list(cm.state_dict()) == list(plain) and cm.state_dict()["0._extra_state"] == plain["0._extra_state"]
+    chunkmem.save_checkpoint(tmp_path / "c", cm, opt)
+    model[0].extra = {"calls": 4}
+    chunkmem.load_checkpoint(tmp_path / "c", cm, opt)
+    assert model[0].extra == {"calls": 3, "scales": [0.5, 2.0]}
+    model[0].extra = object()  # not JSON: refused, the checkpoint there intact
+    with pytest.raises(CheckpointError, match="model/0._extra_state is a module's extra state"):
+        chunkmem.save_checkpoint(tmp_path / "c", cm, opt)
+    chunkmem.load_checkpoint(tmp_path / "c", cm, opt)
+    assert model[0].extra == {"calls": 3, "scales": [0.5, 2.0]}
 
 
 def test_casting_or_moving_a_prepared_model_is_refused_and_asking_for_what_it_is_changes_nothing():

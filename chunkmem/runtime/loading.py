@@ -7,7 +7,9 @@ is where the values go: the master weights in fp32, and only once every value he
 
 from __future__ import annotations
 
+import copy
 import typing
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +24,8 @@ from chunkmem.runtime.runtime import Runtime
 def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:
     """Load `state_dict` into prepared `module` (ChunkedModel.load_state_dict): torch's loader assigns what it loads
     to stand-ins (meta ones, no copy of the model, but for modules with a loading of their own, which may write in
-    place); a tied parameter's value may come under any of its names."""
+    place); a tied parameter's value may come under any of its names. The caller's `state_dict` is left as it was."""
+    state_dict = _own_copy(state_dict)
     records = typing.cast(Mapping[torch.Tensor, ParamRecord], runtime.store.records)  # buffers look up too
     modules = list(module.modules())
     own_loading = {t for sub in modules if type(sub)._load_from_state_dict is not nn.Module._load_from_state_dict
@@ -39,7 +42,7 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
         result = module.load_state_dict(state_dict, strict=False, assign=True)
         for table, name, tensor in slots:
             now = table[name]
-            if (now is not stand_ins[tensor] or now._version != versions[tensor]) and not now.is_meta:
+            if now is not stand_ins[tensor] or now._version != versions[tensor]:
                 given[tensor] = now
     finally:
         for table, name, tensor in slots:
@@ -52,6 +55,13 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
         if value.shape != tensor.shape:
             raise ValueError(f"load_state_dict gave {_name_of(module, tensor)} a value of shape "
                              f"{tuple(value.shape)}, not its {tuple(tensor.shape)}: nothing was loaded")
+        # What would fail in the writes below fails here, before any: a failed load changes nothing.
+        if value.is_meta or value.layout is not torch.strided or value.is_complex():
+            kind = "on the meta device (no data)" if value.is_meta else \
+                "complex" if value.is_complex() else f"of layout {value.layout}"
+            raise RuntimeError(f"load_state_dict got a value for {_name_of(module, tensor)} that is {kind}: nothing was "
+                               "loaded (give dense real tensors with data: materialize meta ones, .to_dense() sparse "
+                               "ones)")
     with torch.no_grad():
         for tensor, value in given.items():
             if tensor in records:
@@ -63,13 +73,23 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
     return _IncompatibleKeys(missing, result.unexpected_keys)
 
 
+def _own_copy(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """`state_dict` as torch's loader may use it with assign=True, which writes into the dict's metadata (so that every
+    later load of the caller's dict would assign, not copy) and sets the requires_grad of a Parameter it assigns."""
+    own = OrderedDict((k, v.detach() if isinstance(v, torch.Tensor) else v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        own._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
+    return own
+
+
 def _stand_in(tensor: torch.Tensor, meta: bool) -> torch.Tensor:
     """What load_state_dict loads into in place of a parameter or buffer: of its shape, on the meta device (a parameter
     whose module loads as torch does: assigned, never read), else a copy (fp32 for a parameter)."""
     if not isinstance(tensor, nn.Parameter):
         return tensor.detach().clone()
     value = torch.empty(tensor.shape, device="meta") if meta else tensor.detach().to("cpu", torch.float32, copy=True)
-    return nn.Parameter(value, tensor.requires_grad)
+    return nn.Parameter(value, requires_grad=False)  # torch's assign gives its value this: an integer one is cast too
 
 
 def _name_of(module: nn.Module, tensor: torch.Tensor) -> str:
