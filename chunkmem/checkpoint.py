@@ -170,11 +170,7 @@ def swap_in(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
     tmp.rename(path)
-    try:
-        fsync_dir(path.parent)
-    except OSError as error:
-        raise CheckpointError(f"the checkpoint {path} is in place, but its directory could not be synced to disk "
-                              f"({error}), so a crash may lose it: the previous one stays at {old}") from error
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -460,8 +456,8 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     """What save_checkpoint writes: under ZeRO gathered on rank 0 alone, which writes it (a collective)."""
     runtime = model.runtime
     root = None if runtime.shards is None else 0
-    state = _untied(model.consolidated(root))
-    tensors = {f"model/{k}": v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    state = model.consolidated(root)
+    tensors = {f"model/{k}": v.contiguous() for k, v in _untied(state).items()}
     steps = steps_by_name(optimizer)
     for (record, kind), value in optimizer_states(optimizer, root).items():
         if steps[record.name] > 0:
@@ -496,12 +492,12 @@ def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:
     return {r.name: s for r, s in zip(records, steps.tolist())}
 
 
-def _untied(state: dict[str, Any]) -> dict[str, Any]:
-    """safetensors refuses shared tensors: keep the first name of each tied group."""
+def _untied(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of `state`: safetensors refuses shared tensors, so the first name of each tied group."""
     seen: set[int] = set()
     out = {}
     for name, tensor in state.items():
-        if id(tensor) not in seen:
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
             out[name] = tensor
     return out

@@ -131,6 +131,11 @@ def test_load_state_dict_leaves_the_callers_dict_and_tensors_as_they_were_and_re
     ints = {k: torch.ones_like(v, dtype=torch.int64) for k, v in before.items()}  # cast, as plain PyTorch casts them
     cm.load_state_dict(ints)
     assert all(torch.equal(v, torch.ones_like(v)) for v in cm.state_dict().values())
+    rotary = nn.Linear(4, 4)  # a complex buffer (rotary frequencies as torchtitan keeps them) loads as it is
+    rotary.register_buffer("freqs", torch.polar(torch.ones(3), torch.arange(3.0)))
+    cm, _ = chunkmem.prepare(rotary, ADAMW(rotary.parameters()), chunkmem.Config(device="cpu"))
+    cm.load_state_dict({**cm.state_dict(), "freqs": torch.polar(torch.ones(3), -torch.arange(3.0))})
+    assert torch.equal(cm.state_dict()["freqs"], torch.polar(torch.ones(3), -torch.arange(3.0)))
 
 
 class _Counted(nn.Linear):
@@ -148,14 +153,15 @@ class _Counted(nn.Linear):
 
 
 def test_a_modules_extra_state_is_in_the_state_dict_and_in_checkpoints(tmp_path) -> None:
-    model = nn.Sequential(_Counted({"calls": 3, "scales": [0.5, 2.0]}), nn.Linear(4, 2))
+    # Two modules whose extra states are one object (an int, a string: Python shares them) keep both.
+    model = nn.Sequential(_Counted({"calls": 3, "scales": [0.5, 2.0]}), _Counted("v1"), _Counted("v1"), nn.Linear(4, 2))
     plain = copy.deepcopy(model).state_dict()
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
     assert list(cm.state_dict()) == list(plain) and cm.state_dict()["0._extra_state"] == plain["0._extra_state"]
     chunkmem.save_checkpoint(tmp_path / "c", cm, opt)
-    model[0].extra = {"calls": 4}
+    model[0].extra, model[2].extra = {"calls": 4}, "v2"
     chunkmem.load_checkpoint(tmp_path / "c", cm, opt)
-    assert model[0].extra == {"calls": 3, "scales": [0.5, 2.0]}
+    assert (model[0].extra, model[1].extra, model[2].extra) == ({"calls": 3, "scales": [0.5, 2.0]}, "v1", "v1")
     model[0].extra = object()  # not JSON: refused, the checkpoint there intact
     with pytest.raises(CheckpointError, match="model/0._extra_state is a module's extra state"):
         chunkmem.save_checkpoint(tmp_path / "c", cm, opt)

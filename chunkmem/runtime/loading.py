@@ -56,11 +56,10 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
             raise ValueError(f"load_state_dict gave {_name_of(module, tensor)} a value of shape "
                              f"{tuple(value.shape)}, not its {tuple(tensor.shape)}: nothing was loaded")
         # What would fail in the writes below fails here, before any: a failed load changes nothing.
-        if value.is_meta or value.layout is not torch.strided or value.is_complex():
-            kind = "on the meta device (no data)" if value.is_meta else \
-                "complex" if value.is_complex() else f"of layout {value.layout}"
+        if value.is_meta or value.layout is not torch.strided:
+            kind = "on the meta device (no data)" if value.is_meta else f"of layout {value.layout}"
             raise RuntimeError(f"load_state_dict got a value for {_name_of(module, tensor)} that is {kind}: nothing was "
-                               "loaded (give dense real tensors with data: materialize meta ones, .to_dense() sparse "
+                               "loaded (give dense tensors with data: materialize meta ones, .to_dense() sparse "
                                "ones)")
     with torch.no_grad():
         for tensor, value in given.items():
@@ -88,8 +87,9 @@ def _stand_in(tensor: torch.Tensor, meta: bool) -> torch.Tensor:
     whose module loads as torch does: assigned, never read), else a copy (fp32 for a parameter)."""
     if not isinstance(tensor, nn.Parameter):
         return tensor.detach().clone()
-    value = torch.empty(tensor.shape, device="meta") if meta else tensor.detach().to("cpu", torch.float32, copy=True)
-    return nn.Parameter(value, requires_grad=False)  # torch's assign gives its value this: an integer one is cast too
+    if meta:  # torch's assign gives the value it loads this requires_grad: an integer one is then cast, as by a copy
+        return nn.Parameter(torch.empty(tensor.shape, device="meta"), requires_grad=False)
+    return nn.Parameter(tensor.detach().to("cpu", torch.float32, copy=True), tensor.requires_grad)
 
 
 def _name_of(module: nn.Module, tensor: torch.Tensor) -> str:
