@@ -162,6 +162,13 @@ def test_a_modules_extra_state_is_in_the_state_dict_and_in_checkpoints(tmp_path)
     model[0].extra, model[2].extra = {"calls": 4}, "v2"
     chunkmem.load_checkpoint(tmp_path / "c", cm, opt)
     assert (model[0].extra, model[1].extra, model[2].extra) == ({"calls": 3, "scales": [0.5, 2.0]}, "v1", "v1")
+    bad = {**cm.state_dict(), "0._extra_state": {"calls": 5}, "3.bias": torch.zeros(2).to_sparse()}
+    with pytest.raises(RuntimeError, match="nothing was loaded"):  # nor the extra state
+        cm.load_state_dict(bad)
+    del bad["0._extra_state"], bad["3.bias"]
+    with pytest.raises(RuntimeError, match='Missing key.*"0._extra_state".*"3.bias"'):  # as plain PyTorch's
+        cm.load_state_dict(bad)
+    assert model[0].extra == {"calls": 3, "scales": [0.5, 2.0]}
     model[0].extra = object()  # not JSON: refused, the checkpoint there intact
     with pytest.raises(CheckpointError, match="model/0._extra_state is a module's extra state"):
         chunkmem.save_checkpoint(tmp_path / "c", cm, opt)

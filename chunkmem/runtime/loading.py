@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.runtime.runtime import Runtime
@@ -26,6 +26,11 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
     to stand-ins (meta ones, no copy of the model, but for modules with a loading of their own, which may write in
     place); a tied parameter's value may come under any of its names. The caller's `state_dict` is left as it was."""
     state_dict = _own_copy(state_dict)
+    # Modules' extra state (`set_extra_state`) is set once every value is checked, as the values are written: torch's
+    # loader would set it at once, and a load that then failed would have changed it.
+    extra = {f"{name}.{_EXTRA_STATE_KEY_SUFFIX}" if name else _EXTRA_STATE_KEY_SUFFIX: sub
+             for name, sub in module.named_modules() if type(sub).set_extra_state is not nn.Module.set_extra_state}
+    held = {key: state_dict.pop(key) for key in extra if key in state_dict}
     records = typing.cast(Mapping[torch.Tensor, ParamRecord], runtime.store.records)  # buffers look up too
     modules = list(module.modules())
     own_loading = {t for sub in modules if type(sub)._load_from_state_dict is not nn.Module._load_from_state_dict
@@ -48,7 +53,7 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
         for table, name, tensor in slots:
             table[name] = tensor
     found = {alias for tensor in given if tensor in records for alias in records[tensor].aliases}
-    missing = [name for name in result.missing_keys if name not in found]
+    missing = [name for name in result.missing_keys if name not in found and name not in held]
     if strict and (missing or result.unexpected_keys):
         raise _load_error(type(module).__name__, missing, result.unexpected_keys)
     for tensor, value in given.items():  # a module's own loading may assign what torch's would not
@@ -67,6 +72,8 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
                 runtime.data.set_value(records[tensor], value)
             else:
                 tensor.copy_(value)
+    for key, value in held.items():
+        extra[key].set_extra_state(value)
     if runtime.shards is not None:
         runtime.shards.drop_all()
     return _IncompatibleKeys(missing, result.unexpected_keys)
