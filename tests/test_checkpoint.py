@@ -14,8 +14,18 @@ import chunkmem.checkpoint as ckpt
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
 
+def partly_frozen_mlp(seed: int = 0) -> torch.nn.Module:
+    """An MLP with a frozen layer, given to the optimizer all the same (`AdamW(model.parameters())`, as plain PyTorch
+    allows): its parameters never step. Loading a checkpoint of it raised KeyError, the model already changed."""
+    model = mlp(seed=seed)
+    model[2].requires_grad_(False)
+    return model
+
+
 CASES = {
     "adamw-fp32": (mlp, mlp_batches, mlp_loss, functools.partial(torch.optim.AdamW, lr=1e-2), "fp32"),
+    "adamw-frozen-layer-fp32": (partly_frozen_mlp, mlp_batches, mlp_loss, functools.partial(torch.optim.AdamW, lr=1e-2),
+                                "fp32"),
     "sgd-fp32": (mlp, mlp_batches, mlp_loss, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9), "fp32"),
     "adamw-gpt2-bf16": (tiny_gpt2, gpt2_batches, gpt2_loss, functools.partial(torch.optim.AdamW, lr=1e-3), "bf16"),
     "adam-gpt2-fp16": (tiny_gpt2, gpt2_batches, gpt2_loss, functools.partial(torch.optim.Adam, lr=1e-3), "fp16"),

@@ -70,7 +70,11 @@ def load_tokenizer(directory: Path | None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as error:  # noqa: BLE001  tokenizers raise many kinds; each means the files are unreadable
+        raise InputError(f"--model {directory}: its tokenizer files cannot be read ({type(error).__name__}: "
+                         f"{error}); replace them, or remove them to train on bytes") from None
 
 
 def tokenize(documents: list[str], tokenizer: Any, vocab_size: int) -> torch.Tensor:
@@ -85,6 +89,9 @@ def tokenize(documents: list[str], tokenizer: Any, vocab_size: int) -> torch.Ten
     ids: list[int] = []
     for doc in documents:
         ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + separator
+    if ids and max(ids) >= vocab_size:  # an id past the embedding would index out of it mid-training
+        raise InputError(f"the tokenizer gives the data id {max(ids)}, and the model's vocab_size is {vocab_size}: "
+                         "use the model's own tokenizer, or raise vocab_size in its config.json")
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -93,8 +93,17 @@ def weight_files(directory: Path) -> tuple[Path, ...]:
     """The safetensors shards of a directory, from its index when there is one."""
     index = directory / INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return tuple(directory / name for name in dict.fromkeys(weight_map.values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = [str(name) for name in dict.fromkeys(weight_map.values())]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise InputError(f"--model {index}: not a safetensors index ({error}): it maps each tensor to its shard "
+                             "under \"weight_map\"; download it again") from None
+        missing = [name for name in names if not (directory / name).is_file()]
+        if missing:
+            raise InputError(f"--model {directory}: shard {missing[0]}, listed in {INDEX}, is missing "
+                             f"({len(missing)} of {len(names)}); download the model again")
+        return tuple(directory / name for name in names)
     if (directory / SINGLE).exists():
         return (directory / SINGLE,)
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
@@ -163,7 +172,7 @@ def load_weights(model: ChunkedModel, files: tuple[Path, ...], renames: dict[str
     bar = tqdm(files, desc="loading", unit="shard", disable=_quiet())
     with torch.no_grad():
         for file in bar:
-            with safe_open(str(file), framework="pt") as handle:
+            with _opened(file) as handle:
                 for key in handle.keys():
                     name = _match(key, targets, renames or {}, prefix)
                     if name is None:
@@ -179,6 +188,17 @@ def load_weights(model: ChunkedModel, files: tuple[Path, ...], renames: dict[str
     if missing:
         raise InputError(f"the checkpoint in {files[0].parent} has no values for {len(missing)} parameters "
                          f"(first: {missing[:3]}): its config.json does not match its weights")
+
+
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safetensors' reader of a weights file, or an InputError naming it."""
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except Exception as error:  # noqa: BLE001  SafetensorError, OSError: unreadable either way
+        raise InputError(f"--model {file}: not a readable safetensors file ({error}): download it again") from None
+    with handle:
+        yield handle
 
 
 def _targets(model: ChunkedModel) -> dict[str, torch.Tensor]:

@@ -112,8 +112,16 @@ class FinetuneConfig:
         if self.resume and self.resume_or_start:
             raise InputError("--resume and --resume-or-start together: pass one (--resume fails when there "
                              "is no checkpoint, --resume-or-start then starts)")
-        if not self.peak_lr > 0 or (self.epochs is not None and not self.epochs > 0):  # NaN too
-            raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive numbers")
+        if not 0 < self.peak_lr < math.inf or (self.epochs is not None and not 0 < self.epochs < math.inf):  # NaN too
+            raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive finite numbers")
+        if not 0 <= self.weight_decay < math.inf:
+            raise InputError(f"--weight-decay {self.weight_decay}: expected 0 (none) or a finite positive number")
+        if self.stop_after is not None and self.stop_after <= 0:
+            raise InputError(f"--stop-after {self.stop_after}: expected a positive number of steps (leave it out to "
+                             "run to the end)")
+        if self.seq_len < 2:
+            raise InputError(f"--seq-len {self.seq_len}: expected 2 or more (each token predicts the next: one token "
+                             "leaves nothing to predict)")
         if self.lora_rank and not 0 < self.lora_alpha < math.inf:  # NaN too: alpha / rank scales the adapters' output
             raise InputError(f"--lora-alpha {self.lora_alpha}: expected a positive scale (alpha / rank multiplies "
                              "the adapters' output; 16 is usual)")
@@ -177,7 +185,11 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, ChunkOptimizer, dict[str, str]]:
     """The model from its source (weights streamed into chunks), adapters, optimizer, prepared."""
-    module = hf.build(source.config, on_meta=bool(source.weight_files), seed=cfg.seed)
+    try:
+        module = hf.build(source.config, on_meta=bool(source.weight_files), seed=cfg.seed)
+    except ValueError as error:  # transformers checks the config's values as it builds (heads dividing the width)
+        raise InputError(f"--model {cfg.model or 'default'}: its config does not make a model ({error}); fix its "
+                         "config.json") from None
     renames: dict[str, str] = {}
     if cfg.lora_rank:
         lora.apply_lora(module, rank=cfg.lora_rank, alpha=cfg.lora_alpha)
@@ -195,11 +207,10 @@ def build(cfg: FinetuneConfig, source: hf.ModelSource) -> tuple[ChunkedModel, Ch
         {"params": [p for _, p in trainable if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.peak_lr)
     try:
         device = cfg.device if cfg.device is not None else default_device()
-        memory: int | str | None = cfg.device_memory
-        if memory is None and cfg.model is None:
-            memory = streaming_budget(cfg, source.config, device, module)
-        config = chunkmem.Config(device=device, device_memory=memory, host_memory=cfg.host_memory,
-                                 dtype=cfg.dtype, chunk_size=cfg.chunk_size)
+        config = chunkmem.Config(device=device, device_memory=cfg.device_memory, host_memory=cfg.host_memory,
+                                 dtype=cfg.dtype, chunk_size=cfg.chunk_size)  # checks --device before it is used
+        if config.device_memory is None and cfg.model is None:
+            config = dataclasses.replace(config, device_memory=streaming_budget(cfg, source.config, device, module))
         model, chunk_optimizer = chunkmem.prepare(module, optimizer, config)
     except ValueError as error:  # a setting chunkmem refuses (chunkmem.prepare names the Config field)
         raise InputError(re.sub(r"Config\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(error))) from None

@@ -383,8 +383,8 @@ class ChunkOptimizer(Optimizer):
         data = self.runtime.data
         for record, step in self.steps.items():
             step.fill_(steps[record])
-            for kind in self.runtime.store.families.saved if record.group.owned else ():
-                chunk = record.group.chunks[kind]
+            for kind in self.runtime.store.families.saved if record.group.owned and record.group.trainable else ():
+                chunk = record.group.chunks[kind]  # a frozen parameter's group has none: it never steps
                 value = states.get((record, kind))
                 if value is not None or chunk.state is not ChunkState.FREE:
                     view = record.view(data.writable(chunk, chunk.state.on_device))

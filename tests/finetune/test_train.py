@@ -157,6 +157,14 @@ def test_model_directory_tokenizer_is_used_and_copied(tmp_path: Path, monkeypatc
     assert transformers.AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tokenizer)
 
 
+def test_a_tokenizer_whose_ids_pass_the_models_vocabulary_is_refused(tmp_path: Path) -> None:
+    # Its ids index past the embedding: an IndexError mid-training (a device-side assert on a GPU).
+    tokenizer = word_tokenizer(tmp_path / "model")
+    with pytest.raises(finetune.InputError, match=f"gives the data id .*vocab_size is {len(tokenizer) - 5}"):
+        corpus.tokenize([corpus.BUNDLED_TEXT.read_text(encoding="utf-8")], tokenizer, len(tokenizer) - 5)
+    assert int(corpus.tokenize(["Alice was beginning"], tokenizer, len(tokenizer)).max()) < len(tokenizer)
+
+
 def test_keeps_exactly_the_last_checkpoints_and_logs_perplexity(tmp_path: Path, tiny_config: str) -> None:
     cfg = finetune.FinetuneConfig(model=tiny_config, output=str(tmp_path), steps=7, seq_len=32, batch_size=4,
                                   save_every=2, keep=2, eval_every=3, eval_batches=2)
@@ -197,7 +205,12 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--host-memory", "1KiB"], "--host-memory allows 1024: raise --host-memory, use a lower-precision --dtype\n"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
-    (["--lr", "nan"], "--lr nan / --epochs None: expected positive numbers"),
+    (["--lr", "nan"], "--lr nan / --epochs None: expected positive finite numbers"),
+    (["--epochs", "inf"], "--epochs inf: expected positive finite numbers"),  # an OverflowError
+    (["--weight-decay", "nan"], "--weight-decay nan: expected 0"),  # trained on NaN
+    (["--stop-after", "0"], "--stop-after 0: expected a positive number of steps"),  # "had finished", and no checkpoint
+    (["--seq-len", "1"], "--seq-len 1: expected 2 or more"),  # nothing to predict: NaN losses
+    (["--device", "tpu"], "--device='tpu': expected"),  # a traceback from the default's budget, before the check
     (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: expected 0 (no clipping) or more"),
     (["--lora-rank", "4", "--lora-alpha", "-3"], "--lora-alpha -3.0: expected a positive scale"),  # was accepted
 ])
@@ -217,6 +230,26 @@ def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
     assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err
+
+
+def test_a_damaged_model_folder_and_a_config_that_makes_no_model_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture, tiny_config: str) -> None:
+    model = Path(tiny_config).parent
+    config = json.loads(Path(tiny_config).read_text())
+    Path(tiny_config).write_text(json.dumps(config | {"n_embd": 30, "n_head": 4}))  # 4 heads do not divide 30
+    code, err = run_cli(capsys, "--output", str(tmp_path / "o1"), "--model", str(model), "--seq-len", "32")
+    assert code == 2 and "its config does not make a model" in err
+    Path(tiny_config).write_text(json.dumps(config))
+    (model / "model.safetensors").write_bytes(b"\x10" * 100)  # cut short (SafetensorError)
+    code, err = run_cli(capsys, "--output", str(tmp_path / "o2"), "--model", str(model), "--seq-len", "32")
+    assert code == 2 and "model.safetensors: not a readable safetensors file" in err
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors.index.json").write_text('{"weight_map": {"wte.weight": "model-1.safetensors"')
+    code, err = run_cli(capsys, "--output", str(tmp_path / "o3"), "--model", str(model), "--seq-len", "32")
+    assert code == 2 and "not a safetensors index" in err  # JSONDecodeError
+    (model / "model.safetensors.index.json").write_text('{"weight_map": {"wte.weight": "model-1.safetensors"}}')
+    code, err = run_cli(capsys, "--output", str(tmp_path / "o4"), "--model", str(model), "--seq-len", "32")
+    assert code == 2 and "shard model-1.safetensors, listed in model.safetensors.index.json, is missing" in err
 
 
 def test_unreadable_data_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
