@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -21,10 +22,15 @@ from chunkmem.config import Config
 def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> dict[str, int]:
     """What must match on every rank, by what to tell the user, hashed to non-negative 62-bit ints."""
     names = {id(p): n for n, p in module.named_parameters()}
+    tensors = [*module.named_parameters(), *module.named_buffers()]
     parts: dict[str, Any] = {
         "the model (parameter names, shapes, dtypes, requires_grad)":
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
                 remove_duplicate=False)],
+        # Each rank takes the initial values of the chunks it owns from its own module: ranks that built different
+        # ones (seeded apart) would train a mix of them, where DDP would take rank 0's.
+        "the initial values of the parameters and buffers (seed every rank alike before building the model, or load "
+        "the same weights on each)": [(n, _sample(t)) for n, t in tensors if not t.is_meta],
         "the Config (dtype, chunk_size, device kind, gather_units)":
             (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
@@ -33,6 +39,17 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
                                               for g in optimizer.param_groups]) for optimizer in optimizers],
     }
     return {what: _hash(value) for what, value in parts.items()}
+
+
+VALUE_SAMPLES = 64  # values of each tensor compared between ranks: enough to tell models seeded apart, and cheap
+
+
+def _sample(tensor: torch.Tensor) -> bytes:
+    """The bytes of up to VALUE_SAMPLES values of `tensor`, spread over it."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() > VALUE_SAMPLES:
+        flat = flat[torch.linspace(0, flat.numel() - 1, VALUE_SAMPLES, device=flat.device).long()]
+    return flat.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _hash(value: Any) -> int:

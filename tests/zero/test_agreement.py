@@ -20,6 +20,7 @@ CASES = {
     "dtype": (dict(dtype="bf16"), "the Config"),
     "chunk_size": (dict(chunk_size=8192), "the Config"),
     "lr": (dict(lr=1e-3), "the optimizer"),
+    "seed": (dict(seed=1), "the initial values"),  # each rank's chunks took its own values: a mix of the two models
     "same": ({}, None),  # and ranks that agree train
 }
 
@@ -28,7 +29,7 @@ def worker(rank: int, world: int) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for case, (change, _) in CASES.items():
         mine = change if rank == 1 else {}
-        model = mlp(depth=mine.get("depth", 4))
+        model = mlp(depth=mine.get("depth", 4), seed=mine.get("seed", 0))
         config = chunkmem.Config(device="cpu", dtype=mine.get("dtype", "fp32"), chunk_size=mine.get("chunk_size"))
         try:
             cm, opt = chunkmem.prepare(model, ADAMW(model.parameters(), lr=mine.get("lr", 1e-2)), config)
@@ -54,12 +55,18 @@ def test_ranks_that_disagree_fail_at_prepare_with_the_same_error_and_no_hang() -
 def test_fingerprints_tell_apart_what_must_match_and_ignore_the_budgets() -> None:
     model = mlp()
     base = fingerprints(model, chunkmem.Config(device="cpu"), ADAMW(model.parameters()))
-    other = mlp(seed=5)
+    other = mlp()
     assert base == fingerprints(other, chunkmem.Config(device="cpu", device_memory="1GiB", host_memory="2GiB"),
-                                ADAMW(other.parameters())), "values and budgets may differ between ranks"
+                                ADAMW(other.parameters())), "budgets may differ between ranks"
+    seeded_apart = mlp(seed=5)
+    apart = fingerprints(seeded_apart, chunkmem.Config(device="cpu"), ADAMW(seeded_apart.parameters()))
+    assert [a == b for a, b in zip(base.values(), apart.values())] == [True, False, True, True]
+    with torch.device("meta"):  # weights loaded after prepare (finetune's): nothing to compare yet
+        empty = mlp()
+    assert fingerprints(empty, chunkmem.Config(device="cpu"), ADAMW(empty.parameters())) != base
     model[0].requires_grad_(False)
     frozen = fingerprints(model, chunkmem.Config(device="cpu"), ADAMW(model.parameters()))
-    assert [a == b for a, b in zip(base.values(), frozen.values())] == [False, True, True]
+    assert [a == b for a, b in zip(base.values(), frozen.values())] == [False, True, True, True]
     check_agreed(base, as_agreed(base))  # agreed with itself: nothing to raise
     low = {k: min(base[k], frozen[k]) for k in base}
     high = {k: max(base[k], frozen[k]) for k in base}
