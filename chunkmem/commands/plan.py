@@ -20,6 +20,7 @@ from chunkmem.config import DEFAULT_DTYPE
 VERDICTS = ("fits", "tight", "does not fit")
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
 MAX_PARAMS = 1e15  # a quadrillion: far beyond any model, short of the sizes whose arithmetic overflows
+DEFAULT_SEQ_LEN = 1024  # --seq-len's default, or MODEL's maximum if less
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--device-memory", default="24GiB", help="device budget")
     run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks")
     run_.add_argument("--batch-size", type=int, default=8)
-    run_.add_argument("--seq-len", type=int, default=1024)
+    run_.add_argument("--seq-len", type=int, help=f"tokens per sample (default {DEFAULT_SEQ_LEN}, or MODEL's maximum "
+                      "if less)")
     run_.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["fp32", "bf16", "fp16"],
                       help="compute dtype (as chunkmem finetune and chunkmem.Config use)")
     run_.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
@@ -80,11 +82,24 @@ def _budget(field: str, value: str | None) -> int:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from chunkmem.finetune.hf import resolve
+    from chunkmem.finetune.hf import max_positions, resolve
     from chunkmem.trace.planner import gpt2_config
 
     if args.model:
-        return resolve(args.model).config
+        given = [flag for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--params", args.params))
+                 if value is not None]
+        if given:
+            raise ValueError(f"MODEL {args.model} with {' and '.join(given)}: the model's config gives its size; pass "
+                             "one or the other")
+        config = resolve(args.model).config
+        limit = max_positions(config)
+        if args.seq_len is None:  # the default, within what the model takes
+            args.seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+        elif limit is not None and args.seq_len > limit:
+            raise ValueError(f"--seq-len {args.seq_len} exceeds the model's maximum of {limit} positions "
+                             f"(config of {args.model}): use --seq-len {limit} or less")
+        return config
+    args.seq_len = args.seq_len or DEFAULT_SEQ_LEN
     layers, hidden = args.layers, args.hidden
     if hidden is None and args.params and layers:
         hidden = int(math.sqrt(args.params / (12 * layers)) / 64 + 0.5) * 64 or 64  # 12*h^2 per GPT-2 layer

@@ -27,6 +27,7 @@ LLAMA = Path(__file__).resolve().parents[2] / "examples" / "llama_config.json"
 def sharded_stats(rank: int, world: int, config: Any, dtype: str, budget: int) -> dict:
     from transformers import GPT2LMHeadModel
 
+    torch.manual_seed(0)  # every rank builds the same weights (prepare compares them)
     model = GPT2LMHeadModel(config)
     prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
                                    chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))
@@ -105,6 +106,15 @@ def test_plan_command_on_a_local_directory_and_a_config(tmp_path: Path, capsys) 
         assert result["model_data_bytes"] == stats["model_data_bytes"], target
         assert result["chunk_size"] == stats["chunk_size"]
         assert result["margin_bytes"] == int(budget * SAFETY_FRACTION)  # --device cpu: no CUDA context margin
+    # The size flags beside MODEL were ignored, and a --seq-len past its positions planned what finetune refuses (and
+    # --simulate died of an IndexError); the default sequence is the model's maximum where that is less.
+    gpt2 = str(tmp_path / "gpt2")
+    assert main(["plan", gpt2, "--layers", "40", "--hidden", "4096"]) == 2
+    assert "with --layers and --hidden: the model's config gives its size" in capsys.readouterr().err
+    assert main(["plan", gpt2, "--seq-len", "65"]) == 2
+    assert "--seq-len 65 exceeds the model's maximum of 64 positions" in capsys.readouterr().err
+    assert main(["plan", gpt2, "--batch-size", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["seq_len"] == 64
 
 
 def test_verdicts_binding_and_fixes() -> None:
