@@ -30,6 +30,9 @@ def test_require_gpu_fails_without_one_and_unknown_checks_are_named():
     assert cli.main(["selftest", "--only", "simulation", "--require-gpu"]) == 0
     assert cli.main(["selftest", "--only", "nccl", "--require-gpu"]) == 1
     assert cli.main(["selftest", "--only", "warp drive"]) == 2
+    # A --json path it cannot write is refused before the checks run (it raised once they had all run: minutes on a GPU)
+    for path in ("/no/such/folder/report.json", "/tmp"):
+        assert cli.main(["selftest", "--only", "nccl", "--json", path]) == 2
 
 
 def test_the_simulation_check_fails_when_a_fence_is_missing(monkeypatch):

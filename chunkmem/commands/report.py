@@ -22,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
     except TraceError as error:
         print(f"chunkmem report: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # --output a file, or somewhere it cannot write
+        print(f"chunkmem report: cannot write the report to {args.output or args.directory} ({error.strerror}): "
+              "pass --output a folder it can write", file=sys.stderr)
+        return 2
     for path in written:
         print(path)
     return 0

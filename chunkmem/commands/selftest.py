@@ -30,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(repr(name) for name, _, _ in selftest.CHECKS)
         print(f"chunkmem selftest: --only {' '.join(unknown)}: no such check; the checks are {names}", file=sys.stderr)
         return 2
+    if args.json and not (Path(args.json).parent.is_dir() and not Path(args.json).is_dir()):
+        print(f"chunkmem selftest: --json {args.json}: expected a file path in an existing folder (the report is "
+              "written there once every check has run)", file=sys.stderr)
+        return 2
     rows = []
     print(f"{'check':30} {'result':8} detail")
     for row in selftest.run_checks(args.only):

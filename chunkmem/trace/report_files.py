@@ -70,7 +70,10 @@ def write_perfetto(data: dict[str, Any], path: Path) -> None:
 
 
 def write_png(data: dict[str, Any], path: Path) -> bool:
-    """The main chart (rank 0): stacked memory by category, device and host side by side."""
+    """The main chart (rank 0): stacked memory by category, device and host side by side; none for a trace that kept
+    no moment (`chunkmem trace --keep-last 0 --keep-warmup 0`)."""
+    if not data["ranks"] or not data["ranks"][0]["moments"]:
+        return False
     try:
         import matplotlib
 

@@ -19,11 +19,11 @@ from chunkmem.trace.report_data import build
 from tests.helpers import gpt2_batches, tiny_gpt2
 
 
-def record(directory: Path, budget: int = 250_000) -> None:
+def record(directory: Path, budget: int = 250_000, **keep: int) -> None:
     model = tiny_gpt2(layers=2)
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu", device_memory=budget))
-    with chunkmem.trace(directory, model=model, optimizer=optimizer):
+    with chunkmem.trace(directory, model=model, optimizer=optimizer, **keep):
         for ids in gpt2_batches(3):
             model(ids, labels=ids).loss.backward()
             optimizer.step()
@@ -97,3 +97,9 @@ def test_report_command_exit_codes(tmp_path: Path, capsys) -> None:
     record(tmp_path / "t")
     assert main(["report", str(tmp_path / "t"), "--output", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.html").exists()
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(tmp_path / "t"), "--output", str(tmp_path / "file")]) == 2  # a FileExistsError
+    assert "cannot write the report to" in capsys.readouterr().err
+    record(tmp_path / "none", keep_last=0, keep_warmup=0)  # no step kept: no chart (a ValueError in matplotlib)
+    assert main(["report", str(tmp_path / "none")]) == 0
+    assert (tmp_path / "none" / "report.html").exists() and not (tmp_path / "none" / "memory.png").exists()
