@@ -22,9 +22,9 @@ def run(args: argparse.Namespace) -> int:
     except TraceError as error:
         print(f"chunkmem report: {error}", file=sys.stderr)
         return 2
-    except OSError as error:  # --output a file, or somewhere it cannot write
-        print(f"chunkmem report: cannot write the report to {args.output or args.directory} ({error.strerror}): "
-              "pass --output a folder it can write", file=sys.stderr)
+    except OSError as error:  # --output a file, or somewhere it cannot write (or a trace it cannot read)
+        print(f"chunkmem report: {error}: pass a trace folder it can read, and an --output folder it can write",
+              file=sys.stderr)
         return 2
     for path in written:
         print(path)

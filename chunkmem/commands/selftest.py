@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
         names = ", ".join(repr(name) for name, _, _ in selftest.CHECKS)
         print(f"chunkmem selftest: --only {' '.join(unknown)}: no such check; the checks are {names}", file=sys.stderr)
         return 2
-    if args.json and not (Path(args.json).parent.is_dir() and not Path(args.json).is_dir()):
+    where = Path(args.json or ".").parent
+    if args.json and not (where.is_dir() and os.access(where, os.W_OK) and not Path(args.json).is_dir()):
         print(f"chunkmem selftest: --json {args.json}: expected a file path in an existing folder (the report is "
               "written there once every check has run)", file=sys.stderr)
         return 2

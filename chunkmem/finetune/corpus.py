@@ -73,8 +73,9 @@ def load_tokenizer(directory: Path | None) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(directory))
     except Exception as error:  # noqa: BLE001  tokenizers raise many kinds; each means the files are unreadable
-        raise InputError(f"--model {directory}: its tokenizer files cannot be read ({type(error).__name__}: "
-                         f"{error}); replace them, or remove them to train on bytes") from None
+        raise InputError(f"--model {directory}: its tokenizer cannot be loaded ({type(error).__name__}: {error}); "
+                         "install what it names if a package is missing, else replace the tokenizer files, or remove "
+                         "them to train on bytes") from None
 
 
 def tokenize(documents: list[str], tokenizer: Any, vocab_size: int) -> torch.Tensor:

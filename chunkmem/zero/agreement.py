@@ -22,15 +22,10 @@ from chunkmem.config import Config
 def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> dict[str, int]:
     """What must match on every rank, by what to tell the user, hashed to non-negative 62-bit ints."""
     names = {id(p): n for n, p in module.named_parameters()}
-    tensors = [*module.named_parameters(), *module.named_buffers()]
     parts: dict[str, Any] = {
         "the model (parameter names, shapes, dtypes, requires_grad)":
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
                 remove_duplicate=False)],
-        # Each rank takes the initial values of the chunks it owns from its own module: ranks that built different
-        # ones (seeded apart) would train a mix of them, where DDP would take rank 0's.
-        "the initial values of the parameters and buffers (seed every rank alike before building the model, or load "
-        "the same weights on each)": [(n, _sample(t)) for n, t in tensors if not t.is_meta],
         "the Config (dtype, chunk_size, device kind, gather_units)":
             (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
@@ -41,15 +36,27 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
     return {what: _hash(value) for what, value in parts.items()}
 
 
-VALUE_SAMPLES = 64  # values of each tensor compared between ranks: enough to tell models seeded apart, and cheap
+VALUE_SAMPLES = 64  # values of each parameter compared between ranks: enough to tell models seeded apart, and cheap
+
+
+def initial_values(module: nn.Module) -> dict[str, int]:
+    """What of the parameters' values must match on every rank (under ZeRO; not worth its reads otherwise): each rank's
+    chunks take the values of the groups it owns from its own model, so ranks that built different ones (seeded apart,
+    or weights loaded on one rank alone, as for FSDP's sync_module_states) would train a mix of them, where DDP takes
+    rank 0's. Buffers are not sharded: each rank keeps its own."""
+    samples = [(name, _sample(p)) for name, p in module.named_parameters() if not p.is_meta and p.layout is torch.strided]
+    return {"the initial values of the parameters (every rank must build the same weights: seed every rank alike before "
+            "building the model, or load the same weights on each before prepare; chunkmem does not broadcast rank "
+            "0's as DDP does)": _hash(samples)}
 
 
 def _sample(tensor: torch.Tensor) -> bytes:
-    """The bytes of up to VALUE_SAMPLES values of `tensor`, spread over it."""
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() > VALUE_SAMPLES:
-        flat = flat[torch.linspace(0, flat.numel() - 1, VALUE_SAMPLES, device=flat.device).long()]
-    return flat.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    """The bytes of up to VALUE_SAMPLES values of `tensor`, spread over it (read in place: no copy of it)."""
+    count = tensor.numel()
+    picks = torch.arange(min(count, VALUE_SAMPLES)) * (count - 1) // max(1, VALUE_SAMPLES - 1) \
+        if count > VALUE_SAMPLES else torch.arange(count)
+    index = torch.unravel_index(picks.to(tensor.device), tensor.shape) if tensor.dim() else ()
+    return tensor.detach()[index].reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _hash(value: Any) -> int:

@@ -249,7 +249,7 @@ def test_a_damaged_model_folder_and_a_config_that_makes_no_model_are_refused(
     assert code == 2 and "not a safetensors index" in err  # JSONDecodeError
     (model / "model.safetensors.index.json").write_text('{"weight_map": {"wte.weight": "model-1.safetensors"}}')
     code, err = run_cli(capsys, "--output", str(tmp_path / "o4"), "--model", str(model), "--seq-len", "32")
-    assert code == 2 and "shard model-1.safetensors, listed in model.safetensors.index.json, is missing" in err
+    assert code == 2 and "model-1.safetensors: not a readable safetensors file" in err  # FileNotFoundError
 
 
 def test_unreadable_data_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
