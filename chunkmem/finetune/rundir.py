@@ -66,6 +66,8 @@ class RunDir:
         if run_file.exists() and self.saved_steps() and not resume:
             raise InputError(f"--output {self.path} holds checkpoints of an earlier run: pass --resume to "
                              f"continue it, or choose another --output")
+        # --resume-or-start with no checkpoint starts, whatever settings a run killed before its first save had
+        resume = resume and bool(self.saved_steps())
         if resume and run_file.exists():
             try:
                 before = json.loads(run_file.read_text())

@@ -13,6 +13,7 @@ import torch
 import chunkmem.checkpoint as ckpt
 import chunkmem.files
 from chunkmem.errors import CheckpointDamaged
+from chunkmem.finetune.hf import InputError
 from chunkmem.finetune.rundir import RunDir
 from tests.helpers import mlp, mlp_batches, mlp_loss, prepared, train
 
@@ -68,6 +69,19 @@ def test_older_checkpoints_go_only_after_the_new_one_verifies(tmp_path: Path, mo
     assert out.saved_steps() == [1] and ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step-00000001")
     out.save(model, opt, 2, keep=1)
     assert out.saved_steps() == [2] and not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_resume_or_start_starts_where_an_earlier_run_saved_nothing_whatever_its_settings(tmp_path: Path) -> None:
+    # A run killed before its first checkpoint left run.json: --resume-or-start with other settings was refused as a
+    # resume with changed settings, though there was nothing to resume; its metrics rows are not this run's.
+    out = RunDir(tmp_path)
+    out.start({"lr": 1.0}, resume=False)
+    out.log_metrics({"step": 1, "loss": 1.0})
+    out.start({"lr": 2.0}, resume=True)
+    assert json.loads((tmp_path / "run.json").read_text()) == {"lr": 2.0}
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    with pytest.raises(InputError, match="no checkpoint"):  # --resume itself still needs one
+        out.start({"lr": 2.0}, resume=True, required=True)
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path: Path) -> None:
