@@ -21,6 +21,7 @@ VERDICTS = ("fits", "tight", "does not fit")
 HELP = "will a model fit: model data per device and host, activations, verdict and ranked fixes"
 MAX_PARAMS = 1e15  # a quadrillion: far beyond any model, short of the sizes whose arithmetic overflows
 DEFAULT_SEQ_LEN = 1024  # --seq-len's default, or MODEL's maximum if less
+DEFAULT_VOCAB = 50257  # --vocab's default: GPT-2's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--params", type=float, help="parameter count, e.g. 1.3e9 (with --layers)")
     size.add_argument("--layers", type=int)
     size.add_argument("--hidden", type=int)
-    size.add_argument("--vocab", type=int, default=50257)
+    size.add_argument("--vocab", type=int, help=f"vocabulary size (default {DEFAULT_VOCAB}, GPT-2's)")
     run_ = parser.add_argument_group("the run")
     run_.add_argument("--device-memory", default="24GiB", help="device budget")
     run_.add_argument("--host-memory", default="64GiB", help="host memory for chunks")
@@ -86,8 +87,8 @@ def _config(args: argparse.Namespace) -> Any:
     from chunkmem.trace.planner import gpt2_config
 
     if args.model:
-        given = [flag for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--params", args.params))
-                 if value is not None]
+        sizes = (("--layers", args.layers), ("--hidden", args.hidden), ("--params", args.params), ("--vocab", args.vocab))
+        given = [flag for flag, value in sizes if value is not None]
         if given:
             raise ValueError(f"MODEL {args.model} with {' and '.join(given)}: the model's config gives its size; pass "
                              "one or the other")
@@ -106,7 +107,7 @@ def _config(args: argparse.Namespace) -> Any:
     if not layers or not hidden:
         raise ValueError("give MODEL (a Hugging Face directory or config.json), or --layers with --hidden "
                          "(or --params), e.g. `chunkmem plan --layers 24 --hidden 2048`")
-    return gpt2_config(layers, hidden, args.vocab, max(args.seq_len, 1024))
+    return gpt2_config(layers, hidden, args.vocab or DEFAULT_VOCAB, max(args.seq_len, 1024))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Training text: a local .txt or .jsonl file, tokenised, cut into fixed-length blocks, split once.
+"""Training text: a local .txt, .jsonl or .json file, tokenised, cut into fixed-length blocks, split once.
 
 A model directory's own tokenizer is used when it has one; otherwise bytes are the tokens (ids
 0-255), which any model with a vocabulary of at least 256 can learn, so `chunkmem finetune` runs
@@ -34,22 +34,41 @@ class Corpus:
 
 
 def read_documents(path: Path, text_field: str = "text") -> list[str]:
-    """The documents of a text file (one) or a JSONL file (one per line, field `text_field`)."""
+    """The documents of a text file (one), a JSONL file (one per line, field `text_field`) or a .json file (a JSON
+    array of objects, or JSON lines, as Hugging Face's json loader takes). A byte-order mark is not text."""
     try:
-        raw = path.read_text(encoding="utf-8")
+        raw = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise InputError(f"--data {path}: no such file; pass a local .txt or .jsonl file") from None
+        raise InputError(f"--data {path}: no such file; pass a local .txt, .jsonl or .json file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"--data {path}: cannot be read as UTF-8 text ({error}); pass a readable "
-                         f".txt or .jsonl file") from None
-    if path.suffix.lower() != ".jsonl":
-        documents = [raw]
-    else:
+                         f".txt, .jsonl or .json file") from None
+    suffix = path.suffix.lower()
+    whole = _array(raw, path) if suffix == ".json" else None
+    if whole is not None:
+        documents = [_text(record, text_field, path, f"record {number}") for number, record in enumerate(whole)]
+    elif suffix in (".jsonl", ".json"):
         documents = [_field(line, text_field, path, number)
                      for number, line in enumerate(raw.splitlines(), 1) if line.strip()]
+    else:
+        documents = [raw]
     if not any(doc.strip() for doc in documents):
         raise InputError(f"--data {path}: the file holds no text; pass a file with some")
     return documents
+
+
+def _array(raw: str, path: Path) -> list | None:
+    """A .json file's records when it holds one JSON array; None when it holds JSON lines instead."""
+    try:
+        whole = json.loads(raw)
+    except json.JSONDecodeError:
+        return None  # more than one value: JSON lines (each line is checked as such)
+    if isinstance(whole, dict) and len(raw.strip().splitlines()) == 1:
+        return None  # one object on one line: JSON lines
+    if not isinstance(whole, list):
+        raise InputError(f"--data {path}: holds a JSON {type(whole).__name__}; a .json file holds an array of "
+                         f"objects (or one object per line)")
+    return whole
 
 
 def _field(line: str, field: str, path: Path, number: int) -> str:
@@ -58,9 +77,12 @@ def _field(line: str, field: str, path: Path, number: int) -> str:
     except json.JSONDecodeError as error:
         raise InputError(f"--data {path}: line {number} is not JSON ({error.msg}); "
                          f"a .jsonl file holds one JSON object per line") from None
+    return _text(record, field, path, f"line {number}")
+
+
+def _text(record: object, field: str, path: Path, where: str) -> str:
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise InputError(f"--data {path}: line {number} has no string field {field!r}; "
-                         f"name the field with --text-field")
+        raise InputError(f"--data {path}: {where} has no string field {field!r}; name the field with --text-field")
     return record[field]
 
 

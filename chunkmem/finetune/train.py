@@ -34,7 +34,7 @@ from chunkmem.finetune import corpus, hf, lora
 from chunkmem.finetune.hf import InputError
 from chunkmem.finetune.interrupt import StopOnSignal
 from chunkmem.finetune.report import Traffic, memory_text, warn_over_budget
-from chunkmem.finetune.rundir import RunDir
+from chunkmem.finetune.rundir import RUN, RunDir
 from chunkmem.memory.simmemory import simulated_memory
 from chunkmem.finetune.threads import cpu_threads, torch_threads
 from chunkmem.runtime.optim import ChunkOptimizer
@@ -129,9 +129,16 @@ class FinetuneConfig:
             raise InputError(f"--max-grad-norm {self.max_grad_norm}: expected 0 (no clipping) or more")
         if Path(self.output).exists() and not Path(self.output).is_dir():
             raise InputError(f"--output {self.output} is a file: expected a folder for the run (new or one to resume)")
-        if self.model is not None and Path(self.model).resolve() == Path(self.output).resolve():
+        output = Path(self.output)
+        model = None if self.model is None else Path(self.model) if Path(self.model).is_dir() else Path(self.model).parent
+        if model is not None and model.resolve() == output.resolve():
             raise InputError(f"--output {self.output} is the --model folder: writing there would replace the model "
                              "being read (and lose it if the write is cut short); choose another --output")
+        found = sorted(p.name for p in output.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin")) \
+            if output.is_dir() and not (output / RUN).exists() else []
+        if found:
+            raise InputError(f"--output {self.output} holds a model no chunkmem finetune run wrote ({', '.join(found[:3])}): "
+                             "the run's output would replace it; choose another --output")
         if self.schedule not in SCHEDULES:
             raise InputError(f"--schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if not 0 <= self.held_out < 1:

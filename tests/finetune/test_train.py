@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from chunkmem import cli
 from chunkmem.finetune import corpus
+from chunkmem.finetune.corpus import read_documents  # noqa: E402
+from chunkmem.finetune.hf import InputError  # noqa: E402
 from chunkmem.finetune import train as finetune  # noqa: E402
 from chunkmem.finetune.report import over_budget, summary  # noqa: E402
 from chunkmem.finetune.rundir import RunDir  # noqa: E402
@@ -227,6 +230,12 @@ def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
     assert code == 2 and "is the --model folder" in err
     code, err = run_cli(capsys, "--output", tiny_config, "--model", str(model))  # a traceback (FileExistsError)
     assert code == 2 and "is a file: expected a folder" in err
+    code, err = run_cli(capsys, "--output", str(model), "--model", tiny_config)  # its config.json named
+    assert code == 2 and "is the --model folder" in err
+    other = tmp_path / "other-model"  # another model's folder: its shards and config were replaced
+    shutil.copytree(model, other)
+    code, err = run_cli(capsys, "--output", str(other), "--model", str(model))
+    assert code == 2 and "holds a model no chunkmem finetune run wrote (config.json)" in err
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
     assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err
@@ -261,6 +270,28 @@ def test_unreadable_data_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     jsonl.write_text('{"body": "no text field"}\n')
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--data", str(jsonl))
     assert code == 2 and "--text-field" in err
+
+
+def test_json_arrays_and_byte_order_marks_read_as_hugging_faces_json_loader_reads_them(tmp_path: Path) -> None:
+    # A .json array was trained on as raw text (brackets, keys and all); a .jsonl a Windows editor saved with a
+    # byte-order mark was refused ("line 1 is not JSON").
+    records = [{"text": "first document"}, {"text": "second", "id": 2}]
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    files = {"array.json": json.dumps(records, indent=2), "lines.json": lines, "one.json": json.dumps(records[0]),
+             "marked.jsonl": "\ufeff" + lines, "marked.txt": "\ufeffplain text"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    expected = [r["text"] for r in records]
+    for name in ("array.json", "lines.json", "marked.jsonl"):
+        assert read_documents(tmp_path / name) == expected, name
+    assert read_documents(tmp_path / "one.json") == expected[:1]
+    assert read_documents(tmp_path / "marked.txt") == ["plain text"]
+    (tmp_path / "nested.json").write_text(json.dumps({"data": records}, indent=2))
+    with pytest.raises(InputError, match="holds a JSON dict; a .json file holds an array of objects"):
+        read_documents(tmp_path / "nested.json")
+    (tmp_path / "bad.json").write_text(json.dumps([{"text": "ok"}, {"body": "none"}]))
+    with pytest.raises(InputError, match="record 1 has no string field 'text'"):
+        read_documents(tmp_path / "bad.json")
 
 
 # -- interrupts, resumes, output, summaries (issue 15; issue 12 items 7, 12) -----------------------------

@@ -111,6 +111,8 @@ def test_plan_command_on_a_local_directory_and_a_config(tmp_path: Path, capsys) 
     gpt2 = str(tmp_path / "gpt2")
     assert main(["plan", gpt2, "--layers", "40", "--hidden", "4096"]) == 2
     assert "with --layers and --hidden: the model's config gives its size" in capsys.readouterr().err
+    assert main(["plan", gpt2, "--vocab", "1000"]) == 2
+    assert "with --vocab: the model's config gives its size" in capsys.readouterr().err
     assert main(["plan", gpt2, "--seq-len", "65"]) == 2
     assert "--seq-len 65 exceeds the model's maximum of 64 positions" in capsys.readouterr().err
     assert main(["plan", gpt2, "--batch-size", "1", "--json"]) == 0
