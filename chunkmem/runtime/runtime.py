@@ -87,7 +87,7 @@ from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
 from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
 from chunkmem.runtime.values import ModelData
-from chunkmem.zero.agreement import as_agreed, check_agreed, initial_values
+from chunkmem.zero.agreement import as_agreed, check_agreed, take_first_ranks_values
 from chunkmem.zero.collectives import agree
 from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
@@ -144,10 +144,12 @@ class Runtime:
         self.limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
-            own = (fingerprints or {}) | initial_values(module)
+            own = fingerprints or {}
             agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
             self.limit = agreed[0]
             check_agreed(own, agreed[1:])
+            take_first_ranks_values(module, group, self.device.torch_device)
+            self.device.empty_cache()  # the broadcast's buffer
         size = self._chunk_size(module, world)
         working_set = check_budgets(module, config, size, world, families, self.limit)
         self.observers: list[Observer] = []

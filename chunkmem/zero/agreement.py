@@ -5,6 +5,7 @@ different chunks, and their first mismatched collective hangs until the timeout 
 backend. So each rank hashes what must match into a few numbers; the runtime's first collective
 (`collectives.agree`, which also agrees on the device budget) takes the least and the greatest of
 each over the ranks, and where they differ every rank raises the same error before any chunk moves.
+Then every rank takes the first rank's values, as DDP does (`take_first_ranks_values`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -26,6 +28,8 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
         "the model (parameter names, shapes, dtypes, requires_grad)":
             [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
                 remove_duplicate=False)],
+        "the model's buffers (names, shapes, dtypes)":
+            [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(remove_duplicate=False)],
         "the Config (dtype, chunk_size, device kind, gather_units)":
             (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
@@ -36,27 +40,42 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
     return {what: _hash(value) for what, value in parts.items()}
 
 
-VALUE_SAMPLES = 64  # values of each parameter compared between ranks: enough to tell models seeded apart, and cheap
+BROADCAST_BUCKET = 32 * 2**20  # bytes per broadcast of the initial values: few collectives, a small device buffer
 
 
-def initial_values(module: nn.Module) -> dict[str, int]:
-    """What of the parameters' values must match on every rank (under ZeRO; not worth its reads otherwise): each rank's
-    chunks take the values of the groups it owns from its own model, so ranks that built different ones (seeded apart,
-    or weights loaded on one rank alone, as for FSDP's sync_module_states) would train a mix of them, where DDP takes
-    rank 0's. Buffers are not sharded: each rank keeps its own."""
-    samples = [(name, _sample(p)) for name, p in module.named_parameters() if not p.is_meta and p.layout is torch.strided]
-    return {"the initial values of the parameters (every rank must build the same weights: seed every rank alike before "
-            "building the model, or load the same weights on each before prepare; chunkmem does not broadcast rank "
-            "0's as DDP does)": _hash(samples)}
+def take_first_ranks_values(module: nn.Module, group: Any, device: torch.device) -> None:
+    """Give every rank of `group` its first rank's parameter and buffer values, as DDP does at construction: each
+    rank's chunks take the values of the groups it owns from its own model, so ranks that built different ones (seeded
+    apart, or weights loaded on one rank alone) would otherwise train a mix of them. Meta tensors (weights loaded after
+    prepare) and tensors without strided storage are left as they are. Runs after the fingerprints agree, so every rank
+    broadcasts the same tensors in the same order."""
+    source = dist.get_global_rank(group, 0)
+    bucket: list[torch.Tensor] = []  # bytes of the values (uint8 views): one dtype for all, whatever the backend takes
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta or tensor.layout is not torch.strided:
+            continue
+        if not tensor.is_contiguous():  # rare: broadcast a copy on its own, and put it back
+            copy = tensor.detach().contiguous()
+            _broadcast([copy.view(-1).view(torch.uint8)], source, group, device)
+            with torch.no_grad():
+                tensor.copy_(copy)
+            continue
+        for piece in tensor.detach().view(-1).view(torch.uint8).split(BROADCAST_BUCKET):
+            if bucket and sum(t.numel() for t in bucket) + piece.numel() > BROADCAST_BUCKET:
+                _broadcast(bucket, source, group, device)
+                bucket = []
+            bucket.append(piece)
+    if bucket:
+        _broadcast(bucket, source, group, device)
 
 
-def _sample(tensor: torch.Tensor) -> bytes:
-    """The bytes of up to VALUE_SAMPLES values of `tensor`, spread over it (read in place: no copy of it)."""
-    count = tensor.numel()
-    picks = torch.arange(min(count, VALUE_SAMPLES)) * (count - 1) // max(1, VALUE_SAMPLES - 1) \
-        if count > VALUE_SAMPLES else torch.arange(count)
-    index = torch.unravel_index(picks.to(tensor.device), tensor.shape) if tensor.dim() else ()
-    return tensor.detach()[index].reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+def _broadcast(pieces: list[torch.Tensor], source: int, group: Any, device: torch.device) -> None:
+    """Broadcast byte views from `source` into place, through one buffer on the collective's device."""
+    flat = torch.cat([piece.to(device) for piece in pieces])
+    dist.broadcast(flat, source, group=group)
+    if dist.get_rank() != source:
+        for piece, value in zip(pieces, flat.split([piece.numel() for piece in pieces])):
+            piece.copy_(value)
 
 
 def _hash(value: Any) -> int:
