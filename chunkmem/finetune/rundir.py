@@ -60,14 +60,15 @@ class RunDir:
         """Create the directory, or check that a resumed run has the same settings (and, when `required`,
         that there is a checkpoint to resume from)."""
         run_file = self.path / RUN
-        if required and not self.saved_steps():
+        saved = bool(self.saved_steps())
+        if required and not saved:
             raise InputError(f"--resume: there is no checkpoint in {self.checkpoints} to resume from; run "
                              f"without --resume to start, or pass --resume-or-start to do whichever applies")
-        if run_file.exists() and self.saved_steps() and not resume:
+        if run_file.exists() and saved and not resume:
             raise InputError(f"--output {self.path} holds checkpoints of an earlier run: pass --resume to "
                              f"continue it, or choose another --output")
         # --resume-or-start with no checkpoint starts, whatever settings a run killed before its first save had
-        resume = resume and bool(self.saved_steps())
+        resume = resume and saved
         if resume and run_file.exists():
             try:
                 before = json.loads(run_file.read_text())

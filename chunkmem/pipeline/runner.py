@@ -255,7 +255,7 @@ class Pipeline:
                 for r in runtime.store.records.values() if r.grad_state is TensorState.HOLD and r.group.owned}
 
     # -- state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, Any]:
         """The whole model's consolidated fp32 state dict on CPU, with the original keys, on every rank.
         Under 2BW the newest weights: `flush()` first to include every mini-batch's update.
 
@@ -264,16 +264,22 @@ class Pipeline:
         than one tensor of it; every rank's host memory holds the whole model at the end.
         """
         if self.model is None:
+            if self._pending_load is not None:  # its layers' values are not the checkpoint's yet
+                raise RuntimeError(f"state_dict() after load_checkpoint({str(self._pending_load)!r}) and before the "
+                                   "first step(): the first step builds the stages and loads the checkpoint into them; "
+                                   "call it after a step")
             assert self._layers is not None
             return nn.Sequential(OrderedDict(self._layers)).state_dict()
         local = self.model.state_dict()
         first_name: dict[int, str] = {}
         mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), first_name.setdefault(id(t), name))
-                for name, t in local.items()]  # tied tensors cross once
+                for name, t in local.items() if isinstance(t, torch.Tensor)]  # tied tensors cross once
+        extra = {name: value for name, value in local.items() if not isinstance(value, torch.Tensor)}
         specs: list[Any] = [None] * self.layout.n_ranks
-        dist.all_gather_object(specs, mine, group=self.layout.pipe_group)
-        out: dict[str, torch.Tensor] = {}
-        for position, spec in enumerate(specs):
+        dist.all_gather_object(specs, (mine, extra), group=self.layout.pipe_group)  # modules' extra state as it is
+        out: dict[str, Any] = {}
+        for position, (spec, objects) in enumerate(specs):
+            out.update(objects)
             for name, shape, dtype, tied_to in spec:
                 if tied_to != name:
                     out[name] = out[tied_to]

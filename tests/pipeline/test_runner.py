@@ -410,3 +410,49 @@ def test_a_pipeline_save_clears_what_a_killed_save_left_and_refuses_a_users_fold
         assert saved == "saved"
         assert "mine" in refused and "not a chunkmem checkpoint" in refused or "rank 0 cannot save" in refused
     assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+class Tagged(nn.Module):
+    """A layer with extra state that is not a tensor (`get_extra_state`), as a tokenizer-aware or quantised layer's."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def get_extra_state(self) -> dict:
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.tag = state["tag"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def tagged() -> nn.Sequential:
+    return nn.Sequential(*model(), Tagged("last stage"))
+
+
+def extra_state_worker(rank: int, world: int, folder: str) -> dict:
+    data = batches(4)
+    pipe = pipeline(tagged(), ADAMW, loss_fn("mean"), n_microbatches=2, config=chunkmem.Config(device="cpu"))
+    pipe.step(*data[0])
+    pipe.save_checkpoint(Path(folder) / "ckpt")
+    pipe.step(*data[1])
+    again = pipeline(tagged(), ADAMW, loss_fn("mean"), n_microbatches=2, config=chunkmem.Config(device="cpu"))
+    again.load_checkpoint(Path(folder) / "ckpt")
+    with pytest.raises(RuntimeError, match=r"before the first step\(\): the first step builds the stages and loads"):
+        again.state_dict()  # it returned the values from before the load
+    again.step(*data[1])
+    return {"state": pipe.state_dict(), "resumed": again.state_dict()}
+
+
+def test_state_dict_and_checkpoints_keep_a_layers_extra_state(tmp_path: Path) -> None:
+    # state_dict() raised AttributeError ('dict' object has no attribute 'shape') on every rank.
+    expected = tagged().state_dict()
+    for rank in run_workers(extra_state_worker, 2, str(tmp_path), timeout=90):
+        assert rank["state"].keys() == rank["resumed"].keys() == expected.keys()
+        assert rank["state"]["7._extra_state"] == rank["resumed"]["7._extra_state"] == {"tag": "last stage"}
+        for name, value in rank["state"].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(rank["resumed"][name], value), name
