@@ -1,4 +1,4 @@
-"""Training text: a local .txt, .jsonl or .json file, tokenised, cut into fixed-length blocks, split once.
+"""Training text: a local .txt, .jsonl (.ndjson) or .json file, tokenised, cut into fixed-length blocks, split once.
 
 A model directory's own tokenizer is used when it has one; otherwise bytes are the tokens (ids
 0-255), which any model with a vocabulary of at least 256 can learn, so `chunkmem finetune` runs
@@ -47,7 +47,7 @@ def read_documents(path: Path, text_field: str = "text") -> list[str]:
     whole = _array(raw, path) if suffix == ".json" else None
     if whole is not None:
         documents = [_text(record, text_field, path, f"record {number}") for number, record in enumerate(whole)]
-    elif suffix in (".jsonl", ".json"):
+    elif suffix in JSON_LINES:
         documents = [_field(line, text_field, path, number)
                      for number, line in enumerate(raw.splitlines(), 1) if line.strip()]
     else:
@@ -57,17 +57,27 @@ def read_documents(path: Path, text_field: str = "text") -> list[str]:
     return documents
 
 
+JSON_LINES = (".jsonl", ".ndjson", ".json")  # files of one JSON object per line (a .json file may hold an array)
+JSON_NAMES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean",
+              type(None): "null"}
+
+
 def _array(raw: str, path: Path) -> list | None:
     """A .json file's records when it holds one JSON array; None when it holds JSON lines instead."""
     try:
         whole = json.loads(raw)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as error:
+        if raw.lstrip().startswith("["):
+            raise InputError(f"--data {path}: not JSON at line {error.lineno}, column {error.colno} ({error.msg}); a "
+                             ".json file holds an array of objects (or one object per line)") from None
         return None  # more than one value: JSON lines (each line is checked as such)
+    except (ValueError, RecursionError) as error:  # a number of over 4300 digits, nesting past Python's stack
+        raise InputError(f"--data {path}: cannot be read as JSON ({error})") from None
     if isinstance(whole, dict) and len(raw.strip().splitlines()) == 1:
         return None  # one object on one line: JSON lines
     if not isinstance(whole, list):
-        raise InputError(f"--data {path}: holds a JSON {type(whole).__name__}; a .json file holds an array of "
-                         f"objects (or one object per line)")
+        raise InputError(f"--data {path}: holds a JSON {JSON_NAMES.get(type(whole), 'value')}; a .json file holds "
+                         f"an array of objects (or one object per line)")
     return whole
 
 
@@ -76,12 +86,17 @@ def _field(line: str, field: str, path: Path, number: int) -> str:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise InputError(f"--data {path}: line {number} is not JSON ({error.msg}); "
-                         f"a .jsonl file holds one JSON object per line") from None
+                         f"a {path.suffix.lower()} file holds one JSON object per line") from None
+    except (ValueError, RecursionError) as error:
+        raise InputError(f"--data {path}: line {number} cannot be read as JSON ({error})") from None
     return _text(record, field, path, f"line {number}")
 
 
 def _text(record: object, field: str, path: Path, where: str) -> str:
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    if not isinstance(record, dict):
+        raise InputError(f"--data {path}: {where} is a JSON {JSON_NAMES.get(type(record), 'value')}; expected an "
+                         f"object with a string field {field!r}")
+    if not isinstance(record.get(field), str):
         raise InputError(f"--data {path}: {where} has no string field {field!r}; name the field with --text-field")
     return record[field]
 

@@ -49,6 +49,17 @@ class RunDir:
         self.path = Path(path)
         self.checkpoints = self.path / CHECKPOINTS
 
+    def is_a_run(self) -> bool:
+        """Whether a chunkmem finetune run wrote this directory: its run.json records a run's settings (another tool's
+        run.json, Sacred's, does not; a damaged one is taken for ours: `start` names it)."""
+        try:
+            settings = json.loads((self.path / RUN).read_text())
+        except OSError:
+            return False
+        except ValueError:
+            return True
+        return isinstance(settings, dict) and {"model", "batch_size", "seq_len", "lr"} <= settings.keys()
+
     def saved_steps(self) -> list[int]:
         """Steps of complete checkpoints, oldest first (a save killed half-way left only a .tmp)."""
         if not self.checkpoints.is_dir():

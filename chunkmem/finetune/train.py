@@ -34,7 +34,7 @@ from chunkmem.finetune import corpus, hf, lora
 from chunkmem.finetune.hf import InputError
 from chunkmem.finetune.interrupt import StopOnSignal
 from chunkmem.finetune.report import Traffic, memory_text, warn_over_budget
-from chunkmem.finetune.rundir import RUN, RunDir
+from chunkmem.finetune.rundir import RunDir
 from chunkmem.memory.simmemory import simulated_memory
 from chunkmem.finetune.threads import cpu_threads, torch_threads
 from chunkmem.runtime.optim import ChunkOptimizer
@@ -44,6 +44,9 @@ log = logging.getLogger("chunkmem")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "data" / "tiny_gpt2.json"
 SCHEDULES = ("constant", "linear", "cosine")
+# A model's files an --output must not replace (besides *.safetensors and *.bin): its config, index and tokenizer
+MODEL_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
+               "tokenizer_config.json", "tokenizer.model", "vocab.json", "adapter_config.json")
 # Config entries a resumed run may differ in: where it was loaded from, the writer's version, the dtype it loads in.
 VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 # The bundled default's chunks get this share of its model data on the device (beside what
@@ -134,8 +137,8 @@ class FinetuneConfig:
         if model is not None and model.resolve() == output.resolve():
             raise InputError(f"--output {self.output} is the --model folder: writing there would replace the model "
                              "being read (and lose it if the write is cut short); choose another --output")
-        found = sorted(p.name for p in output.iterdir() if p.name == "config.json" or p.suffix in (".safetensors", ".bin")) \
-            if output.is_dir() and not (output / RUN).exists() else []
+        found = sorted(p.name for p in output.iterdir() if p.name in MODEL_FILES or p.suffix in (".safetensors", ".bin")) \
+            if output.is_dir() and not RunDir(output).is_a_run() else []
         if found:
             raise InputError(f"--output {self.output} holds a model no chunkmem finetune run wrote ({', '.join(found[:3])}): "
                              "the run's output would replace it; choose another --output")

@@ -87,7 +87,7 @@ from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
 from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
 from chunkmem.runtime.values import ModelData
-from chunkmem.zero.agreement import as_agreed, check_agreed, take_first_ranks_values
+from chunkmem.zero.agreement import as_agreed, check_agreed, first_ranks_values
 from chunkmem.zero.collectives import agree
 from chunkmem.zero.shards import Key, Shards, least_device_bytes
 
@@ -148,8 +148,6 @@ class Runtime:
             agreed = agree([self.limit, *as_agreed(own)], group, self.device.torch_device)
             self.limit = agreed[0]
             check_agreed(own, agreed[1:])
-            take_first_ranks_values(module, group, self.device.torch_device)
-            self.device.empty_cache()  # the broadcast's buffer
         size = self._chunk_size(module, world)
         working_set = check_budgets(module, config, size, world, families, self.limit)
         self.observers: list[Observer] = []
@@ -185,6 +183,8 @@ class Runtime:
         self.residency.note_writes = self.store.note_writes
         self.grads = ShownGrads(self.store, self.residency)
         self.store.load_initial_values()
+        if world > 1:
+            self._take_first_ranks_values(module, group)
         for chunk_group in self.store.owned_groups():
             self.store.point_views(chunk_group.param)
         self.shards = Shards(group, self.store, module, self.device, self._bring_param, self._add_share,
@@ -221,6 +221,31 @@ class Runtime:
             self._cap(self.outside())
 
     # -- set-up ------------------------------------------------------------------------------
+    def _take_first_ranks_values(self, module: nn.Module, group: Any) -> None:
+        """Under ZeRO every rank trains the first rank's values, as under DDP (agreement.first_ranks_values): its
+        owned chunks take them, and its buffers become new tensors of them (the model's own are put back if prepare
+        fails). Meta tensors are loaded later, and tensors without strided storage are each rank's own."""
+        def kept(tensor: torch.Tensor) -> bool:
+            return not tensor.is_meta and tensor.layout is torch.strided
+        params = [p for p in module.parameters() if kept(p)]
+        places = [(sub, name, b) for sub in module.modules() for name, b in sub._buffers.items() if b is not None and kept(b)]
+        buffers = list({id(b): b for _, _, b in places}.values())  # a buffer two modules hold: once
+        received: dict[int, torch.Tensor] = {}
+
+        def deliver(index: int, value: torch.Tensor) -> None:
+            if index >= len(params):
+                buffer = buffers[index - len(params)]
+                received[id(buffer)] = value.to(buffer.device)
+                return
+            record = self.store.records.get(params[index])
+            if record is not None and record.group.chunks:  # a group this rank owns
+                self.store.load_value(record, value)
+        first_ranks_values([*params, *buffers], deliver, group, self.device.torch_device)
+        for sub, name, buffer in places:
+            if id(buffer) in received:
+                sub._buffers[name] = received[id(buffer)]
+        self.device.empty_cache()  # the broadcast's buffer
+
     def _chunk_size(self, module: nn.Module, world: int) -> int:
         """The configured size, or the least wasteful one whose per-module working set (and, under ZeRO,
         the fewest transient buffers) fits the budget."""

@@ -5,12 +5,13 @@ different chunks, and their first mismatched collective hangs until the timeout 
 backend. So each rank hashes what must match into a few numbers; the runtime's first collective
 (`collectives.agree`, which also agrees on the device budget) takes the least and the greatest of
 each over the ranks, and where they differ every rank raises the same error before any chunk moves.
-Then every rank takes the first rank's values, as DDP does (`take_first_ranks_values`).
+Then every rank takes the first rank's values, as DDP does (`first_ranks_values`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,11 +26,12 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
     """What must match on every rank, by what to tell the user, hashed to non-negative 62-bit ints."""
     names = {id(p): n for n, p in module.named_parameters()}
     parts: dict[str, Any] = {
-        "the model (parameter names, shapes, dtypes, requires_grad)":
-            [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters(
-                remove_duplicate=False)],
-        "the model's buffers (names, shapes, dtypes)":
-            [(n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers(remove_duplicate=False)],
+        "the model (parameter names, shapes, dtypes, requires_grad, which are on the meta device)":
+            [(n, tuple(p.shape), str(p.dtype), p.requires_grad, p.is_meta, str(p.layout)) for n, p in
+             module.named_parameters(remove_duplicate=False)],
+        "the model's buffers (names, shapes, dtypes, which are on the meta device)":
+            [(n, tuple(b.shape), str(b.dtype), b.is_meta, str(b.layout)) for n, b in
+             module.named_buffers(remove_duplicate=False)],
         "the Config (dtype, chunk_size, device kind, gather_units)":
             (config.dtype, config.chunk_size, config.device.split(":")[0], config.gather_units),
         "the optimizer (class, param groups and their options)":
@@ -43,39 +45,44 @@ def fingerprints(module: nn.Module, config: Config, *optimizers: Optimizer) -> d
 BROADCAST_BUCKET = 32 * 2**20  # bytes per broadcast of the initial values: few collectives, a small device buffer
 
 
-def take_first_ranks_values(module: nn.Module, group: Any, device: torch.device) -> None:
-    """Give every rank of `group` its first rank's parameter and buffer values, as DDP does at construction: each
-    rank's chunks take the values of the groups it owns from its own model, so ranks that built different ones (seeded
-    apart, or weights loaded on one rank alone) would otherwise train a mix of them. Meta tensors (weights loaded after
-    prepare) and tensors without strided storage are left as they are. Runs after the fingerprints agree, so every rank
-    broadcasts the same tensors in the same order."""
+def first_ranks_values(tensors: list[torch.Tensor], deliver: Callable[[int, torch.Tensor], None], group: Any,
+                       device: torch.device) -> None:
+    """Broadcast the values of `tensors` (alike on every rank: the fingerprints agreed) from the first rank of `group`,
+    as DDP does at construction, in pieces of at most BROADCAST_BUCKET bytes through a buffer on `device` (the
+    collective's); on every other rank `deliver(i, value)` gets tensor i's value, contiguous on the host, once all of it
+    has come. Nothing is written into `tensors` themselves (a prepare that fails after this changes nothing)."""
     source = dist.get_global_rank(group, 0)
-    bucket: list[torch.Tensor] = []  # bytes of the values (uint8 views): one dtype for all, whatever the backend takes
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_meta or tensor.layout is not torch.strided:
-            continue
-        if not tensor.is_contiguous():  # rare: broadcast a copy on its own, and put it back
-            copy = tensor.detach().contiguous()
-            _broadcast([copy.view(-1).view(torch.uint8)], source, group, device)
-            with torch.no_grad():
-                tensor.copy_(copy)
-            continue
-        for piece in tensor.detach().view(-1).view(torch.uint8).split(BROADCAST_BUCKET):
-            if bucket and sum(t.numel() for t in bucket) + piece.numel() > BROADCAST_BUCKET:
-                _broadcast(bucket, source, group, device)
-                bucket = []
-            bucket.append(piece)
+    sending = dist.get_rank() == source
+    staged: dict[int, torch.Tensor] = {}  # tensor index -> its value on the host, whole or arriving
+    bucket: list[tuple[int, torch.Tensor, bool]] = []  # (tensor index, a byte view of its value, its last piece)
+    size = 0
+    for index, tensor in enumerate(tensors):
+        value = tensor.detach().cpu().contiguous() if sending else torch.empty(tensor.shape, dtype=tensor.dtype)
+        staged[index] = value
+        pieces = value.view(-1).view(torch.uint8).split(BROADCAST_BUCKET) if value.numel() else ()
+        if not pieces and not sending:
+            deliver(index, staged.pop(index))
+        for number, piece in enumerate(pieces):
+            if bucket and size + piece.numel() > BROADCAST_BUCKET:
+                _broadcast(bucket, staged, deliver, source, group, device, sending)
+                bucket, size = [], 0
+            bucket.append((index, piece, number == len(pieces) - 1))
+            size += piece.numel()
     if bucket:
-        _broadcast(bucket, source, group, device)
+        _broadcast(bucket, staged, deliver, source, group, device, sending)
 
 
-def _broadcast(pieces: list[torch.Tensor], source: int, group: Any, device: torch.device) -> None:
-    """Broadcast byte views from `source` into place, through one buffer on the collective's device."""
-    flat = torch.cat([piece.to(device) for piece in pieces])
+def _broadcast(bucket: list[tuple[int, torch.Tensor, bool]], staged: dict[int, torch.Tensor],
+               deliver: Callable[[int, torch.Tensor], None], source: int, group: Any, device: torch.device,
+               sending: bool) -> None:
+    flat = torch.cat([piece.to(device) for _, piece, _ in bucket])
     dist.broadcast(flat, source, group=group)
-    if dist.get_rank() != source:
-        for piece, value in zip(pieces, flat.split([piece.numel() for piece in pieces])):
-            piece.copy_(value)
+    if sending:
+        return
+    for (index, piece, last), value in zip(bucket, flat.split([piece.numel() for _, piece, _ in bucket])):
+        piece.copy_(value)
+        if last:
+            deliver(index, staged.pop(index))
 
 
 def _hash(value: Any) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -236,6 +237,11 @@ def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
     shutil.copytree(model, other)
     code, err = run_cli(capsys, "--output", str(other), "--model", str(model))
     assert code == 2 and "holds a model no chunkmem finetune run wrote (config.json)" in err
+    (other / "config.json").unlink()
+    (other / "tokenizer.json").write_text("{}")  # another run's tokenizer, under another tool's run.json (Sacred's)
+    (other / "run.json").write_text(json.dumps({"experiment": {"name": "x"}, "status": "COMPLETED"}))
+    code, err = run_cli(capsys, "--output", str(other), "--model", str(model))
+    assert code == 2 and "holds a model no chunkmem finetune run wrote (tokenizer.json)" in err
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
     assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err
@@ -287,11 +293,21 @@ def test_json_arrays_and_byte_order_marks_read_as_hugging_faces_json_loader_read
     assert read_documents(tmp_path / "one.json") == expected[:1]
     assert read_documents(tmp_path / "marked.txt") == ["plain text"]
     (tmp_path / "nested.json").write_text(json.dumps({"data": records}, indent=2))
-    with pytest.raises(InputError, match="holds a JSON dict; a .json file holds an array of objects"):
+    with pytest.raises(InputError, match="holds a JSON object; a .json file holds an array of objects"):
         read_documents(tmp_path / "nested.json")
     (tmp_path / "bad.json").write_text(json.dumps([{"text": "ok"}, {"body": "none"}]))
     with pytest.raises(InputError, match="record 1 has no string field 'text'"):
         read_documents(tmp_path / "bad.json")
+    (tmp_path / "x.ndjson").write_text(lines)  # was trained on as raw text, braces and keys included
+    assert read_documents(tmp_path / "x.ndjson") == expected
+    errors = {'["a", "b"]': "record 0 is a JSON string; expected an object with a string field 'text'",
+              json.dumps(records, indent=2)[:-2] + ",\n]": "not JSON at line 9, column 1",  # said "line 1", of .jsonl
+              "[" + "1" * 5000 + "]": "cannot be read as JSON",  # a traceback
+              "null": "holds a JSON null"}
+    for text, message in errors.items():
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(InputError, match=re.escape(message)):
+            read_documents(tmp_path / "bad.json")
 
 
 # -- interrupts, resumes, output, summaries (issue 15; issue 12 items 7, 12) -----------------------------

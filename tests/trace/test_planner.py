@@ -27,7 +27,7 @@ LLAMA = Path(__file__).resolve().parents[2] / "examples" / "llama_config.json"
 def sharded_stats(rank: int, world: int, config: Any, dtype: str, budget: int) -> dict:
     from transformers import GPT2LMHeadModel
 
-    torch.manual_seed(0)  # every rank builds the same weights (prepare compares them)
+    torch.manual_seed(0)  # every rank builds the same weights
     model = GPT2LMHeadModel(config)
     prepared, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
                                    chunkmem.Config(device="cpu", device_memory=budget, dtype=dtype))

@@ -3,8 +3,10 @@ build different values of the same model train the first rank's, as under DDP.""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ CASES = {
     "dtype": (dict(dtype="bf16"), "the Config"),
     "chunk_size": (dict(chunk_size=8192), "the Config"),
     "lr": (dict(lr=1e-3), "the optimizer"),
+    "meta": (dict(meta=True), "the model"),  # rank 0 broadcast values rank 1 had no place for: a hang
     "same": ({}, None),  # and ranks that agree train
 }
 
@@ -29,7 +32,8 @@ def worker(rank: int, world: int) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for case, (change, _) in CASES.items():
         mine = change if rank == 1 else {}
-        model = mlp(depth=mine.get("depth", 4), seed=mine.get("seed", 0))
+        with torch.device("meta") if mine.get("meta") else contextlib.nullcontext():
+            model = mlp(depth=mine.get("depth", 4), seed=mine.get("seed", 0))
         config = chunkmem.Config(device="cpu", dtype=mine.get("dtype", "fp32"), chunk_size=mine.get("chunk_size"))
         try:
             cm, opt = chunkmem.prepare(model, ADAMW(model.parameters(), lr=mine.get("lr", 1e-2)), config)
@@ -59,6 +63,7 @@ def seeded(seed: int) -> torch.nn.Module:
     model.register_parameter("skew", torch.nn.Parameter(torch.randn(6, 4).t()))
     model.register_buffer("mask", torch.rand(5) > 0.5)
     model.register_buffer("scale", torch.randn(3).half())
+    model.register_buffer("wide", torch.randn(1, 3).expand(4, 3))  # its elements overlap: cannot be written in place
     model[1].running_mean.normal_()
     return model
 
@@ -68,18 +73,25 @@ def values_worker(rank: int, world: int) -> dict:
 
     agreement.BROADCAST_BUCKET = 100  # bytes: values split over several broadcasts
     model = seeded(rank)
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    with mock.patch("chunkmem.runtime.runtime.Shards", side_effect=RuntimeError("a failure after the broadcast")), \
+            pytest.raises(RuntimeError, match="after the broadcast"):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    unchanged = all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
     cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
     prepared = cm.state_dict()  # parameters consolidated, buffers this rank's own
     train(cm, opt, [tuple(t[rank::world] for t in b) for b in mlp_batches(2)], mlp_loss)
-    return {"prepared": prepared, "trained": cm.state_dict()}
+    return {"prepared": prepared, "trained": cm.state_dict(), "unchanged": unchanged}
 
 
 def test_ranks_seeded_apart_take_the_first_ranks_values_as_under_ddp() -> None:
     # They were refused at prepare, and so was a rank that loads its weights after prepare from a checkpoint; before
-    # that check, each rank's chunks took their values from its own model: a mix of the two.
+    # that check, each rank's chunks took their values from its own model: a mix of the two. A prepare that fails after
+    # the broadcast leaves each rank's model as it was.
     first = seeded(0).state_dict()
     assert not torch.equal(seeded(1)[0].weight, first["0.weight"])
     ranks = run_workers(values_worker, 2, timeout=90)
+    assert all(rank["unchanged"] for rank in ranks), "a prepare that failed after the broadcast changed the model"
     for rank in ranks:
         assert rank["prepared"].keys() == first.keys()
         for name, value in first.items():
