@@ -445,7 +445,7 @@ def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) ->
     runtime = optimizer.runtime
     model.load_state_dict(restore.values)
     for saved, group in zip(restore.groups, optimizer.param_groups):
-        group.update(saved)
+        group.update({k: _as_held(v, group.get(k)) for k, v in saved.items()})
     optimizer.set_states(restore.steps, restore.states)
     if restore.scaler is not None and runtime.scaler is not None:
         runtime.scaler.__dict__.update(restore.scaler)
@@ -501,6 +501,16 @@ def _untied(state: dict[str, Any]) -> dict[str, torch.Tensor]:
             seen.add(id(tensor))
             out[name] = tensor
     return out
+
+
+def _as_held(saved: Any, live: Any) -> Any:
+    """A saved option in the type the live group holds it in, which JSON does not keep: a tensor (torch.optim rounds a
+    tensor lr otherwise than a float one) or a tuple (betas)."""
+    if isinstance(live, torch.Tensor) and isinstance(saved, (int, float)):
+        return torch.tensor(saved, dtype=live.dtype, device=live.device)
+    if isinstance(live, tuple) and isinstance(saved, list) and len(saved) == len(live):
+        return tuple(_as_held(s, held) for s, held in zip(saved, live))
+    return saved
 
 
 def _jsonable(value: Any) -> Any:

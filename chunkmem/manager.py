@@ -118,8 +118,8 @@ class Manager:
         runtime.optimizers = sum(o is not None for o in self.optimizers)
         self.runtime = runtime
         collect_garbage()  # the runtime before, and its device memory, go now
-        if optimizer is not None:
-            retire(optimizer)
+        if optimizer is not None and prepared is not None:
+            retire(optimizer, prepared)
         return wrapped if prepared is None else (wrapped, prepared)
 
     def memory_stats(self) -> dict[str, int]:

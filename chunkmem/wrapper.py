@@ -446,7 +446,7 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
             wrapped.hooks.remove()
         before.restore()
         raise
-    retire(optimizer)
+    retire(optimizer, prepared[1])
     for watcher in _WATCHERS:
         watcher(*prepared)
     return prepared

@@ -104,6 +104,25 @@ def test_a_budget_of_the_model_data_and_plain_activations_homes_everything_and_r
     assert losses == unbudgeted
 
 
+def test_a_module_whose_chunks_do_not_fit_is_told_the_chunk_size_that_would_and_not_one_that_would_not():
+    # It said "raise device_memory to at least N, or lower Config.chunk_size" where no chunk size fits (the largest
+    # parameter's own chunk is too large), and N held the chunks with no room for anything else.
+    def refusal(model: torch.nn.Module, budget: int, chunk_size: int | None) -> str:
+        with pytest.raises(chunkmem.MemoryBudgetError) as caught:
+            chunkmem.prepare(model, torch.optim.AdamW(model.parameters()),
+                             chunkmem.Config(device="cpu", device_memory=budget, chunk_size=chunk_size))
+        return str(caught.value)
+    # Linear (1)'s weight shares a chunk of 2100 elements with Linear (0), and its bias takes a second one.
+    pair = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    message = refusal(pair, 10_000, 2100)
+    assert "2 chunks of 8400 bytes, 16800 bytes, but Config.device_memory allows 10000: raise device_memory above " \
+           "16800 (activations and temporaries need room beside them), or set Config.chunk_size=1024 (the largest " \
+           "parameter's elements), whose chunks take 8192" in message
+    wide = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    message = refusal(wide, 10_240, None)
+    assert "raise device_memory above" in message and "chunk_size" not in message
+
+
 @pytest.mark.slow
 def test_a_tenth_of_the_model_data_is_refused_at_prepare_or_trains(sim_memory):
     try:

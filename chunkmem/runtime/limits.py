@@ -99,17 +99,25 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
     A module's chunks are pinned while it runs, and so are those of every module it runs inside
     (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
     """
+    def pinned(size: int) -> tuple[int, list[tuple[str, nn.Module]]]:
+        chunks, chain = pinned_chunks(module, size)
+        return (min(len(chunks), 1) if world > 1 else len(chunks)), chain
     chunk_bytes = size * config.torch_dtype.itemsize
-    chunks, chain = pinned_chunks(module, size)
-    count = min(len(chunks), 1) if world > 1 else len(chunks)
+    count, chain = pinned(size)
     need = count * chunk_bytes
     if need > limit:
         where = " inside ".join(name or "the model" for name, _ in reversed(chain))
+        fix = f"raise device_memory above {need} (activations and temporaries need room beside them)"
+        smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
+        least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size else need
+        if least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
+            fix += f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take {least}" \
+                if least <= limit else f" (above {least} with Config.chunk_size={smallest}, the largest parameter's " \
+                "elements: chunks can be no smaller)"
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
             f"it runs inside on the device at once: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
-            f"{_limit_source(config)} allows {limit}: raise device_memory to at least {need}, or lower "
-            f"Config.chunk_size (now {size} elements)")
+            f"{_limit_source(config)} allows {limit}: {fix}")
     return need
 
 

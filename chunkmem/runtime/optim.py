@@ -244,10 +244,15 @@ class Together:
             self.update()
 
 
-def retire(optimizer: Optimizer) -> None:
+def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     """After a prepare succeeded, the user's own optimizer refuses to step: it would update the parameters where the
     chunks lend them, with states of its own, beside the prepared optimizer. An LR scheduler made on it before prepare
-    still works: the prepared optimizer shares its param groups, and says when it stepped (ChunkOptimizer.step)."""
+    still works: the prepared optimizer shares its list of param groups (a group added to the prepared one after
+    prepare is the scheduler's too), and says when it stepped (ChunkOptimizer.step). Step hooks registered on either,
+    before prepare or after, run at the prepared one's steps: the two share them too."""
+    optimizer.param_groups = prepared.param_groups  # the same dicts, in the same order, until now in two lists
+    prepared._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+    prepared._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
     def step(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "

@@ -205,7 +205,7 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--model", "/no/such/model"], "--model /no/such/model: no such directory"),
     (["--data", "/no/such/text.txt"], "--data /no/such/text.txt: no such file"),
     (["--seq-len", "4096"], "--seq-len 4096 exceeds the model's maximum of 256"),
-    (["--device-memory", "4KiB"], "--device-memory allows 4096: raise --device-memory to at least"),
+    (["--device-memory", "4KiB"], "--device-memory allows 4096: raise --device-memory above"),
     (["--host-memory", "1KiB"], "--host-memory allows 1024: raise --host-memory, use a lower-precision --dtype\n"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),

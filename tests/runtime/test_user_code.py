@@ -7,6 +7,7 @@ import copy
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -234,6 +235,34 @@ def test_the_optimizer_given_to_prepare_refuses_to_step_and_a_scheduler_made_on_
     with pytest.raises(RuntimeError, match=r"call step\(\) on that one"):
         original.step()
     assert all(torch.equal(v, cm.state_dict()[k]) for k, v in got.items())
+
+
+def test_step_hooks_and_a_scheduler_made_before_prepare_follow_the_prepared_optimizer() -> None:
+    # The hooks registered on the user's optimizer never ran (a weight constraint after each step was dropped), and a
+    # group added to the prepared optimizer was not the scheduler's (its lr stayed where it started).
+    def loop(model: nn.Module, make: Callable[[nn.Module, torch.optim.Optimizer], tuple[nn.Module, Any]]) -> dict:
+        calls = []
+        optimizer = torch.optim.AdamW(model.transformer.h.parameters(), lr=1e-2)
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: [p.data.clamp_(-0.05, 0.05)
+                                                                     for p in opt.param_groups[0]["params"]])
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+        net, opt = make(model, optimizer)
+        rest = [p for n, p in model.named_parameters() if not n.startswith("transformer.h.")]
+        opt.add_param_group({"params": rest, "lr": 1e-3})
+        for ids in gpt2_batches(STEPS):
+            gpt2_loss(net, ids).backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+        return {"state": net.state_dict(), "lrs": [g["lr"] for g in opt.param_groups], "calls": calls}
+
+    budget = param_bytes(tiny_gpt2()) // 3
+    plain = loop(tiny_gpt2(), lambda m, o: (m, o))
+    ours = loop(tiny_gpt2(), lambda m, o: chunkmem.prepare(m, o, chunkmem.Config(device="cpu", device_memory=budget)))
+    assert ours["calls"] == plain["calls"] == ["pre"] * STEPS
+    assert ours["lrs"] == plain["lrs"] == [1e-2 / 2**STEPS, 1e-3 / 2**STEPS]
+    assert all(torch.equal(v, ours["state"][k]) for k, v in plain["state"].items())
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
