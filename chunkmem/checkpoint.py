@@ -508,7 +508,7 @@ def _as_held(saved: Any, live: Any) -> Any:
     tensor lr otherwise than a float one) or a tuple (betas)."""
     if isinstance(live, torch.Tensor) and isinstance(saved, (int, float)):
         return torch.tensor(saved, dtype=live.dtype, device=live.device)
-    if isinstance(live, tuple) and isinstance(saved, list) and len(saved) == len(live):
+    if isinstance(live, tuple) and isinstance(saved, (list, tuple)) and len(saved) == len(live):
         return tuple(_as_held(s, held) for s, held in zip(saved, live))
     return saved
 

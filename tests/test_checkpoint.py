@@ -29,7 +29,7 @@ CASES = {
     "sgd-fp32": (mlp, mlp_batches, mlp_loss, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9), "fp32"),
     # A tensor lr came back a float, which torch.optim's Adam rounds otherwise: the resumed run drifted by 4e-9.
     "adam-tensor-lr-fp32": (mlp, mlp_batches, mlp_loss, functools.partial(
-        torch.optim.Adam, lr=torch.tensor(0.01), foreach=False, betas=(0.9, 0.99)), "fp32"),
+        torch.optim.Adam, lr=torch.tensor(0.01), foreach=False, betas=(torch.tensor(0.9), torch.tensor(0.99))), "fp32"),
     "adamw-gpt2-bf16": (tiny_gpt2, gpt2_batches, gpt2_loss, functools.partial(torch.optim.AdamW, lr=1e-3), "bf16"),
     "adam-gpt2-fp16": (tiny_gpt2, gpt2_batches, gpt2_loss, functools.partial(torch.optim.Adam, lr=1e-3), "fp16"),
 }

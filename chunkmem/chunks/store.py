@@ -160,14 +160,9 @@ class ParamStore:
                     group.chunks[kind].materialize_host()
             for record in group.members:
                 if record.param.device.type != "meta":
-                    self.load_value(record, record.param.detach())
-
-    def load_value(self, record: ParamRecord, value: torch.Tensor) -> None:
-        """Copy `value` into the host payloads of `record`'s chunks (its group's, which this rank owns)."""
-        group = record.group
-        record.view(group.param.host).copy_(value)
-        if "master" in group.chunks:
-            record.view(group.master.host).copy_(value)
+                    record.view(group.param.host).copy_(record.param.detach())
+                    if "master" in group.chunks:
+                        record.view(group.master.host).copy_(record.param.detach())
 
     def group_of(self, chunk: Chunk) -> ChunkGroup | None:
         """The group whose parameters view `chunk` (None: not a parameter chunk of this rank)."""

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("model and data")
     what.add_argument("--model", help="local Hugging Face directory (config.json + safetensors) or a "
                       "config.json file; default: a bundled tiny GPT-2 config (random initialisation)")
-    what.add_argument("--data", help=".txt, .jsonl or .json file; default: a bundled public-domain text")
+    what.add_argument("--data", help=".txt, .jsonl (.ndjson) or .json file; default: a bundled public-domain text")
     what.add_argument("--text-field", default="text", help="field of each JSON object that holds the text")
     what.add_argument("--output", default="chunkmem-finetune", help="output directory")
     what.add_argument("--held-out", type=float, default=0.1, help="fraction of blocks held out for evaluation")

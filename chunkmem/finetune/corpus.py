@@ -39,17 +39,17 @@ def read_documents(path: Path, text_field: str = "text") -> list[str]:
     try:
         raw = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
-        raise InputError(f"--data {path}: no such file; pass a local .txt, .jsonl or .json file") from None
+        raise InputError(f"--data {path}: no such file; pass a local .txt, .jsonl (.ndjson) or .json file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"--data {path}: cannot be read as UTF-8 text ({error}); pass a readable "
-                         f".txt, .jsonl or .json file") from None
+                         f".txt, .jsonl (.ndjson) or .json file") from None
     suffix = path.suffix.lower()
     whole = _array(raw, path) if suffix == ".json" else None
     if whole is not None:
         documents = [_text(record, text_field, path, f"record {number}") for number, record in enumerate(whole)]
     elif suffix in JSON_LINES:
-        documents = [_field(line, text_field, path, number)
-                     for number, line in enumerate(raw.splitlines(), 1) if line.strip()]
+        documents = [_field(line, text_field, path, number)  # "\n" alone ends a line: JSON strings may hold U+2028
+                     for number, line in enumerate(raw.split("\n"), 1) if line.strip()]
     else:
         documents = [raw]
     if not any(doc.strip() for doc in documents):

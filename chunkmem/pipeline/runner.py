@@ -204,6 +204,8 @@ class Pipeline:
         padded_in = micro.pad(local_in)
         if self.model is None:
             self._build(padded_in[:micro.rows])
+        elif self._pending_load is not None:  # the load the first step made failed: again, not forgotten
+            self.load_checkpoint(self._pending_load)
         assert self.model is not None and self.optimizer is not None
         runner = self._runner(micro, padded_in[:micro.rows])
         d, total = layout.n_replicas, inputs.size(0)
@@ -338,7 +340,6 @@ class Pipeline:
             self._pending_load = path
             return None
         model, optimizer = self._built()
-        self._pending_load = None
         meta = json.loads((path / "pipeline.json").read_text())
         if meta["balance"] != self.balance:
             raise ValueError(f"checkpoint {path} was saved with balance {meta['balance']}, this pipeline has "
@@ -350,6 +351,7 @@ class Pipeline:
         result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer)
         if self.versions is not None:
             self.versions.newest = int(meta["updates"])
+        self._pending_load = None  # not before: a load the first step made that failed is made again, not forgotten
         return result
 
     def _built(self) -> tuple[ChunkedModel, ChunkOptimizer]:

@@ -109,7 +109,7 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
         where = " inside ".join(name or "the model" for name, _ in reversed(chain))
         fix = f"raise device_memory above {need} (activations and temporaries need room beside them)"
         smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
-        least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size else need
+        least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
         if least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
             fix += f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take {least}" \
                 if least <= limit else f" (above {least} with Config.chunk_size={smallest}, the largest parameter's " \

@@ -248,9 +248,12 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     """After a prepare succeeded, the user's own optimizer refuses to step: it would update the parameters where the
     chunks lend them, with states of its own, beside the prepared optimizer. An LR scheduler made on it before prepare
     still works: the prepared optimizer shares its list of param groups (a group added to the prepared one after
-    prepare is the scheduler's too), and says when it stepped (ChunkOptimizer.step). Step hooks registered on either,
-    before prepare or after, run at the prepared one's steps: the two share them too."""
+    prepare is the scheduler's too; one added to the user's is added to the prepared one), and says when it stepped
+    (ChunkOptimizer.step). Step hooks registered on either, before prepare or after, run at the prepared one's steps:
+    the two share them too. Its state_dict and load_state_dict are the prepared one's (a load gave it a list of its
+    own, and a scheduler on it then changed groups nothing trained with)."""
     optimizer.param_groups = prepared.param_groups  # the same dicts, in the same order, until now in two lists
+    optimizer.add_param_group = prepared.add_param_group  # type: ignore[method-assign]  # with its checks and states
     prepared._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
     prepared._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
     def step(*args: Any, **kwargs: Any) -> None:
@@ -258,9 +261,12 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
             f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "
             "the model: call step() on that one (model, optimizer = chunkmem.prepare(model, optimizer))")
 
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # an LR scheduler's mark: it warns if its wrapper went
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    # An LR scheduler's mark, made on it or not: one made before prepare warns if its wrapper went, and one made after
+    # wraps no step (the prepared one's says it stepped: `_opt_called`).
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign, assignment]
+    optimizer.state_dict = prepared.state_dict  # type: ignore[method-assign]  # they say to use chunkmem's checkpoints
+    optimizer.load_state_dict = prepared.load_state_dict  # type: ignore[method-assign]
 
 
 class ChunkStates(Mapping):

@@ -238,8 +238,12 @@ class Runtime:
                 received[id(buffer)] = value.to(buffer.device)
                 return
             record = self.store.records.get(params[index])
-            if record is not None and record.group.chunks:  # a group this rank owns
-                self.store.load_value(record, value)
+            if record is None:
+                return
+            for kind in ("param", "master"):
+                chunk = record.group.chunks.get(kind)  # none in a group another rank owns
+                if chunk is not None:
+                    record.view(self.residency.host_for_write(chunk)).copy_(value)  # a disk tier's too: written back
         first_ranks_values([*params, *buffers], deliver, group, self.device.torch_device)
         for sub, name, buffer in places:
             if id(buffer) in received:

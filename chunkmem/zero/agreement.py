@@ -77,12 +77,13 @@ def _broadcast(bucket: list[tuple[int, torch.Tensor, bool]], staged: dict[int, t
                sending: bool) -> None:
     flat = torch.cat([piece.to(device) for _, piece, _ in bucket])
     dist.broadcast(flat, source, group=group)
-    if sending:
-        return
     for (index, piece, last), value in zip(bucket, flat.split([piece.numel() for _, piece, _ in bucket])):
-        piece.copy_(value)
+        if not sending:
+            piece.copy_(value)
         if last:
-            deliver(index, staged.pop(index))
+            value = staged.pop(index)
+            if not sending:
+                deliver(index, value)
 
 
 def _hash(value: Any) -> int:

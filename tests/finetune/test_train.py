@@ -242,6 +242,9 @@ def test_an_output_over_the_model_and_weights_of_unknown_layout_are_refused(
     (other / "run.json").write_text(json.dumps({"experiment": {"name": "x"}, "status": "COMPLETED"}))
     code, err = run_cli(capsys, "--output", str(other), "--model", str(model))
     assert code == 2 and "holds a model no chunkmem finetune run wrote (tokenizer.json)" in err
+    (other / "run.json").write_text("")  # unreadable, with no checkpoint of ours beside it: not ours
+    code, err = run_cli(capsys, "--output", str(other), "--model", str(model))
+    assert code == 2 and "holds a model no chunkmem finetune run wrote (tokenizer.json)" in err
     (model / "model-00001-of-00002.safetensors").write_bytes(b"")  # shards whose index is gone: random weights
     code, err = run_cli(capsys, "--output", str(tmp_path / "out"), "--model", str(model))
     assert code == 2 and "model-00001-of-00002.safetensors without model.safetensors.index.json" in err

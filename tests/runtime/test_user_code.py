@@ -235,6 +235,12 @@ def test_the_optimizer_given_to_prepare_refuses_to_step_and_a_scheduler_made_on_
     with pytest.raises(RuntimeError, match=r"call step\(\) on that one"):
         original.step()
     assert all(torch.equal(v, cm.state_dict()[k]) for k, v in got.items())
+    with pytest.raises(NotImplementedError, match="chunkmem.load_checkpoint"):  # it gave the user's groups of its own
+        original.load_state_dict({"state": {}, "param_groups": []})
+    later = torch.optim.lr_scheduler.StepLR(original, 1, gamma=0.5)  # an AttributeError ('__func__')
+    opt.step()
+    later.step()
+    assert opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] / 2
 
 
 def test_step_hooks_and_a_scheduler_made_before_prepare_follow_the_prepared_optimizer() -> None:
@@ -249,7 +255,7 @@ def test_step_hooks_and_a_scheduler_made_before_prepare_follow_the_prepared_opti
         schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
         net, opt = make(model, optimizer)
         rest = [p for n, p in model.named_parameters() if not n.startswith("transformer.h.")]
-        opt.add_param_group({"params": rest, "lr": 1e-3})
+        optimizer.add_param_group({"params": rest, "lr": 1e-3})  # the user's: the prepared one's too
         for ids in gpt2_batches(STEPS):
             gpt2_loss(net, ids).backward()
             opt.step()

@@ -13,7 +13,7 @@ import torch
 
 import chunkmem
 from chunkmem.zero.agreement import as_agreed, check_agreed, fingerprints
-from tests.helpers import mlp, mlp_batches, mlp_loss, train
+from tests.helpers import mlp, mlp_batches, mlp_loss, tiny_gpt2, train
 from tests.multiproc import run_workers
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
@@ -99,6 +99,26 @@ def test_ranks_seeded_apart_take_the_first_ranks_values_as_under_ddp() -> None:
     for name, value in ranks[0]["trained"].items():
         if "running" not in name and "batches" not in name:  # each rank's BatchNorm sees its own shard
             assert torch.equal(ranks[1]["trained"][name], value), name
+
+
+def disk_worker(rank: int, world: int, folder: str) -> dict:
+    """bf16 with master weights on a disk tier: chunks a tier wrote to disk while prepare loaded them took rank 0's
+    values in host memory, unmarked, and the tier dropped them: half of each rank's master weights were its own."""
+    model = tiny_gpt2(seed=rank)
+    data = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", dtype="bf16"))[0].memory_stats()["model_data_bytes"]
+    model = tiny_gpt2(seed=rank)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", dtype="bf16", host_memory=int(data * 0.5), disk=f"{folder}/{rank}"))
+    assert cm.runtime.host_cache is not None and cm.runtime.data.model_bytes()["disk"].get("master")
+    return cm.state_dict()
+
+
+def test_ranks_seeded_apart_train_the_first_ranks_master_weights_from_a_disk_tier(tmp_path) -> None:
+    first = tiny_gpt2(seed=0).state_dict()
+    for rank in run_workers(disk_worker, 2, str(tmp_path), timeout=120):
+        differ = [name for name, value in first.items() if not torch.equal(rank[name], value)]
+        assert not differ, f"{len(differ)} of {len(first)} differ from the first rank's, {differ[:3]}"
 
 
 def test_fingerprints_tell_apart_what_must_match_and_ignore_the_budgets() -> None:
