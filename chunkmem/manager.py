@@ -35,14 +35,14 @@ from torch.optim import Optimizer
 
 from chunkmem.checkpoint import optimizer_states, steps_by_name
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import ModelSet
+from chunkmem.chunks.store import ModelSet, put_data
 from chunkmem.config import Config
 from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
 from chunkmem.runtime.optim import ChunkOptimizer, Rule, retire, rule_for
 from chunkmem.runtime.reporting import report_device
 from chunkmem.runtime.runtime import Runtime
-from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, put_data, shard_group
+from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, shard_group
 from chunkmem.zero.agreement import fingerprints
 
 

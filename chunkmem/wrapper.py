@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import ParamRecord
+from chunkmem.chunks.store import ParamRecord, put_data
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
@@ -486,11 +486,3 @@ class Snapshot:
             put_data(param, data)
         for (sub, name), buffer in self.buffers.items():
             sub._buffers[name] = buffer
-
-
-def put_data(param: nn.Parameter, data: torch.Tensor) -> None:
-    """`param.data = data`, also between the meta device and a real one (which `.data =` refuses)."""
-    if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
-        torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as store.point_views
-    else:
-        param.data = data

@@ -217,6 +217,14 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
             pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
 
 
+def put_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """`param.data = data`, also between the meta device and a real one (which `.data =` refuses)."""
+    if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
+        torch.utils.swap_tensors(param, nn.Parameter(data, param.requires_grad))  # as point_views
+    else:
+        param.data = data
+
+
 def pinned_chunks(module: nn.Module, chunk_size: int
                   ) -> tuple[frozenset[tuple[bool, int]], list[tuple[str, nn.Module]]]:
     """The parameter chunks pinned at once at most under this chunk size, as (trainable, index), and the

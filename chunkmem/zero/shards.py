@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from chunkmem.chunks.chunk import Chunk
-from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, working_set_chunks
+from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore, most_pinned, put_data, working_set_chunks
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.device import Device
 from chunkmem.zero.collectives import ALL_GATHER, Flight, Key, Order, agree, single_tensor_collectives
@@ -332,7 +332,7 @@ class Shards:
                 self.store.point_views(chunk_group.param)
             else:
                 for record in chunk_group.members:
-                    record.param.data = _placeholder(record)
+                    put_data(record.param, _placeholder(record))  # a meta parameter too (loaded after prepare)
 
     def drop_all(self) -> None:
         for key in list(self.gathered):

@@ -121,6 +121,25 @@ def test_ranks_seeded_apart_train_the_first_ranks_master_weights_from_a_disk_tie
         assert not differ, f"{len(differ)} of {len(first)} differ from the first rank's, {differ[:3]}"
 
 
+def meta_worker(rank: int, world: int) -> list[dict]:
+    states = []
+    for meta in (True, False):
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = mlp(depth=3)
+        cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu", chunk_size=1056))
+        cm.load_state_dict(mlp(depth=3, seed=4).state_dict())  # weights loaded after prepare, as finetune's
+        train(cm, opt, [tuple(t[rank::world] for t in b) for b in mlp_batches(2)], mlp_loss)
+        states.append(cm.state_dict())
+    return states
+
+
+def test_a_model_built_on_the_meta_device_and_loaded_after_prepare_trains_as_one_built_whole() -> None:
+    # Every rank raised at prepare: a group another rank owns pointed its meta parameters at a placeholder with
+    # `.data =`, which refuses to leave the meta device.
+    for meta, built in run_workers(meta_worker, 2, timeout=90):
+        assert all(torch.equal(value, built[name]) for name, value in meta.items())
+
+
 def test_fingerprints_tell_apart_what_must_match_and_ignore_the_budgets() -> None:
     model = mlp()
     base = fingerprints(model, chunkmem.Config(device="cpu"), ADAMW(model.parameters()))
