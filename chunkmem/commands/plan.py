@@ -87,8 +87,8 @@ def _config(args: argparse.Namespace) -> Any:
     from chunkmem.trace.planner import gpt2_config
 
     if args.model:
-        sizes = (("--layers", args.layers), ("--hidden", args.hidden), ("--params", args.params), ("--vocab", args.vocab))
-        given = [flag for flag, value in sizes if value is not None]
+        sizes = {"--layers": args.layers, "--hidden": args.hidden, "--params": args.params, "--vocab": args.vocab}
+        given = [flag for flag, value in sizes.items() if value is not None]
         if given:
             raise ValueError(f"MODEL {args.model} with {' and '.join(given)}: the model's config gives its size; pass "
                              "one or the other")

@@ -51,7 +51,8 @@ class RunDir:
 
     def is_a_run(self) -> bool:
         """Whether a chunkmem finetune run wrote this directory: its run.json records a run's settings (another tool's
-        run.json, Sacred's, does not; a damaged one is ours where checkpoints of ours lie beside it: `start` names it)."""
+        run.json, Sacred's, does not; a damaged one is ours where checkpoints of ours lie beside it: `start` names
+        it)."""
         try:
             settings = json.loads((self.path / RUN).read_text())
         except OSError:

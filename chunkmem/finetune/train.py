@@ -44,9 +44,10 @@ log = logging.getLogger("chunkmem")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "data" / "tiny_gpt2.json"
 SCHEDULES = ("constant", "linear", "cosine")
-# A model's files an --output must not replace (besides *.safetensors and *.bin): its config, index and tokenizer
+# A model's files an --output must not replace: its config, index, tokenizer and weights
 MODEL_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "tokenizer.json",
                "tokenizer_config.json", "tokenizer.model", "vocab.json", "adapter_config.json")
+WEIGHT_FILES = (".safetensors", ".bin")
 # Config entries a resumed run may differ in: where it was loaded from, the writer's version, the dtype it loads in.
 VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
 # The bundled default's chunks get this share of its model data on the device (beside what
@@ -133,15 +134,15 @@ class FinetuneConfig:
         if Path(self.output).exists() and not Path(self.output).is_dir():
             raise InputError(f"--output {self.output} is a file: expected a folder for the run (new or one to resume)")
         output = Path(self.output)
-        model = None if self.model is None else Path(self.model) if Path(self.model).is_dir() else Path(self.model).parent
-        if model is not None and model.resolve() == output.resolve():
+        model = None if self.model is None else Path(self.model)
+        if model is not None and (model if model.is_dir() else model.parent).resolve() == output.resolve():
             raise InputError(f"--output {self.output} is the --model folder: writing there would replace the model "
                              "being read (and lose it if the write is cut short); choose another --output")
-        found = sorted(p.name for p in output.iterdir() if p.name in MODEL_FILES or p.suffix in (".safetensors", ".bin")) \
+        found = sorted(p.name for p in output.iterdir() if p.name in MODEL_FILES or p.suffix in WEIGHT_FILES) \
             if output.is_dir() and not RunDir(output).is_a_run() else []
         if found:
-            raise InputError(f"--output {self.output} holds a model no chunkmem finetune run wrote ({', '.join(found[:3])}): "
-                             "the run's output would replace it; choose another --output")
+            raise InputError(f"--output {self.output} holds a model no chunkmem finetune run wrote "
+                             f"({', '.join(found[:3])}): the run's output would replace it; choose another --output")
         if self.schedule not in SCHEDULES:
             raise InputError(f"--schedule {self.schedule!r}: expected one of {', '.join(SCHEDULES)}")
         if not 0 <= self.held_out < 1:

@@ -99,8 +99,8 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
     A module's chunks are pinned while it runs, and so are those of every module it runs inside
     (store.pinned_at_once). Under ZeRO a module computes on gathered copies: one own chunk at a time.
     """
-    def pinned(size: int) -> tuple[int, list[tuple[str, nn.Module]]]:
-        chunks, chain = pinned_chunks(module, size)
+    def pinned(elements: int) -> tuple[int, list[tuple[str, nn.Module]]]:  # chunks of `elements`, and where
+        chunks, chain = pinned_chunks(module, elements)
         return (min(len(chunks), 1) if world > 1 else len(chunks)), chain
     chunk_bytes = size * config.torch_dtype.itemsize
     count, chain = pinned(size)
@@ -111,9 +111,9 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
         smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
         least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
         if least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
-            fix += f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take {least}" \
-                if least <= limit else f" (above {least} with Config.chunk_size={smallest}, the largest parameter's " \
-                "elements: chunks can be no smaller)"
+            fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
+                    f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the largest "
+                                                         "parameter's elements: chunks can be no smaller)")
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
             f"it runs inside on the device at once: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "

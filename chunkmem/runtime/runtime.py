@@ -228,7 +228,8 @@ class Runtime:
         def kept(tensor: torch.Tensor) -> bool:
             return not tensor.is_meta and tensor.layout is torch.strided
         params = [p for p in module.parameters() if kept(p)]
-        places = [(sub, name, b) for sub in module.modules() for name, b in sub._buffers.items() if b is not None and kept(b)]
+        places = [(sub, name, b) for sub in module.modules() for name, b in sub._buffers.items()
+                  if b is not None and kept(b)]
         buffers = list({id(b): b for _, _, b in places}.values())  # a buffer two modules hold: once
         received: dict[int, torch.Tensor] = {}
 
