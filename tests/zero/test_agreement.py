@@ -78,10 +78,8 @@ def values_worker(rank: int, world: int) -> dict:
             pytest.raises(RuntimeError, match="after the broadcast"):
         chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
     unchanged = all(torch.equal(v, own[k]) for k, v in model.state_dict().items())
-    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
-    prepared = cm.state_dict()  # parameters consolidated, buffers this rank's own
-    train(cm, opt, [tuple(t[rank::world] for t in b) for b in mlp_batches(2)], mlp_loss)
-    return {"prepared": prepared, "trained": cm.state_dict(), "unchanged": unchanged}
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    return {"prepared": cm.state_dict(), "unchanged": unchanged}  # parameters consolidated, buffers this rank's own
 
 
 def test_ranks_seeded_apart_take_the_first_ranks_values_as_under_ddp() -> None:
@@ -96,9 +94,6 @@ def test_ranks_seeded_apart_take_the_first_ranks_values_as_under_ddp() -> None:
         assert rank["prepared"].keys() == first.keys()
         for name, value in first.items():
             assert torch.equal(rank["prepared"][name], value), name
-    for name, value in ranks[0]["trained"].items():
-        if "running" not in name and "batches" not in name:  # each rank's BatchNorm sees its own shard
-            assert torch.equal(ranks[1]["trained"][name], value), name
 
 
 def disk_worker(rank: int, world: int, folder: str) -> dict:
