@@ -308,6 +308,25 @@ def test_prepare_refuses_another_optimizer_kind_models_sharing_parameters_and_an
         manager.prepare(reward_model())
 
 
+def test_an_optimizer_holding_another_managed_models_parameter_is_refused_changing_nothing():
+    manager, (policy, optimizer, reference) = managed(None)
+    critic = reward_model()
+    taken = policy.module.lm_head.weight
+    with pytest.raises(ValueError, match="parameter lm_head.weight of another model"):
+        manager.prepare(critic, torch.optim.AdamW([*critic.parameters(), taken], lr=1e-3))
+    assert manager.models == [policy, reference] and critic.model.layers[0].mlp.up_proj.weight.requires_grad
+    critic, critic_optimizer = manager.prepare(critic, adamw(critic))
+    groups = [len(o.param_groups) for o in (optimizer, critic_optimizer)]
+    with pytest.raises(ValueError, match="another model this chunkmem.Manager prepared"):
+        optimizer.add_param_group({"params": [critic.module.score.weight]})
+    with pytest.raises(ValueError, match="another model"):
+        critic_optimizer.add_param_group({"params": taken})
+    assert [len(o.param_groups) for o in (optimizer, critic_optimizer)] == groups
+    optimizer.param_groups[0]["params"].append(critic.module.score.weight)  # edited by hand: found at the step
+    with pytest.raises(ValueError, match="score.weight of another model"):
+        step(policy, optimizer, reference, pairs(1)[0])
+
+
 def sharded_dpo(rank: int, world: int, budget: int) -> dict:
     policy, reference = models()
     initial = {k: v.clone() for k, v in policy.state_dict().items()}

@@ -324,8 +324,11 @@ class ChunkStates(Mapping):
 class ChunkOptimizer(Optimizer):
     """Drop-in for the user's optimizer; its state lives in chunks (`state` reads them: ChunkStates)."""
 
-    def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule) -> None:
+    def __init__(self, runtime: Runtime, optimizer: Optimizer, rule: Rule,
+                 model: torch.nn.Module | None = None) -> None:
+        """model: the one of a manager's models this optimizer trains (None: the runtime's only one)."""
         self.runtime = runtime
+        self.own = None if model is None else frozenset(model.parameters())
         self.rule = rule
         self.wrapped_type = type(optimizer)
         self.original = optimizer  # the user's, whose param groups this one shares (`retire`)
@@ -365,11 +368,9 @@ class ChunkOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch.optim's, before or after prepare: every parameter of the prepared model has its chunks'
         slots for optimizer state already (trainable ones; frozen ones get no gradient to step with)."""
-        records = self.runtime.store.records
         params = param_group["params"]
         for param in [params] if isinstance(params, torch.Tensor) else list(params):
-            if param not in records:
-                raise ValueError(_NOT_IN_MODEL)
+            self._check_own(param)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -378,9 +379,21 @@ class ChunkOptimizer(Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        records = self.runtime.store.records
         for param in group["params"]:
             if records[param] not in self.steps:
                 self.steps[records[param]] = torch.tensor(0.0)
+
+    def _check_own(self, param: torch.Tensor) -> None:
+        """`param` is one of the model's this optimizer was prepared with; under a manager, not another model's
+        (whose own optimizer steps it, or which is frozen)."""
+        records = self.runtime.store.records
+        if param not in records:
+            raise ValueError(_NOT_IN_MODEL)
+        if self.own is not None and param not in self.own:
+            raise ValueError(f"the optimizer holds parameter {records[param].name} of another model this "
+                             "chunkmem.Manager prepared: give each trained model an optimizer over its own "
+                             "parameters (model.parameters())")
 
     def move_to(self, runtime: Runtime) -> None:
         """Step `runtime`'s chunks from now on: a manager laid its models out again, before any step."""
@@ -407,8 +420,7 @@ class ChunkOptimizer(Optimizer):
         out = {}
         for group in self.param_groups:
             for param in group["params"]:
-                if param not in records:
-                    raise ValueError(_NOT_IN_MODEL)
+                self._check_own(param)
                 out[records[param]] = group
                 if records[param] not in self.steps:
                     self.steps[records[param]] = torch.tensor(0.0)
