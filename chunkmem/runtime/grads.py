@@ -19,7 +19,9 @@ host payload. Changes made in place through `p.grad`
 (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
 step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next forward (or zero_grad,
 or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
-accumulates into the chunks, not into `p.grad`. A `p.grad` the user assigns with no backward (from
+accumulates into the chunks, not into `p.grad`. So a forward with gradients enabled that no backward follows
+before the step (a metric computed without torch.no_grad) leaves `p.grad` None until then, where PyTorch still shows
+the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`). A `p.grad` the user assigns with no backward (from
 torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
@@ -72,6 +74,9 @@ class ShownGrads:
         self.zeroed: dict[ChunkGroup, list[tuple[torch.Tensor, int]]] = {}
         # Under ZeRO, each parameter's ShardedGrad, made once, with the device and dtype it was made for.
         self.sharded: dict[ParamRecord, tuple[torch.Tensor, torch.device, torch.dtype]] = {}
+        # A forward with gradients enabled hid gradients a backward showed, and no backward ran since: `p.grad` read
+        # meanwhile (torch.nn.utils.clip_grad_norm_) saw None, where plain PyTorch shows the gradients (step() warns).
+        self.hidden_by_forward = False
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
@@ -165,6 +170,12 @@ class ShownGrads:
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             del self.shown[record]
+
+    def hide_for_forward(self) -> None:
+        """A forward with gradients enabled begins: the gradients shown are hidden, so that its backward adds into
+        their chunks (the Note)."""
+        self.hidden_by_forward = self.hidden_by_forward or bool(self.shown)
+        self.hide()
 
     def forget_zeros(self) -> None:
         """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as

@@ -301,7 +301,7 @@ class Hooks:
         runtime.adopt_data()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
-            runtime.grads.hide()
+            runtime.grads.hide_for_forward()
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
         self._hooks_follow_residency()

@@ -340,6 +340,7 @@ class ChunkOptimizer(Optimizer):
         self.steps_adam = rule.update is _adam
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
         self.warned_scaled = False  # that p.grad was changed in place while it held scaled fp16 gradients
+        self.warned_hidden = False  # that a forward after backward hid p.grad before this step (ShownGrads)
         self._make_ahead()
 
     @property  # type: ignore[override]
@@ -437,6 +438,7 @@ class ChunkOptimizer(Optimizer):
         runtime.adopt_data()
         runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
+        self._warn_hidden()
         self._check_still_frozen()
         for group in self.param_groups:
             self._check_momentum(group)
@@ -512,6 +514,17 @@ class ChunkOptimizer(Optimizer):
                              "chunkmem.prepare had momentum=0 in every group, so it has no momentum buffers: make the "
                              "optimizer with the momentum it will have (a group may start at momentum=0 set after "
                              "prepare)")
+
+    def _warn_hidden(self) -> None:
+        grads = self.runtime.grads
+        if grads.hidden_by_forward and not self.warned_hidden:
+            self.warned_hidden = True
+            _log.warning("chunkmem: a forward with gradients enabled ran after backward() and before step(), with no "
+                         "backward of its own: from that forward on p.grad was None (chunkmem keeps the gradients in "
+                         "their chunks, and this step used them), so what read p.grad meanwhile saw no gradient "
+                         "(torch.nn.utils.clip_grad_norm_ clipped nothing); run that forward under torch.no_grad(), "
+                         "or clip with model.clip_grad_norm_, which reads the chunks")
+        grads.hidden_by_forward = False
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would

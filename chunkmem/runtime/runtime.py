@@ -826,6 +826,7 @@ class Runtime:
             self.shards.finish_backward()
         self.fence_uploads()
         failed = self.ahead.backward_done() if self.ahead is not None else None
+        self.grads.hidden_by_forward = False
         if self.shards is None:
             self.grads.show()
         else:

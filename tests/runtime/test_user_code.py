@@ -636,6 +636,42 @@ def test_under_fp16_a_change_to_scaled_gradients_through_p_grad_is_named(caplog)
         assert not train(lambda cm: None)
 
 
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_a_forward_with_gradients_between_backward_and_step_is_named_and_clipping_through_the_model_holds(
+        budget, caplog) -> None:
+    # Such a forward hides p.grad (grads.py's Note), so torch.nn.utils.clip_grad_norm_ after it found no gradient and
+    # clipped nothing, where plain PyTorch clips: a silent difference.
+    def loop(between: Callable[[nn.Module, torch.Tensor], object], accumulate: bool = False) -> Loop:
+        def run(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+            for ids in gpt2_batches(2):
+                gpt2_loss(model, ids).backward()
+                between(model, ids)
+                if accumulate:
+                    gpt2_loss(model, ids.flip(0)).backward()
+                clip = getattr(model, "clip_grad_norm_", None)  # chunkmem's reads the chunks
+                clip(0.05) if clip else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+                opt.zero_grad()
+        return run
+
+    def warned(*args: Any) -> list[str]:
+        caplog.clear()
+        same_bits(loop(*args), budget)
+        return [r.getMessage() for r in caplog.records if "before step(), with no backward" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        named = warned(gpt2_loss)  # a forward whose loss is dropped (a metric computed without torch.no_grad)
+        assert len(named) == 1 and "run that forward under torch.no_grad()" in named[0]  # once
+        assert not warned(gpt2_loss, True)  # its backward followed: gradient accumulation
+        assert not warned(torch.no_grad()(gpt2_loss))
+    cm, _ = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(budget))
+    ids = gpt2_batches(1)[0]
+    gpt2_loss(cm, ids).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.05)) > 0
+    gpt2_loss(cm, ids)
+    assert float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.05)) == 0  # what the warning names
+
+
 def test_under_fp16_a_model_may_change_its_input_in_place() -> None:
     # The node that takes the scale off an input's gradient returned a view of it, which autograd forbids changing in
     # place: a model adding its position embedding into its input (`x += pos`) failed in forward.
