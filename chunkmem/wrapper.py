@@ -281,6 +281,12 @@ class ChunkedModel(nn.Module):
                 part.replace(file)
         return written
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling (torch.save(model)) would take the runtime along: its chunks, threads and device streams."""
+        raise TypeError("pickling a model chunkmem prepared (torch.save(model), pickle.dumps): save "
+                        "model.state_dict() or chunkmem.save_checkpoint(...), or pickle copy.deepcopy(model), the "
+                        "wrapped module as plain PyTorch holds it")
+
     def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
         """A copy of the wrapped module as plain PyTorch would hold it (an EMA model: timm's ModelEmaV2 deep-copies the
         model it is given): on the host, parameters in fp32 from the master weights (tied stay tied), with none of

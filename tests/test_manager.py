@@ -327,6 +327,19 @@ def test_an_optimizer_holding_another_managed_models_parameter_is_refused_changi
         step(policy, optimizer, reference, pairs(1)[0])
 
 
+def test_a_step_refused_for_another_models_parameter_leaves_the_loss_scale_as_it_was():
+    policy, reference = models()
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp16", chunk_size=CHUNK))
+    policy, optimizer = manager.prepare(policy, adamw(policy))
+    reference = manager.prepare(reference)
+    DPO.dpo_loss(policy, reference, *pairs(1)[0], PROMPT).backward()
+    scaler = dataclasses.replace(manager.runtime.scaler)
+    optimizer.param_groups[0]["params"].append(reference.module.lm_head.weight)
+    with pytest.raises(ValueError, match="lm_head.weight of another model"):
+        optimizer.step()  # it counted a good step first
+    assert manager.runtime.scaler == scaler
+
+
 def sharded_dpo(rank: int, world: int, budget: int) -> dict:
     policy, reference = models()
     initial = {k: v.clone() for k, v in policy.state_dict().items()}

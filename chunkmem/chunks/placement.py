@@ -231,6 +231,9 @@ class Placer:
         held = self._held(names) if self.pinned else ()
         if nonmodel is None:
             nonmodel = self.nonmodel()
+        elif kind != "use" and group not in self.homes and not self.off_path:  # a streamed group's: recorded only
+            self.events.append(Event(kind, names, group, nonmodel, held))
+            return
         elif self._steady(chunks, names + held if held else names, kind, group, nonmodel):
             self.events.append(Event(kind, names, group, nonmodel, held))
             return

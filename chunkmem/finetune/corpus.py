@@ -73,7 +73,7 @@ def _array(raw: str, path: Path) -> list | None:
         return None  # more than one value: JSON lines (each line is checked as such)
     except (ValueError, RecursionError) as error:  # a number of over 4300 digits, nesting past Python's stack
         raise InputError(f"--data {path}: cannot be read as JSON ({error})") from None
-    if isinstance(whole, dict) and len(raw.strip().splitlines()) == 1:
+    if isinstance(whole, dict) and "\n" not in raw.strip():  # lines end at "\n" alone (U+2028 is text), as _text's
         return None  # one object on one line: JSON lines
     if not isinstance(whole, list):
         raise InputError(f"--data {path}: holds a JSON {JSON_NAMES.get(type(whole), 'value')}; a .json file holds "

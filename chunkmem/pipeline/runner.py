@@ -265,11 +265,8 @@ class Pipeline:
         time from the rank that holds them (through the device under NCCL), so no device ever holds more
         than one tensor of it; every rank's host memory holds the whole model at the end.
         """
+        self._check_loaded("state_dict()")
         if self.model is None:
-            if self._pending_load is not None:  # its layers' values are not the checkpoint's yet
-                raise RuntimeError(f"state_dict() after load_checkpoint({str(self._pending_load)!r}) and before the "
-                                   "first step(): the first step builds the stages and loads the checkpoint into them; "
-                                   "call it after a step")
             assert self._layers is not None
             return nn.Sequential(OrderedDict(self._layers)).state_dict()
         local = self.model.state_dict()
@@ -297,6 +294,7 @@ class Pipeline:
         directory beside `path` that takes its place once every stage's part is whole: a crash or a stage that
         cannot write leaves the last checkpoint, and every rank raises. Under 2BW the pipeline drains first
         (`flush`), and the older weights version is saved too."""
+        self._check_loaded("save_checkpoint()")
         model, optimizer = self._built()
         flushed = self.flush()
         if not math.isnan(flushed):  # the last mini-batch's loss: the next step returns it (flow.py's Note)
@@ -353,6 +351,17 @@ class Pipeline:
             self.versions.newest = int(meta["updates"])
         self._pending_load = None  # not before: a load the first step made that failed is made again, not forgotten
         return result
+
+    def _check_loaded(self, call: str) -> None:
+        """The stages hold the values of the checkpoint load_checkpoint was given: not while its load waits for the
+        first step, nor after that load failed (the next step makes it again), when saving would replace a
+        checkpoint with the values from before it."""
+        if self._pending_load is None:
+            return
+        when = "before the first step()" if self.model is None else "after the step that loaded it failed"
+        raise RuntimeError(f"{call} after load_checkpoint({str(self._pending_load)!r}) and {when}: the stages do not "
+                           "hold its values yet (a step builds the stages and loads it); call it after a step that "
+                           "succeeded")
 
     def _built(self) -> tuple[ChunkedModel, ChunkOptimizer]:
         if self.model is None or self.optimizer is None:

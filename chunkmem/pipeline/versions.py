@@ -110,4 +110,4 @@ class WeightVersions:
             raise RuntimeError(f"a backward needs weights version {saved.version}, but this stage holds versions "
                                f"{self.newest - 1} and {self.newest}: the 2BW order was not followed")
         chunk = newest if saved.version == self.newest else stale
-        return self.runtime.unpack(dataclasses.replace(saved.ref, source=chunk))
+        return self.runtime.unpack(saved.ref._replace(source=chunk))

@@ -171,6 +171,11 @@ class ShownGrads:
             record.param.grad = None
             del self.shown[record]
 
+    def unseen(self) -> bool:
+        """Whether a gradient in its chunk shows nowhere: `p.grad` None, not set so by the user."""
+        return any(r.grad_state is TensorState.HOLD and r.param.grad is None and r not in self.shown
+                   for r in self.store.records.values())
+
     def hide_for_forward(self) -> None:
         """A forward with gradients enabled begins: the gradients shown are hidden, so that its backward adds into
         their chunks (the Note)."""

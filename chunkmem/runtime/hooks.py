@@ -124,6 +124,7 @@ class Hooks:
         self.forwarding = False  # inside `forward()`, the model's own forward pass
         # A module running outside it, and the contexts it entered.
         self.outside: tuple[nn.Module, contextlib.ExitStack] | None = None
+        self.refused: nn.Module | None = None  # a module whose pre-hook raised before acquiring (`_pre_forward`)
         # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
@@ -238,7 +239,11 @@ class Hooks:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
             return
         if not self.forwarding and self.outside is None:
-            self._enter_outside(module)
+            try:
+                self._enter_outside(module)
+            except BaseException:  # (torch.func refuses saved-tensor hooks) the post-hook runs all the same: it
+                self.refused = module  # has nothing to release
+                raise
         if self._acquires(module):
             self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
             if self.idle_off and not self.runtime.placer.steady:  # gave way: moments inside units make room again
@@ -249,6 +254,9 @@ class Hooks:
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
         if self.runtime.placer.resident:
+            return
+        if self.refused is module:
+            self.refused = None
             return
         acquired = self._acquires(module)
         if acquired:
@@ -266,12 +274,12 @@ class Hooks:
         non-reentrant checkpointing re-computes under its own, which keep what they save on the device). Reentrant
         checkpointing re-computes with none, and its backward, inside the model's, would otherwise read a
         parameter where it is then: on the host once its chunk has left."""
-        contexts = contextlib.ExitStack()
-        contexts.enter_context(FetchMode(self.runtime))
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
-            contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                functools.partial(self.runtime.pack, metered=False), self.runtime.unpack))
-        self.outside = (module, contexts)
+        with contextlib.ExitStack() as contexts:  # closed if entering raises (torch.func refuses saved-tensor hooks)
+            contexts.enter_context(FetchMode(self.runtime))
+            if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+                contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                    functools.partial(self.runtime.pack, metered=False), self.runtime.unpack))
+            self.outside = (module, contexts.pop_all())
 
     def _acquires(self, module: nn.Module) -> bool:
         """Whether `module` acquires parameters when it runs (units.py's Note): a unit, a module outside every unit,

@@ -435,15 +435,16 @@ class ChunkOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         runtime = self.runtime
+        self._warn_hidden()
         runtime.adopt_data()
         runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
-        self._warn_hidden()
         self._check_still_frozen()
         for group in self.param_groups:
             self._check_momentum(group)
         if runtime.shards is not None:
             runtime.shards.check_order()
+        group_of = self.group_of()  # refuses a parameter of another model before anything changes
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
@@ -463,7 +464,6 @@ class ChunkOptimizer(Optimizer):
                 runtime.optimizer_done(self)
                 return loss
             inv_scale = 1.0 / scale if runtime.grads_scaled else 1.0
-        group_of = self.group_of()
         # On the device (its temporaries reserved under a budget; without one, the device's own limit: nothing to hold
         # against, and a launch-bound step pays nothing for it); a run on the host.
         reserve = self._reserve_run if runtime.config.device_memory is not None else None
@@ -516,15 +516,21 @@ class ChunkOptimizer(Optimizer):
                              "prepare)")
 
     def _warn_hidden(self) -> None:
-        grads = self.runtime.grads
-        if grads.hidden_by_forward and not self.warned_hidden:
+        """Where p.grad showed no gradient before this step, though the chunks hold some: after a forward that hid
+        them (grads.py's Note), or a backward that raised (its end, which shows them, never came)."""
+        runtime = self.runtime
+        raised = bool(runtime.queued)
+        if (runtime.grads.hidden_by_forward or raised) and not self.warned_hidden and runtime.grads.unseen():
             self.warned_hidden = True
-            _log.warning("chunkmem: a forward with gradients enabled ran after backward() and before step(), with no "
-                         "backward of its own: from that forward on p.grad was None (chunkmem keeps the gradients in "
-                         "their chunks, and this step used them), so what read p.grad meanwhile saw no gradient "
-                         "(torch.nn.utils.clip_grad_norm_ clipped nothing); run that forward under torch.no_grad(), "
-                         "or clip with model.clip_grad_norm_, which reads the chunks")
-        grads.hidden_by_forward = False
+            why, fix = (("a backward raised before it ended (its end shows the gradients in p.grad)",
+                         "or drop them with zero_grad()") if raised else
+                        ("a forward with gradients enabled ran after backward() and before step(), with no backward of "
+                         "its own", "or run that forward under torch.no_grad()"))
+            _log.warning("chunkmem: %s: p.grad was None until this step (chunkmem keeps the gradients in their chunks, "
+                         "and this step used them), so what read p.grad meanwhile saw no gradient (torch.nn.utils."
+                         "clip_grad_norm_ clipped nothing); clip with model.clip_grad_norm_, which reads the chunks, "
+                         "%s", why, fix)
+        runtime.grads.hidden_by_forward = False
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would

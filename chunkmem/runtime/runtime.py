@@ -58,7 +58,7 @@ import functools
 import logging
 import math
 from collections.abc import Callable, Container, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -96,8 +96,7 @@ log = logging.getLogger("chunkmem")
 MAX_INPUT_SIGNATURES = 1024  # input signatures kept for resident and lean forwards (of many lengths: the latest)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkRef:
+class ChunkRef(NamedTuple):  # a tuple: one is made for every parameter a forward saves
     """A saved tensor that is a view into a chunk (or a gathered group), kept by address, not buffer."""
 
     source: Chunk | Key
@@ -161,6 +160,7 @@ class Runtime:
         # The largest block non-model data took: a hole it filled in one step may be taken in the next, so the
         # plan leaves room for one more of it (placement's Note on warm-up).
         self.largest_block = 0
+        self._segment_sizes: dict[int, int] = {}  # bytes -> Device.segment_for's (`_segments`)
         # The most non-model data grew from one reading to the next (the loss's logits and their gradient, the
         # optimizer's temporaries): a step recorded after an allocation failed leaves room for that, and for one
         # largest block more, as the rise may not fit the holes there are (placement's _conservative_now).
@@ -403,7 +403,7 @@ class Runtime:
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride(), param, param._version)
 
     def unpack(self, saved: Kept) -> torch.Tensor:
-        if isinstance(saved, tuple):  # kept as it is, unmetered (the Note on lean forwards)
+        if type(saved) is tuple:  # kept as it is, unmetered (the Note on lean forwards)
             return unchanged(*saved)
         if isinstance(saved, torch.Tensor):  # one without storage
             return saved
@@ -465,7 +465,17 @@ class Runtime:
                 f"{ACTIVATION_FIXES}, or lower Config.chunk_size")
 
     def _segments(self, sizes: list[int]) -> int:
-        return sum(max(n, self.device.segment_for(n)) for n in sizes)
+        """What blocks of these sizes reserve at most (Device.segment_for, remembered: backward's hot path asks for
+        the same few sizes at every op that saved a parameter)."""
+        known, total = self._segment_sizes, 0
+        for nbytes in sizes:
+            segment = known.get(nbytes)
+            if segment is None:
+                if len(known) > MAX_INPUT_SIGNATURES:  # the sizes of many input lengths
+                    known.clear()
+                segment = known[nbytes] = self.device.segment_for(nbytes)
+            total += max(nbytes, segment)
+        return total
 
     def _room_for(self, sizes: list[int], keep: Chunk | None = None) -> Room | None:
         """Chunks nothing uses (but `keep`) leave until new segments for blocks of these byte sizes are certain, or

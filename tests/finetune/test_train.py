@@ -287,7 +287,8 @@ def test_json_arrays_and_byte_order_marks_read_as_hugging_faces_json_loader_read
     records = [{"text": "first document"}, {"text": "second", "id": 2}]
     lines = "".join(json.dumps(r) + "\n" for r in records)
     files = {"array.json": json.dumps(records, indent=2), "lines.json": lines, "one.json": json.dumps(records[0]),
-             "marked.jsonl": "\ufeff" + lines, "marked.txt": "\ufeffplain text"}
+             "marked.jsonl": "\ufeff" + lines, "marked.txt": "\ufeffplain text",
+             "separated.json": json.dumps({"text": "a\u2028b"}, ensure_ascii=False)}  # refused: "holds a JSON object"
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
     expected = [r["text"] for r in records]
@@ -295,6 +296,7 @@ def test_json_arrays_and_byte_order_marks_read_as_hugging_faces_json_loader_read
         assert read_documents(tmp_path / name) == expected, name
     assert read_documents(tmp_path / "one.json") == expected[:1]
     assert read_documents(tmp_path / "marked.txt") == ["plain text"]
+    assert read_documents(tmp_path / "separated.json") == ["a\u2028b"]
     (tmp_path / "nested.json").write_text(json.dumps({"data": records}, indent=2))
     with pytest.raises(InputError, match="holds a JSON object; a .json file holds an array of objects"):
         read_documents(tmp_path / "nested.json")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import pickle
 import re
@@ -441,10 +442,23 @@ def extra_state_worker(rank: int, world: int, folder: str) -> dict:
     pipe.step(*data[1])
     again = pipeline(tagged(), ADAMW, loss_fn("mean"), n_microbatches=2, config=chunkmem.Config(device="cpu"))
     again.load_checkpoint(Path(folder) / "ckpt")
-    with pytest.raises(RuntimeError, match=r"before the first step\(\): the first step builds the stages and loads"):
+    with pytest.raises(RuntimeError, match=r"before the first step\(\): the stages do not hold its values yet"):
         again.state_dict()  # it returned the values from before the load
     again.step(*data[1])
-    return {"state": pipe.state_dict(), "resumed": again.state_dict()}
+    # A load the first step made that failed (another split) left the stages' own values: saving them replaced the
+    # checkpoint it was to resume.
+    saved = json.loads((Path(folder) / "ckpt" / "pipeline.json").read_text())["balance"]
+    moved = 1 if saved[0] > 1 else -1
+    other = pipeline(tagged(), ADAMW, loss_fn("mean"), n_microbatches=2, balance=[saved[0] - moved, saved[1] + moved],
+                     config=chunkmem.Config(device="cpu"))
+    other.load_checkpoint(Path(folder) / "ckpt")
+    with pytest.raises(ValueError, match="was saved with balance"):
+        other.step(*data[1])
+    for call in (other.state_dict, lambda: other.save_checkpoint(Path(folder) / "ckpt")):
+        with pytest.raises(RuntimeError, match=r"after the step that loaded it failed"):
+            call()
+    return {"state": pipe.state_dict(), "resumed": again.state_dict(),
+            "kept": json.loads((Path(folder) / "ckpt" / "pipeline.json").read_text())["balance"] == saved}
 
 
 def test_state_dict_and_checkpoints_keep_a_layers_extra_state(tmp_path: Path) -> None:
@@ -453,6 +467,7 @@ def test_state_dict_and_checkpoints_keep_a_layers_extra_state(tmp_path: Path) ->
     for rank in run_workers(extra_state_worker, 2, str(tmp_path), timeout=90):
         assert rank["state"].keys() == rank["resumed"].keys() == expected.keys()
         assert rank["state"]["7._extra_state"] == rank["resumed"]["7._extra_state"] == {"tag": "last stage"}
+        assert rank["kept"], "the checkpoint a failed load was to resume was replaced"
         for name, value in rank["state"].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(rank["resumed"][name], value), name
