@@ -385,7 +385,7 @@ class ChunkOptimizer(Optimizer):
             if records[param] not in self.steps:
                 self.steps[records[param]] = torch.tensor(0.0)
 
-    def _check_own(self, param: torch.Tensor) -> None:
+    def _check_own(self, param: Any) -> None:
         """`param` is one of the model's this optimizer was prepared with; under a manager, not another model's
         (whose own optimizer steps it, or which is frozen)."""
         records = self.runtime.store.records

@@ -413,7 +413,7 @@ class Runtime:
                 # reads activations only (GELU's: GPT-2 at 5%, coarse chunks, died there). Not in every step: chunks
                 # that left then found no room to come back (BERT and Falcon at 10%, coarse, were refused).
                 self._room_for_activations()
-            return saved.get(self.activations)
+            return saved.get(self.activations)  # type: ignore[union-attr]  # a Saved: the pair returned above
         if saved.param is not None and saved.param._version != saved.version:
             name = self.store.records[saved.param].name if saved.param in self.store.records else "a parameter"
             raise RuntimeError(
