@@ -87,7 +87,8 @@ class Manager:
             optimizers = [o for o in [*self.optimizers, optimizer] if o is not None]
             runtime = Runtime(models, self.config, families, self.group, fingerprints(models, self.config, *optimizers))
             hooked.append(ChunkedModel(model, runtime))
-            prepared = ChunkOptimizer(runtime, optimizer, rule, model) if optimizer is not None and rule is not None else None
+            prepared = ChunkOptimizer(runtime, optimizer, rule, model) if optimizer is not None and rule is not None \
+                else None
         except BaseException:  # a prepare that raises changes nothing: earlier models keep their runtime
             for done in hooked:
                 done.hooks.remove()

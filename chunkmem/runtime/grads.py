@@ -21,7 +21,8 @@ step (`take`), as torch.optim would read it, or when the gradients are hidden ag
 or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
 accumulates into the chunks, not into `p.grad`. So a forward with gradients enabled that no backward follows
 before the step (a metric computed without torch.no_grad) leaves `p.grad` None until then, where PyTorch still shows
-the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`). A `p.grad` the user assigns with no backward (from
+the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`), as after a backward that
+raised (its end, which shows them, never came). A `p.grad` the user assigns with no backward (from
 torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True

@@ -519,7 +519,7 @@ class ChunkOptimizer(Optimizer):
         """Where p.grad showed no gradient before this step, though the chunks hold some: after a forward that hid
         them (grads.py's Note), or a backward that raised (its end, which shows them, never came)."""
         runtime = self.runtime
-        raised = bool(runtime.queued)
+        raised = bool(runtime.queued) and torch._C._current_graph_task_id() == -1  # not a step inside a backward
         if (runtime.grads.hidden_by_forward or raised) and not self.warned_hidden and runtime.grads.unseen():
             self.warned_hidden = True
             why, fix = (("a backward raised before it ended (its end shows the gradients in p.grad)",
