@@ -83,6 +83,10 @@ def rule_for(optimizer: Optimizer) -> Rule:
     return Rule(("exp_avg", "exp_avg_sq"), _adam)
 
 
+def _described(value: Any) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def _check_flags(name: str, group: dict) -> None:
     for flag in ("amsgrad", "differentiable", "capturable"):
         if group.get(flag):
@@ -265,7 +269,7 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     # wraps no step (the prepared one's says it stepped: `_opt_called`).
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign, assignment]
-    optimizer.state_dict = prepared.state_dict  # type: ignore[method-assign]  # they say to use chunkmem's checkpoints
+    optimizer.state_dict = prepared.state_dict  # type: ignore[method-assign]  # the states are in its chunks
     optimizer.load_state_dict = prepared.load_state_dict  # type: ignore[method-assign]
 
 
@@ -732,8 +736,47 @@ class ChunkOptimizer(Optimizer):
         self.runtime.zero_grad(set_to_none, only=set(self.group_of()))
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("a chunkmem optimizer keeps its state in chunks: save it with "
-                                  "chunkmem.save_checkpoint(path, model, optimizer)")
+        """torch.optim's format, as a Hugging Face Trainer or accelerate saves it with torch.save: the states of each
+        parameter that has stepped (`state`: fp32 copies on the host) under its index in the param groups, and the
+        groups' options. Not under ZeRO, where each rank holds a share of every state (chunkmem.save_checkpoint)."""
+        index: dict[int, int] = {}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [index.setdefault(id(p), len(index)) for p in group["params"]]}
+                  for group in self.param_groups]
+        state = {index[id(p)]: dict(self.state[p]) for group in self.param_groups for p in group["params"]
+                 if p in self.state}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError("load a chunkmem optimizer's state with chunkmem.load_checkpoint(path, model, optimizer)")
+        """torch.optim's: `state_dict` (this optimizer's `state_dict()`, or a plain one's over the same parameters in
+        the same groups) gives each parameter its step count and states, those it lacks starting afresh, and each
+        group its options. Checked whole before anything changes. Not under ZeRO (chunkmem.load_checkpoint)."""
+        self._states._not_sharded()
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
+                             f"{len(self.param_groups)}: load one saved from an optimizer over the same groups")
+        records = self.runtime.store.records
+        by_index = {}
+        for number, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(f"parameter group {number} of the loaded state dict has {len(saved['params'])} "
+                                 f"parameters, this optimizer's {len(group['params'])}")
+            by_index.update({index: records[param] for index, param in zip(saved["params"], group["params"])})
+        steps = dict.fromkeys(self.steps, 0.0)
+        states = {}
+        for index, values in saved_state.items():
+            record = by_index.get(index)
+            if record is None:
+                raise ValueError(f"the loaded state dict has states for parameter {index}, which none of its "
+                                 "parameter groups holds")
+            for kind in self.runtime.store.families.saved:
+                value = values.get(kind)
+                if not isinstance(value, torch.Tensor) or value.shape != record.shape:
+                    raise ValueError(f"the loaded state of parameter {index} ({record.name}, {tuple(record.shape)}) "
+                                     f"has {kind}={_described(value)}: expected a tensor of its shape")
+                states[record, kind] = value
+            steps[record] = float(values.get("step", 1))  # SGD keeps none: 1, its momentum buffer is made
+        self.set_states(steps, states)
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})

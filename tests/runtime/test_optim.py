@@ -444,3 +444,50 @@ def test_an_optimizer_chunkmem_cannot_drive_is_named_and_a_read_of_an_empty_stat
     optimizer = ADAMW(model.parameters())
     assert optimizer.state[next(model.parameters())].get("step") is None  # leaves an empty entry behind
     chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu"))
+
+
+def two_groups(make: Callable, model: nn.Module) -> torch.optim.Optimizer:
+    """Decay and no-decay groups, as a Hugging Face Trainer makes them."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    return make([{"params": decay}, {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+                                     "weight_decay": 0.0}])
+
+
+@pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)],
+                         ids=["adamw", "sgd"])
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_optimizer_state_dict_is_torchs_and_a_plain_one_loads_back_and_forth(make, budget) -> None:
+    # It raised NotImplementedError: a loop that saves optimizer.state_dict() (a Hugging Face Trainer's
+    # checkpoints) could not run, nor resume from a plain run's.
+    model, batches = mlp(), mlp_batches(6)
+    plain = copy.deepcopy(model)
+    plain_opt = two_groups(make, plain)
+    config = chunkmem.Config(device="cpu", device_memory=budget and int(param_bytes(model) * budget))
+    cm, opt = chunkmem.prepare(model, two_groups(make, model), config)
+    assert train(cm, opt, batches[:3], mlp_loss) == train(plain, plain_opt, batches[:3], mlp_loss)
+    ours, theirs = opt.state_dict(), plain_opt.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"] and ours["state"].keys() == theirs["state"].keys()
+    for index, state in theirs["state"].items():
+        assert state.keys() == ours["state"][index].keys()
+        assert all(torch.equal(ours["state"][index][k], v) for k, v in state.items())
+    # A plain run resumed from ours, and ours from a plain run's, go on as the plain run does.
+    resumed_plain = copy.deepcopy(plain)
+    resumed_plain_opt = two_groups(make, resumed_plain)
+    resumed_plain_opt.load_state_dict(ours)
+    start = copy.deepcopy(resumed_plain)
+    resumed, resumed_opt = chunkmem.prepare(start, two_groups(make, start), config)
+    resumed_opt.load_state_dict(theirs)
+    expected = train(plain, plain_opt, batches[3:], mlp_loss)
+    assert train(resumed_plain, resumed_plain_opt, batches[3:], mlp_loss) == expected
+    assert train(resumed, resumed_opt, batches[3:], mlp_loss) == expected
+    assert all(torch.equal(resumed.state_dict()[k], v) for k, v in plain.state_dict().items())
+    # One that does not fit is refused whole.
+    before = resumed_opt.state_dict()
+    broken = copy.deepcopy(theirs)
+    broken["state"][max(broken["state"])][next(iter(opt.runtime.store.families.saved))] = torch.zeros(3)
+    for bad, message in ((dict(broken), "expected a tensor of its shape"),
+                         ({**theirs, "param_groups": theirs["param_groups"][:1]}, "has 1 parameter groups")):
+        with pytest.raises(ValueError, match=message):
+            resumed_opt.load_state_dict(bad)
+        after = resumed_opt.state_dict()
+        assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
