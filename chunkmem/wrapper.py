@@ -283,7 +283,7 @@ class ChunkedModel(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickling (torch.save(model)) would take the runtime along: its chunks, threads and device streams."""
-        raise TypeError("pickling a model chunkmem prepared (torch.save(model), pickle.dumps): save "
+        raise TypeError("pickling a model chunkmem prepared (torch.save(model), pickle.dumps, copy.copy): save "
                         "model.state_dict() or chunkmem.save_checkpoint(...), or pickle copy.deepcopy(model), the "
                         "wrapped module as plain PyTorch holds it")
 

@@ -83,8 +83,12 @@ def rule_for(optimizer: Optimizer) -> Rule:
     return Rule(("exp_avg", "exp_avg_sq"), _adam)
 
 
+LOSS_SCALER = "chunkmem_loss_scaler"  # the key of state_dict() that holds the fp16 loss scaler's state
+
+
 def _described(value: Any) -> str:
-    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+    return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}" if isinstance(
+        value, torch.Tensor) else repr(value)
 
 
 def _check_flags(name: str, group: dict) -> None:
@@ -737,46 +741,64 @@ class ChunkOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's format, as a Hugging Face Trainer or accelerate saves it with torch.save: the states of each
-        parameter that has stepped (`state`: fp32 copies on the host) under its index in the param groups, and the
-        groups' options. Not under ZeRO, where each rank holds a share of every state (chunkmem.save_checkpoint)."""
+        parameter that has stepped (`state`: fp32 copies on the host) under its index in the param groups, the
+        groups' options, and under fp16 the loss scaler's state (a key torch.optim's own loading ignores). Not under
+        ZeRO, where each rank holds a share of every state (chunkmem.save_checkpoint)."""
         index: dict[int, int] = {}
         groups = [{**{k: v for k, v in group.items() if k != "params"},
                    "params": [index.setdefault(id(p), len(index)) for p in group["params"]]}
                   for group in self.param_groups]
         state = {index[id(p)]: dict(self.state[p]) for group in self.param_groups for p in group["params"]
                  if p in self.state}
-        return {"state": state, "param_groups": groups}
+        scaler = self.runtime.scaler
+        return {"state": state, "param_groups": groups,
+                **({LOSS_SCALER: dataclasses.asdict(scaler)} if scaler is not None else {})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's: `state_dict` (this optimizer's `state_dict()`, or a plain one's over the same parameters in
-        the same groups) gives each parameter its step count and states, those it lacks starting afresh, and each
-        group its options. Checked whole before anything changes. Not under ZeRO (chunkmem.load_checkpoint)."""
+        the same groups) gives each trainable parameter its step count and states, those it lacks starting afresh,
+        each group its options, and the loss scaler its state where it has one. Checked whole before anything
+        changes. Not under ZeRO (chunkmem.load_checkpoint)."""
         self._states._not_sharded()
+        self.group_of()  # every parameter of the groups has a step count, and is this model's
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"the loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
                              f"{len(self.param_groups)}: load one saved from an optimizer over the same groups")
         records = self.runtime.store.records
-        by_index = {}
+        by_index, merged = {}, []
         for number, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(f"parameter group {number} of the loaded state dict has {len(saved['params'])} "
                                  f"parameters, this optimizer's {len(group['params'])}")
             by_index.update({index: records[param] for index, param in zip(saved["params"], group["params"])})
-        steps = dict.fromkeys(self.steps, 0.0)
+            merged.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            _check_flags(self.wrapped_type.__name__, merged[-1])  # amsgrad, which the chunks have no room for
+            self._check_momentum(merged[-1])
+        steps = dict.fromkeys(self.steps, 0.0)  # one with no state saved starts afresh, as torch.optim's loading
         states = {}
         for index, values in saved_state.items():
             record = by_index.get(index)
             if record is None:
                 raise ValueError(f"the loaded state dict has states for parameter {index}, which none of its "
                                  "parameter groups holds")
+            if not record.group.trainable:  # frozen at prepare: it never steps, and has no state chunks
+                continue
             for kind in self.runtime.store.families.saved:
                 value = values.get(kind)
-                if not isinstance(value, torch.Tensor) or value.shape != record.shape:
+                if not isinstance(value, torch.Tensor) or value.shape != record.shape or \
+                        not value.dtype.is_floating_point or value.is_meta:
                     raise ValueError(f"the loaded state of parameter {index} ({record.name}, {tuple(record.shape)}) "
-                                     f"has {kind}={_described(value)}: expected a tensor of its shape")
+                                     f"has {kind}={_described(value)}: expected a float tensor of its shape")
                 states[record, kind] = value
             steps[record] = float(values.get("step", 1))  # SGD keeps none: 1, its momentum buffer is made
+        scaler, saved_scaler = self.runtime.scaler, state_dict.get(LOSS_SCALER)
+        if scaler is not None and saved_scaler is not None and (
+                not isinstance(saved_scaler, dict) or set(saved_scaler) != set(vars(scaler))):
+            raise ValueError(f"the loaded state dict's {LOSS_SCALER} is {saved_scaler!r}: expected the fields "
+                             f"{sorted(vars(scaler))}")
         self.set_states(steps, states)
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        for group, options in zip(self.param_groups, merged):
+            group.update(options)
+        if scaler is not None and saved_scaler is not None:
+            scaler.__dict__.update(saved_scaler)

@@ -485,9 +485,46 @@ def test_optimizer_state_dict_is_torchs_and_a_plain_one_loads_back_and_forth(mak
     before = resumed_opt.state_dict()
     broken = copy.deepcopy(theirs)
     broken["state"][max(broken["state"])][next(iter(opt.runtime.store.families.saved))] = torch.zeros(3)
-    for bad, message in ((dict(broken), "expected a tensor of its shape"),
+    for bad, message in ((dict(broken), "expected a float tensor of its shape"),
                          ({**theirs, "param_groups": theirs["param_groups"][:1]}, "has 1 parameter groups")):
         with pytest.raises(ValueError, match=message):
             resumed_opt.load_state_dict(bad)
         after = resumed_opt.state_dict()
         assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
+
+
+def test_optimizer_load_state_dict_refuses_what_it_cannot_hold_and_carries_the_loss_scale() -> None:
+    model, batches = mlp(), mlp_batches(2)
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(plain.parameters())
+    train(plain, plain_opt, batches, mlp_loss)
+    saved = plain_opt.state_dict()
+    model[2].weight.requires_grad_(False)  # frozen at prepare, still in the optimizer (as LoRA users write it)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    frozen = [i for i, p in enumerate(model.parameters()) if not p.requires_grad]
+    opt.load_state_dict(saved)  # its state in the loaded dict is left: state_dict() then raised KeyError('exp_avg')
+    assert sorted(opt.state_dict()["state"]) == [i for i in saved["state"] if i not in frozen]
+    before = opt.state_dict()
+    amsgrad = copy.deepcopy(saved)
+    amsgrad["param_groups"][0]["amsgrad"] = True  # its max_exp_avg_sq would have been dropped, and amsgrad set
+    meta = copy.deepcopy(saved)
+    last = meta["state"][max(meta["state"])]
+    last["exp_avg"] = torch.empty(last["exp_avg"].shape, device="meta")  # written after the others: a half load
+    for bad, message in ((amsgrad, r"amsgrad=True\) is not supported"), (meta, "expected a float tensor")):
+        with pytest.raises(ValueError, match=message):
+            opt.load_state_dict(bad)
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
+    sgd = copy.deepcopy(mlp())
+    _, no_momentum = chunkmem.prepare(sgd, torch.optim.SGD(sgd.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    with pytest.raises(ValueError, match="had momentum=0 in every group"):
+        no_momentum.load_state_dict({"state": {}, "param_groups": [{**no_momentum.state_dict()["param_groups"][0],
+                                                                    "momentum": 0.9}]})
+    assert no_momentum.param_groups[0]["momentum"] == 0
+    # fp16: the loss scale goes with the states (resumed at 2**16, steps that had come down from it overflowed).
+    half = [chunkmem.prepare(m, ADAMW(m.parameters()), chunkmem.Config(device="cpu", dtype="fp16"))
+            for m in (mlp(), mlp())]
+    half[0][1].runtime.scaler.scale, half[0][1].runtime.scaler.good_steps = 1024.0, 7
+    half[1][1].load_state_dict(half[0][1].state_dict())
+    assert half[1][1].runtime.scaler == half[0][1].runtime.scaler
