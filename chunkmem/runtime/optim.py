@@ -782,7 +782,9 @@ class ChunkOptimizer(Optimizer):
             if record is None:
                 raise ValueError(f"the loaded state dict has states for parameter {index}, which none of its "
                                  "parameter groups holds")
-            if not record.group.trainable:  # frozen at prepare: it never steps, and has no state chunks
+            # Frozen at prepare: it never steps, and has no state chunks. Or torch's SGD stepped it in a group without
+            # momentum, which keeps None: it starts afresh.
+            if not record.group.trainable or ("momentum_buffer" in values and values["momentum_buffer"] is None):
                 continue
             for kind in self.runtime.store.families.saved:
                 value = values.get(kind)
