@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import chunkmem
 from chunkmem.config import parse_size
-from tests.helpers import mlp, param_bytes
+from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
 
 
 @pytest.mark.parametrize("text,expected", [(1024, 1024), ("512MiB", 512 * 2**20), ("20GiB", 20 * 2**30),
@@ -115,11 +117,15 @@ def test_load_state_dict_reports_missing_keys_like_pytorch():
         cm.load_state_dict(state, strict=False)
 
 
-def test_optimizer_state_dict_points_to_checkpoints():
+def test_optimizer_state_dict_of_sgd_without_momentum_is_torchs():
+    # It raised NotImplementedError (tests/runtime/test_optim.py has AdamW's and SGD's with momentum).
     model = mlp()
-    _, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
-    with pytest.raises(NotImplementedError, match="chunkmem.save_checkpoint"):
-        opt.state_dict()
+    plain = copy.deepcopy(model)
+    optimizers = [torch.optim.SGD(plain.parameters(), lr=0.1)]
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), chunkmem.Config(device="cpu"))
+    for net, optimizer in ((plain, optimizers[0]), (cm, opt)):
+        train(net, optimizer, mlp_batches(1), mlp_loss)
+    assert opt.state_dict() == optimizers[0].state_dict() and opt.state_dict()["param_groups"]
 
 
 def test_gather_units_are_class_names():
