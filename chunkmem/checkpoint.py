@@ -435,8 +435,9 @@ def _scaler(file: Path, saved: Any, optimizer: ChunkOptimizer) -> dict[str, Any]
     scaler = optimizer.runtime.scaler
     if saved is None or scaler is None:
         return None
-    if not isinstance(saved, dict) or set(saved) != set(vars(scaler)):
-        raise CheckpointError(f"{file}: loss_scaler is {saved!r}, expected the fields {sorted(vars(scaler))}")
+    problem = scaler.problem(saved)
+    if problem is not None:
+        raise CheckpointError(f"{file}: loss_scaler is {saved!r}: {problem}")
     return saved
 
 

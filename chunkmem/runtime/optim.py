@@ -83,6 +83,9 @@ def rule_for(optimizer: Optimizer) -> Rule:
     return Rule(("exp_avg", "exp_avg_sq"), _adam)
 
 
+# torch.optim's hooks of an optimizer (register_step_pre_hook, register_state_dict_post_hook, ...)
+HOOKS = [f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict", "load_state_dict")
+         for when in ("pre", "post")]
 LOSS_SCALER = "chunkmem_loss_scaler"  # the key of state_dict() that holds the fp16 loss scaler's state
 
 
@@ -252,18 +255,26 @@ class Together:
             self.update()
 
 
+def _through(hooks: Mapping[int, Callable], optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` through torch.optim's state dict hooks that may replace it (one returning None leaves it)."""
+    for hook in hooks.values():
+        result = hook(optimizer, state_dict)
+        state_dict = state_dict if result is None else result
+    return state_dict
+
+
 def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     """After a prepare succeeded, the user's own optimizer refuses to step: it would update the parameters where the
     chunks lend them, with states of its own, beside the prepared optimizer. An LR scheduler made on it before prepare
     still works: the prepared optimizer shares its list of param groups (a group added to the prepared one after
     prepare is the scheduler's too; one added to the user's is added to the prepared one), and says when it stepped
-    (ChunkOptimizer.step). Step hooks registered on either, before prepare or after, run at the prepared one's steps:
-    the two share them too. Its state_dict and load_state_dict are the prepared one's (a load gave it a list of its
-    own, and a scheduler on it then changed groups nothing trained with)."""
+    (ChunkOptimizer.step). Step and state dict hooks registered on either, before prepare or after, run at the prepared
+    one's steps and state dicts: the two share them too. Its state_dict and load_state_dict are the prepared one's (a
+    load gave it a list of its own, and a scheduler on it then changed groups nothing trained with)."""
     optimizer.param_groups = prepared.param_groups  # the same dicts, in the same order, until now in two lists
     optimizer.add_param_group = prepared.add_param_group  # type: ignore[method-assign]  # with its checks and states
-    prepared._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
-    prepared._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+    for hooks in HOOKS:
+        setattr(prepared, hooks, getattr(optimizer, hooks))
     def step(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
             f"this {type(optimizer).__name__} was given to chunkmem.prepare, which returned the optimizer that steps "
@@ -743,7 +754,9 @@ class ChunkOptimizer(Optimizer):
         """torch.optim's format, as a Hugging Face Trainer or accelerate saves it with torch.save: the states of each
         parameter that has stepped (`state`: fp32 copies on the host) under its index in the param groups, the
         groups' options, and under fp16 the loss scaler's state (a key torch.optim's own loading ignores). Not under
-        ZeRO, where each rank holds a share of every state (chunkmem.save_checkpoint)."""
+        ZeRO, where each rank holds a share of every state (chunkmem.save_checkpoint). Its hooks run as torch.optim's."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         index: dict[int, int] = {}
         groups = [{**{k: v for k, v in group.items() if k != "params"},
                    "params": [index.setdefault(id(p), len(index)) for p in group["params"]]}
@@ -751,15 +764,17 @@ class ChunkOptimizer(Optimizer):
         state = {index[id(p)]: dict(self.state[p]) for group in self.param_groups for p in group["params"]
                  if p in self.state}
         scaler = self.runtime.scaler
-        return {"state": state, "param_groups": groups,
-                **({LOSS_SCALER: dataclasses.asdict(scaler)} if scaler is not None else {})}
+        out = {"state": state, "param_groups": groups,
+               **({LOSS_SCALER: dataclasses.asdict(scaler)} if scaler is not None else {})}
+        return _through(self._optimizer_state_dict_post_hooks, self, out)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's: `state_dict` (this optimizer's `state_dict()`, or a plain one's over the same parameters in
         the same groups) gives each trainable parameter its step count and states, those it lacks starting afresh,
         each group its options, and the loss scaler its state where it has one. Checked whole before anything
-        changes. Not under ZeRO (chunkmem.load_checkpoint)."""
+        changes (but by its pre-hooks, which run first, as torch.optim's). Not under ZeRO (chunkmem.load_checkpoint)."""
         self._states._not_sharded()
+        state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
         self.group_of()  # every parameter of the groups has a step count, and is this model's
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         if len(saved_groups) != len(self.param_groups):
@@ -795,12 +810,13 @@ class ChunkOptimizer(Optimizer):
                 states[record, kind] = value
             steps[record] = float(values.get("step", 1))  # SGD keeps none: 1, its momentum buffer is made
         scaler, saved_scaler = self.runtime.scaler, state_dict.get(LOSS_SCALER)
-        if scaler is not None and saved_scaler is not None and (
-                not isinstance(saved_scaler, dict) or set(saved_scaler) != set(vars(scaler))):
-            raise ValueError(f"the loaded state dict's {LOSS_SCALER} is {saved_scaler!r}: expected the fields "
-                             f"{sorted(vars(scaler))}")
+        problem = None if scaler is None or saved_scaler is None else scaler.problem(saved_scaler)
+        if problem is not None:
+            raise ValueError(f"the loaded state dict's {LOSS_SCALER} is {saved_scaler!r}: {problem}")
         self.set_states(steps, states)
         for group, options in zip(self.param_groups, merged):
             group.update(options)
         if scaler is not None and saved_scaler is not None:
             scaler.__dict__.update(saved_scaler)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -493,6 +493,35 @@ def test_optimizer_state_dict_is_torchs_and_a_plain_one_loads_back_and_forth(mak
         assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
 
 
+def test_optimizer_state_dict_hooks_run_as_torchs_registered_before_prepare_or_after() -> None:
+    # They never ran: a library that registers one (to add or rename keys of the saved state) saved without it.
+    def hooked(optimizer: torch.optim.Optimizer, calls: list) -> None:
+        optimizer.register_state_dict_pre_hook(lambda opt: calls.append("pre"))
+        optimizer.register_state_dict_post_hook(lambda opt, sd: calls.append("post") or {**sd, "extra": 1})
+        optimizer.register_load_state_dict_pre_hook(
+            lambda opt, sd: calls.append("load pre") or {k: v for k, v in sd.items() if k != "extra"})
+        optimizer.register_load_state_dict_post_hook(lambda opt: calls.append("load post"))
+
+    model, batches = mlp(), mlp_batches(2)
+    plain = copy.deepcopy(model)
+    plain_opt, expected = ADAMW(plain.parameters()), []
+    hooked(plain_opt, expected)
+    train(plain, plain_opt, batches, mlp_loss)
+    user_opt, calls = ADAMW(model.parameters()), []
+    hooked(user_opt, calls)  # before prepare, on the user's optimizer
+    cm, opt = chunkmem.prepare(model, user_opt, chunkmem.Config(device="cpu"))
+    train(cm, opt, batches, mlp_loss)
+    for optimizer, seen in ((plain_opt, expected), (opt, calls), (user_opt, calls)):
+        saved = optimizer.state_dict()
+        assert saved["extra"] == 1
+        optimizer.load_state_dict(saved)
+    assert calls == expected * 2 == ["pre", "post", "load pre", "load post"] * 2
+    after: list = []  # registered on the prepared one after prepare: the user's runs it too
+    opt.register_state_dict_pre_hook(after.append)
+    user_opt.state_dict()
+    assert after == [opt]
+
+
 def test_optimizer_load_state_dict_refuses_what_it_cannot_hold_and_carries_the_loss_scale() -> None:
     model, batches = mlp(), mlp_batches(2)
     plain = copy.deepcopy(model)
@@ -528,3 +557,10 @@ def test_optimizer_load_state_dict_refuses_what_it_cannot_hold_and_carries_the_l
     half[0][1].runtime.scaler.scale, half[0][1].runtime.scaler.good_steps = 1024.0, 7
     half[1][1].load_state_dict(half[0][1].state_dict())
     assert half[1][1].runtime.scaler == half[0][1].runtime.scaler
+    # A scale that is not one (NaN: every later step would be skipped, a string: the first step raised) is refused.
+    saved = half[0][1].state_dict()
+    for field, value in (("scale", float("nan")), ("scale", "1024"), ("good_steps", 1.5), ("interval", 0)):
+        bad = {**saved, optim.LOSS_SCALER: {**saved[optim.LOSS_SCALER], field: value}}
+        with pytest.raises(ValueError, match=f"{field}="):
+            half[1][1].load_state_dict(bad)
+        assert half[1][1].runtime.scaler == half[0][1].runtime.scaler
