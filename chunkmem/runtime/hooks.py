@@ -238,30 +238,31 @@ class Hooks:
     def _pre_forward(self, module: nn.Module, _args: Any) -> None:
         if self.runtime.placer.resident:  # nothing to bring, pin or measure (runtime's Note on resident steps)
             return
-        if not self.forwarding and self.outside is None:
-            try:
+        try:  # until it acquires: raising before (torch.func refuses saved-tensor hooks, a moment found no room), the
+            # module is `refused`, and the post-hook, run all the same, has nothing to release
+            if not self.forwarding and self.outside is None:
                 self._enter_outside(module)
-            except BaseException:  # (torch.func refuses saved-tensor hooks) the post-hook runs all the same: it
-                self.refused = module  # has nothing to release
-                raise
-        if self._acquires(module):
-            self.runtime.enter(module, self.runtime.emit("pre_forward", "fwd", self.names[module]))
+            acquires = self._acquires(module)
+            if acquires or self._moment_inside():
+                nonmodel = self.runtime.emit("pre_forward", "fwd", self.names[module])
+        except BaseException:
+            self.refused = module
+            raise
+        if acquires:
+            self.runtime.enter(module, nonmodel)
             if self.idle_off and not self.runtime.placer.steady:  # gave way: moments inside units make room again
                 self._idle_hooks(True)
-        elif self._moment_inside():
-            self.runtime.emit("pre_forward", "fwd", self.names[module])
 
     def _post_forward(self, module: nn.Module, _args: Any, _output: Any) -> None:
         """Also when the module raised (always_call): its parameters are released and a mode it entered exits."""
         if self.runtime.placer.resident:
             return
-        if self.refused is module:
+        if self.refused is module:  # its pre-hook raised before it acquired
             self.refused = None
-            return
-        acquired = self._acquires(module)
-        if acquired:
+        elif self._acquires(module):
             self.runtime.leave(module)
-        if acquired or self._moment_inside():
+            self.runtime.emit("post_forward", "fwd", self.names[module])
+        elif self._moment_inside():
             self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
             contexts, self.outside = self.outside[1], None
