@@ -49,6 +49,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
+# How CUDA's error for an op given tensors on two devices begins (the simulation's too: simmemory._refuse_mixed).
+TWO_DEVICES = "Expected all tensors to be on the same device"
+
+
 class ChunkedModel(nn.Module):
     """The user's module (at `.module`) with its model data in chunks.
 
@@ -96,21 +100,32 @@ class ChunkedModel(nn.Module):
         args, kwargs = tree_unflatten(leaves, spec)
         inputs = (spec, *[_signature(leaf) for leaf in leaves])
         restore: Callable[[], None] | None = None
+        lean = False
+
+        def again() -> Any:  # under the torch-function mode, from the random state it started from
+            restore()  # type: ignore[misc]
+            with self.hooks.forward(inputs):
+                return self.module(*args, **kwargs)
         try:
             with self.hooks.forward(inputs) as modeless:
                 restore = _random_state(self.runtime.device.torch_device) if modeless else None
+                lean = modeless and not self.runtime.placer.resident
                 output = self.module(*args, **kwargs)
         except torch.OutOfMemoryError as error:
             if restore is None:
                 raise
             # Resident or lean, no torch-function mode was there to retry the op that failed (runtime's Notes on
-            # them): the forward runs again under it, from the random state it started from.
-            def again() -> Any:
-                restore()
-                with self.hooks.forward(inputs):
-                    return self.module(*args, **kwargs)
-
+            # them): the forward runs again under it.
             output = self.runtime.placer.out_of_memory(error, again)
+        except RuntimeError as error:
+            if not lean or not str(error).startswith(TWO_DEVICES):
+                raise
+            # A lean forward used a parameter outside its module for the first time, its chunk on the host (runtime's
+            # Note on lean forwards): it runs again under the mode, which fetches it, as the model's forwards will.
+            self.runtime.lean_allowed = False
+            self.runtime.placer.diverge("a forward without the torch-function mode gave an op a parameter whose chunk "
+                                        "was on the host: it runs again under the mode")
+            output = again()
         if not torch.is_grad_enabled():
             return output
         if scaler is not None:

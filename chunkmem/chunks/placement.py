@@ -411,7 +411,8 @@ class Placer:
             if not chunk.state.on_device and self.residency.stats.device_chunk_bytes + chunk.nbytes <= room:
                 self.residency.bring(chunk, "prefetch")
 
-    def _diverge(self, why: str) -> None:
+    def diverge(self, why: str) -> None:
+        """Leave the plan for the rest of this step (`why` it no longer holds), and record the next step."""
         log.warning("%s: placing by least-recently-used under the conservative budget for the rest of "
                     "this step, and recording the next one", why)
         self.phase = Phase.DIVERGED
@@ -422,7 +423,7 @@ class Placer:
         conservative (at the chunk bytes left) for the rest of this step and record the next (its non-model data
         outgrew what the plan assumed). When no chunk is left to free, activations alone do not fit: a
         MemoryBudgetError that says so."""
-        self._diverge(f"device out of memory in a forward op ({error}); evicting chunks not in use until it fits")
+        self.diverge(f"device out of memory in a forward op ({error}); evicting chunks not in use until it fits")
         self.resident = False
         try:
             return self.residency.retry_out_of_memory(error, retry)

@@ -334,7 +334,7 @@ class Hooks:
             if resident and training:
                 runtime.end_resident_forward(inputs)
                 self._hooks_follow_residency()  # outgrown: the rest of the step gives way
-            runtime.fence_uploads()  # the caller may read parameters before backward (a penalty, a log line)
+            runtime.fence_params()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
             self._idle_hooks(True)

@@ -498,7 +498,7 @@ class ChunkOptimizer(Optimizer):
         finally:
             runtime.residency.before_leave = None
         runtime.optimizer_done(self)
-        runtime.fence_uploads()  # parameters sent up during the step are read next, maybe outside forward (an EMA)
+        runtime.fence_params()  # parameters sent up during the step are read next, maybe outside forward (an EMA)
         return loss
 
     def _visit(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],

@@ -47,8 +47,9 @@ the activations autograd saves as they are, unmetered: its non-model bytes are t
 benchmarks/overhead.py about a third of the host time a streaming forward adds (the saved parameters are
 still packed by address, so that their chunks may leave before backward). The limit: a parameter used
 outside its module for the first time in a lean forward (a branch that only some batches of the same
-shapes take) is neither fetched nor waited for, so its op may read a host tensor (an error on CUDA) or an
-upload still landing (the simulation's checker reports it).
+shapes take) is neither fetched nor waited for. Where its chunk is on the host, its op fails on two devices,
+and the forward runs again under the mode (ChunkedModel.forward), as every later one; where its chunk is on
+the device with its upload still landing, the op may read it early (the simulation's checker reports it).
 """
 
 from __future__ import annotations
@@ -817,7 +818,7 @@ class Runtime:
 
     def _backward_done(self, task: int) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
-        readable by what runs next (`fence_uploads`). A backward nested in a node of another (torch.utils.checkpoint's
+        readable by what runs next (`fence_params`). A backward nested in a node of another (torch.utils.checkpoint's
         reentrant kind runs one per segment) ends the outer one's part: its end is the outer's, after that node.
         Ending here, it showed the gradients so far in `p.grad`, into which the next segment's backward added
         (streamed groups' on the host: a device mismatch) before the outer backward ended."""
@@ -834,29 +835,32 @@ class Runtime:
             self._note_peak(self.nonmodel_bytes())
         if self.shards is not None:  # reduce-scatters in flight finish now
             self.shards.finish_backward()
-        self.fence_uploads()
         failed = self.ahead.backward_done() if self.ahead is not None else None
         self.grads.hidden_by_forward = False
         if self.shards is None:
             self.grads.show()
         else:
             self.grads.show_sharded()
+        self.fence_params()  # after show: a parameter chunk changed on the device may have gone back to the host
         if failed is not None:  # an update made ahead (step() makes it again)
             raise failed
 
-    def fence_uploads(self) -> None:
-        """Compute waits for every upload still landing (on CUDA the compute stream waits, the host does not).
+    def fence_params(self) -> None:
+        """Parameters readable and writable by user code: compute waits for every upload still landing (on CUDA the
+        compute stream waits, the host does not), and the host for the copies on a host payload parameters view.
 
-        Called where control goes back to user code (the end of a forward, of a backward, of `step()`): a
-        parameter views its chunk's device payload as soon as the upload is issued, and code outside the hooks
-        (an EMA, a log line, a penalty term) reads it with no hook to wait first (SPEC: every read of chunk bytes
-        waits for the copies that write them). Where parameters view their chunk's host payload, which that code may
-        write in place (a weight constraint), the host waits for an upload still reading it."""
+        Called where control goes back to user code (the end of a forward, of a backward, of `step()`, of a
+        `zero_grad` that showed zeros): a parameter views its chunk's device payload as soon as the upload is issued,
+        and its host payload as soon as its chunk left the device, a download of what changed there still landing;
+        code outside the hooks (an EMA, a log line, a penalty term) reads it with no hook to wait first (SPEC: every
+        read of chunk bytes waits for the copies that write them). Where parameters view their chunk's host payload,
+        which that code may write in place (a weight constraint), the host also waits for an upload still reading it."""
         for chunk in self.residency.resident.values():
             if chunk.pending is not None:
                 chunk.fence()
         for group in self.store.owned_groups():
             if group.param not in self.store.device_views:
+                group.param.settled_copies()
                 group.param.host_writable()
 
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
@@ -894,6 +898,7 @@ class Runtime:
         self.grads_scaled = self.scaler is not None
         if shown:
             self.grads.show(zeroed)
+            self.fence_params()  # show may have sent a parameter chunk changed on the device back to the host
 
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)

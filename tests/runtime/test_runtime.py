@@ -155,8 +155,8 @@ def test_reads_right_after_a_step_wait_for_the_uploads_already_on_their_way(tmp_
     # After a step the host-updated parameter chunks are sent up for the next one at once; state_dict,
     # fp32_value and save_checkpoint read them right away. In the simulation an upload lands only when
     # waited for (NaN until then) and the checker raises on a read before. step() ends with compute waiting for
-    # them (Runtime.fence_uploads); without that, each of these readers must still wait on its own.
-    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)
+    # them (Runtime.fence_params); without that, each of these readers must still wait on its own.
+    monkeypatch.setattr(Runtime, "fence_params", lambda self: None)
     model = tiny_gpt2()
     ref = copy.deepcopy(model)
     ref_opt = adamw(ref.parameters())
@@ -236,7 +236,7 @@ def test_a_wait_taken_out_of_the_runtime_fails(monkeypatch, target, name, replac
     monkeypatch.setattr(target, name, replacement)
     # The waits at a step's edges hide the rest: uploads fenced as forward, backward and step() end; gradients
     # waited for as backward ends, to be shown in p.grad.
-    monkeypatch.setattr(Runtime, "fence_uploads", lambda self: None)
+    monkeypatch.setattr(Runtime, "fence_params", lambda self: None)
     monkeypatch.setattr(ShownGrads, "show", lambda self: None)
     with pytest.raises(HazardError, match="chunkmem simulation"):
         for batch in batches:

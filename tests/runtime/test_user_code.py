@@ -734,6 +734,71 @@ def test_a_forward_whose_module_pre_hook_raised_before_acquiring_leaves_training
             opt.step()
             opt.zero_grad()
     same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_parameters_read_or_changed_outside_forward_hold_their_values_when_their_chunk_just_left(set_to_none) -> None:
+    # A parameter chunk an update on the device changed that leaves the device (at a backward's or zero_grad's end,
+    # to show gradients on the host; during step(), for room) is sent back to the host, and its parameters view the
+    # host payload at once: read there before that download landed, they held the values before the update, and a
+    # weight constraint applied after backward was lost (the simulation's checker: HazardError). At just over the
+    # model data (4 x the parameter bytes under AdamW), groups homed and streamed side by side.
+    reads: dict[str, list[float]] = {}
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        seen = reads.setdefault("plain" if model is unwrapped(model) else "chunkmem", [])
+        for ids in gpt2_batches(STEPS):
+            gpt2_loss(model, ids).backward()
+            with torch.no_grad():
+                seen.append(sum(float(p.sum()) for p in model.parameters()))
+                for p in model.parameters():
+                    if p.dim() == 2:
+                        p.mul_(0.99)  # a weight constraint between backward and step
+            opt.step()
+            seen.append(sum(float(p.detach().sum()) for p in model.parameters()))
+            opt.zero_grad(set_to_none=set_to_none)
+            seen.append(sum(float(p.detach().sum()) for p in model.parameters()))
+    same_bits(loop, 4.24)
+    assert reads["chunkmem"] == reads["plain"]
+
+
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_a_parameter_used_outside_its_module_first_in_a_lean_forward_trains_as_plain_pytorch(budget) -> None:
+    # A branch only later batches of the same shapes take reads another module's weight: the forward ran lean, without
+    # the torch-function mode that fetches such a parameter, and its op got a host tensor (on CUDA, a device mismatch).
+    class Branching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inp, self.out = nn.Linear(16, 64), nn.Linear(64, 4)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6))
+            self.branch = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            for block in self.blocks:
+                h = h + block(h)
+            if self.branch:
+                h = h + torch.tanh(nn.functional.linear(h, self.blocks[0][0].weight))
+            return self.out(h)
+
+    lean: list[int] = []
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        generator = torch.Generator().manual_seed(1)
+        for step in range(7):
+            unwrapped(model).branch = step in (4, 6)
+            x, y = torch.randn(2, 16, generator=generator), torch.randn(2, 4, generator=generator)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if model is not unwrapped(model):
+                lean.append(model.memory_stats()["lean_forwards"])
+    same_bits(loop, budget, Branching())
+    assert lean[3] > 0 and lean[-1] == lean[4], "forwards ran lean until step 4's, none after it"
+
+
+def test_under_fp16_a_model_may_change_its_input_in_place() -> None:
     # The node that takes the scale off an input's gradient returned a view of it, which autograd forbids changing in
     # place: a model adding its position embedding into its input (`x += pos`) failed in forward.
     class AddsInPlace(nn.Module):
