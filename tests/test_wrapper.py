@@ -320,6 +320,9 @@ def test_deep_copying_or_pickling_a_module_inside_a_prepared_model_says_to_copy_
         torch.save(cm, io.BytesIO())  # "cannot pickle '_thread.lock'" once its steps ran resident
     plain = copy.deepcopy(cm)
     assert all(torch.equal(p, q) for p, q in zip(plain.state_dict().values(), cm.state_dict().values()))
+    for save in (copy.deepcopy, lambda o: torch.save(o, io.BytesIO())):  # a copy that could not step
+        with pytest.raises(TypeError, match=r"optimizer chunkmem prepared.*optimizer.state_dict\(\)"):
+            save(opt)
 
 
 class FusedQKV(nn.Module):

@@ -746,6 +746,12 @@ class ChunkOptimizer(Optimizer):
             torch._foreach_add_([self.steps[r] for r in members], 1)
         self.native_steps += 1
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled or deep-copied, it kept the parameters its model lends, its states in that model's chunks: the copy
+        could not step, and read no state."""
+        raise TypeError("pickling or copying an optimizer chunkmem prepared (torch.save(optimizer), copy.deepcopy): "
+                        "save optimizer.state_dict() or chunkmem.save_checkpoint(...) instead")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients of this optimizer's parameters only, as torch.optim does (`model.zero_grad()`: all)."""
         self.runtime.zero_grad(set_to_none, only=set(self.group_of()))
