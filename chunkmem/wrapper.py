@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import re
 import typing
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -49,8 +50,10 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
-# How CUDA's error for an op given tensors on two devices begins (the simulation's too: simmemory._refuse_mixed).
-TWO_DEVICES = "Expected all tensors to be on the same device"
+# CUDA's errors for an op given tensors on two devices: most ops' (the simulation's for all: simmemory._refuse_mixed),
+# and a convolution's.
+TWO_DEVICES = re.compile(r"Expected all tensors to be on the same device|Input type \(.*\) and weight type \(.*\) "
+                         r"should be the same")
 
 
 class ChunkedModel(nn.Module):
@@ -100,7 +103,7 @@ class ChunkedModel(nn.Module):
         args, kwargs = tree_unflatten(leaves, spec)
         inputs = (spec, *[_signature(leaf) for leaf in leaves])
         restore: Callable[[], None] | None = None
-        lean = False
+        lean = rerun = False
 
         def again() -> Any:  # under the torch-function mode, from the random state it started from
             restore()  # type: ignore[misc]
@@ -118,10 +121,13 @@ class ChunkedModel(nn.Module):
             # them): the forward runs again under it.
             output = self.runtime.placer.out_of_memory(error, again)
         except RuntimeError as error:
-            if not lean or not str(error).startswith(TWO_DEVICES):
+            if not lean or not TWO_DEVICES.search(str(error)):
                 raise
+            rerun = True  # once out of this block, whose error holds the failed forward's frames and activations
+        if rerun:
             # A lean forward used a parameter outside its module for the first time, its chunk on the host (runtime's
             # Note on lean forwards): it runs again under the mode, which fetches it, as the model's forwards will.
+            # What the failed part did runs twice (a BatchNorm's running statistics: as after an out-of-memory retry).
             self.runtime.lean_allowed = False
             self.runtime.placer.diverge("a forward without the torch-function mode gave an op a parameter whose chunk "
                                         "was on the host: it runs again under the mode")

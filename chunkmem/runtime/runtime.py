@@ -849,8 +849,8 @@ class Runtime:
         """Parameters readable and writable by user code: compute waits for every upload still landing (on CUDA the
         compute stream waits, the host does not), and the host for the copies on a host payload parameters view.
 
-        Called where control goes back to user code (the end of a forward, of a backward, of `step()`, of a
-        `zero_grad` that showed zeros): a parameter views its chunk's device payload as soon as the upload is issued,
+        Called where control goes back to user code (the end of a forward, of a backward, of `step()`, of
+        `zero_grad`): a parameter views its chunk's device payload as soon as the upload is issued,
         and its host payload as soon as its chunk left the device, a download of what changed there still landing;
         code outside the hooks (an EMA, a log line, a penalty term) reads it with no hook to wait first (SPEC: every
         read of chunk bytes waits for the copies that write them). Where parameters view their chunk's host payload,
@@ -898,7 +898,9 @@ class Runtime:
         self.grads_scaled = self.scaler is not None
         if shown:
             self.grads.show(zeroed)
-            self.fence_params()  # show may have sent a parameter chunk changed on the device back to the host
+        # Hiding and showing gradients may have sent a parameter chunk changed on the device back to the host (a weight
+        # constraint applied after step(): ShownGrads.restore), and parameters view host payloads uploads may read.
+        self.fence_params()
 
     def memory_stats(self) -> dict[str, int]:
         stats = dataclasses.asdict(self.residency.stats)

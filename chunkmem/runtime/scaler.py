@@ -29,13 +29,17 @@ class LossScaler:
 
     def problem(self, saved: Any) -> str | None:
         """What keeps `saved` (a state as `dataclasses.asdict` gives it, from a state dict or a checkpoint) from being
-        this scaler's, or None: every field, each a finite number, above 0 but for the counts."""
+        this scaler's, or None: every field, each a finite number within torch.amp.GradScaler's bounds."""
         if not isinstance(saved, dict) or set(saved) != set(vars(self)):
             return f"expected the fields {sorted(vars(self))}"
-        for name, value in saved.items():
-            least = {"interval": 1, "good_steps": 0}.get(name)  # counts
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-                    (value <= 0 if least is None else value < least or value != int(value)):
-                return f"{name}={value!r}, expected " + ("a number above 0" if least is None else
-                                                          f"a whole number of at least {least}")
-        return None
+        bad = [f"{k}={v!r}" for k, v in saved.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+        if bad:
+            return f"{', '.join(bad)}, expected finite numbers"
+        interval, good = saved["interval"], saved["good_steps"]
+        bounds = {"scale": saved["scale"] > 0, "growth": saved["growth"] > 1, "backoff": 0 < saved["backoff"] < 1,
+                  "interval": interval >= 1 and interval == int(interval),
+                  "good_steps": 0 <= good < interval and good == int(good)}
+        expected = {"scale": "above 0", "growth": "above 1", "backoff": "between 0 and 1",
+                    "interval": "a whole number of at least 1", "good_steps": "a whole number below the interval"}
+        return next((f"{k}={saved[k]!r}, expected {expected[k]}" for k, ok in bounds.items() if not ok), None)

@@ -559,7 +559,8 @@ def test_optimizer_load_state_dict_refuses_what_it_cannot_hold_and_carries_the_l
     assert half[1][1].runtime.scaler == half[0][1].runtime.scaler
     # A scale that is not one (NaN: every later step would be skipped, a string: the first step raised) is refused.
     saved = half[0][1].state_dict()
-    for field, value in (("scale", float("nan")), ("scale", "1024"), ("good_steps", 1.5), ("interval", 0)):
+    for field, value in (("scale", float("nan")), ("scale", "1024"), ("good_steps", 1.5), ("interval", 0),
+                         ("growth", 0.5), ("good_steps", 2000)):  # growth down; good steps the interval never reaches
         bad = {**saved, optim.LOSS_SCALER: {**saved[optim.LOSS_SCALER], field: value}}
         with pytest.raises(ValueError, match=f"{field}="):
             half[1][1].load_state_dict(bad)
