@@ -104,6 +104,7 @@ class ChunkedModel(nn.Module):
         inputs = (spec, *[_signature(leaf) for leaf in leaves])
         restore: Callable[[], None] | None = None
         lean = rerun = False
+        out_of_memory: torch.OutOfMemoryError | None = None
 
         def again() -> Any:  # under the torch-function mode, from the random state it started from
             restore()  # type: ignore[misc]
@@ -118,13 +119,17 @@ class ChunkedModel(nn.Module):
             if restore is None:
                 raise
             # Resident or lean, no torch-function mode was there to retry the op that failed (runtime's Notes on
-            # them): the forward runs again under it.
-            output = self.runtime.placer.out_of_memory(error, again)
+            # them): the forward runs again under it, once out of this block. The error's traceback holds the failed
+            # forward's frames and activations: only its message goes on.
+            out_of_memory = torch.OutOfMemoryError(str(error))
         except RuntimeError as error:
             if not lean or not TWO_DEVICES.search(str(error)):
                 raise
-            rerun = True  # once out of this block, whose error holds the failed forward's frames and activations
-        if rerun:
+            rerun = True  # once out of this block, as above
+        self.runtime.lean_forwards -= lean and (out_of_memory is not None or rerun)  # it did not run lean
+        if out_of_memory is not None:
+            output = self.runtime.placer.out_of_memory(out_of_memory, again)
+        elif rerun:
             # A lean forward used a parameter outside its module for the first time, its chunk on the host (runtime's
             # Note on lean forwards): it runs again under the mode, which fetches it, as the model's forwards will.
             # What the failed part did runs twice (a BatchNorm's running statistics: as after an out-of-memory retry).

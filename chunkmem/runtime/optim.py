@@ -793,7 +793,8 @@ class ChunkOptimizer(Optimizer):
                 raise ValueError(f"parameter group {number} of the loaded state dict has {len(saved['params'])} "
                                  f"parameters, this optimizer's {len(group['params'])}")
             by_index.update({index: records[param] for index, param in zip(saved["params"], group["params"])})
-            merged.append({**group, **{k: v for k, v in saved.items() if k != "params"}})
+            # torch.optim's: the saved group's options replace the group's, those it lacks at their defaults
+            merged.append({**self.defaults, **saved, "params": group["params"]})
             _check_flags(self.wrapped_type.__name__, merged[-1])  # amsgrad, which the chunks have no room for
             self._check_momentum(merged[-1])
         steps = dict.fromkeys(self.steps, 0.0)  # one with no state saved starts afresh, as torch.optim's loading
@@ -821,6 +822,7 @@ class ChunkOptimizer(Optimizer):
             raise ValueError(f"the loaded state dict's {LOSS_SCALER} is {saved_scaler!r}: {problem}")
         self.set_states(steps, states)
         for group, options in zip(self.param_groups, merged):
+            group.clear()
             group.update(options)
         if scaler is not None and saved_scaler is not None:
             scaler.__dict__.update(saved_scaler)

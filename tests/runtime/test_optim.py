@@ -476,7 +476,10 @@ def test_optimizer_state_dict_is_torchs_and_a_plain_one_loads_back_and_forth(mak
     resumed_plain_opt.load_state_dict(ours)
     start = copy.deepcopy(resumed_plain)
     resumed, resumed_opt = chunkmem.prepare(start, two_groups(make, start), config)
+    resumed_opt.param_groups[0]["tag"] = "not saved"  # replaced by the saved group, as torch.optim's
     resumed_opt.load_state_dict(theirs)
+    assert [{**g, "params": None} for g in resumed_opt.param_groups] == \
+        [{**g, "params": None} for g in resumed_plain_opt.param_groups]
     expected = train(plain, plain_opt, batches[3:], mlp_loss)
     assert train(resumed_plain, resumed_plain_opt, batches[3:], mlp_loss) == expected
     assert train(resumed, resumed_opt, batches[3:], mlp_loss) == expected
