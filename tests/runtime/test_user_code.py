@@ -502,12 +502,18 @@ def test_save_pretrained_writes_the_master_weights_that_from_pretrained_loads(bu
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_parameters_given_other_storage_keep_their_values(budget) -> None:
+@pytest.mark.parametrize("before_zero_grad", [False, True])
+def test_parameters_given_other_storage_keep_their_values(budget, before_zero_grad) -> None:
+    # Given before zero_grad, the parameters of a chunk that streams (viewing its host payload since backward) were
+    # pointed back at its device copy by zero_grad, and the values assigned were lost.
     def assign(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        opt.zero_grad()
+        if not before_zero_grad:
+            opt.zero_grad()
         with torch.no_grad():
             for param in model.parameters():
                 param.data = param.detach() * 0.9
+        if before_zero_grad:
+            opt.zero_grad()
 
     same_bits(steps(assign), budget)
 
