@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from chunkmem.chunks.store import ParamRecord
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
-from chunkmem.runtime.optim import ChunkOptimizer
+from chunkmem.runtime.optim import ChunkOptimizer, is_step_count
 from chunkmem.wrapper import ChunkedModel
 
 log = logging.getLogger("chunkmem")
@@ -202,13 +202,35 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     when they do not fit this model or optimizer; either way nothing has been changed.
     """
     _check_pair(model, optimizer)
-    path = existing(Path(path))
+    shards = model.runtime.shards
+    if shards is None:
+        path, meta, restore = _read(Path(path), model, optimizer)
+    else:  # every rank loads, or none: a rank that cannot read it (no shared file system) would leave its shards fresh
+        try:
+            path, meta, restore = _read(Path(path), model, optimizer)
+        except Exception:
+            all_written(shards.group, False)
+            raise
+        if not all_written(shards.group, True):
+            raise CheckpointError(f"another rank could not load the checkpoint {path} (its error says why): nothing "
+                                  "was loaded on any rank; every rank reads the checkpoint rank 0 wrote (a file system "
+                                  "they share, or a copy on each node)")
+    _apply(restore, model, optimizer)
+    saved, dtype = meta.get("dtype"), model.runtime.config.dtype
+    if saved is not None and saved != dtype:  # (values and states are fp32 in the file)
+        log.warning("chunkmem: %s was saved by a run in dtype=%r and resumes in dtype=%r%s", path, saved, dtype,
+                    ": its loss scale is not used" if meta.get("loss_scaler") and restore.scaler is None else "")
+    return meta
+
+
+def _read(path: Path, model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[Path, dict[str, Any], _Restore]:
+    """The checkpoint at `path` (or the one a save interrupted), its metadata and what a load writes, all checked."""
+    path = existing(path)
     meta = _read_meta(path)
     tensors = _read_tensors(path / TENSORS)
     _verify(path, meta, tensors)
     restore = _Restore(_model_values(path, meta, tensors, model), *_optimizer_values(path, meta, tensors, optimizer))
-    _apply(restore, model, optimizer)
-    return meta
+    return path, meta, restore
 
 
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -237,7 +259,9 @@ def existing(path: Path, marker: str = META) -> Path:
     if not (path / marker).exists() and (path.with_name(path.name + ".old") / marker).exists():
         return path.with_name(path.name + ".old")
     if not (path / marker).exists():
-        raise FileNotFoundError(f"no chunkmem checkpoint at {path}: expected {path / marker}")
+        inside = f": pass its directory, {path.parent}" if (path.parent / marker).exists() else ""
+        raise FileNotFoundError(f"no chunkmem checkpoint at {path}: expected a directory holding {marker}, as "
+                                f"save_checkpoint writes{inside}")
     return path
 
 
@@ -405,11 +429,13 @@ def _groups(file: Path, saved: Any, optimizer: ChunkOptimizer) -> list[dict[str,
         if not isinstance(group, dict) or group.get("params") != names:
             raise CheckpointError(f"{file}: param_groups[{index}] holds other parameters than the optimizer's "
                                   f"group {index}: build the optimizer's groups as the saved run did")
-        missing = [k for k in current if k != "params" and k not in group]
+        # An option the optimizer has: another optimizer configuration. Another key (an LR scheduler's `initial_lr`,
+        # where the saved run had none) keeps its value.
+        missing = [k for k in optimizer.defaults if k not in group]
         if missing:
             raise CheckpointError(f"{file}: param_groups[{index}] has no {missing[0]!r}: the checkpoint was "
                                   f"saved with another optimizer configuration")
-        wrong = [k for k in current if k != "params" and not _same_kind(group[k], current[k])]
+        wrong = [k for k in current if k != "params" and k in group and not _same_kind(group[k], current[k])]
         if wrong:
             raise CheckpointError(f"{file}: param_groups[{index}][{wrong[0]!r}] is {group[wrong[0]]!r}, the "
                                   f"optimizer's is {current[wrong[0]]!r}: the file was changed or written by "
@@ -424,7 +450,7 @@ def _step_counts(file: Path, saved: Any, optimizer: ChunkOptimizer) -> dict[Para
     out = {}
     for record in optimizer.steps:
         count = saved.get(record.name)
-        if not isinstance(count, (int, float)) or not math.isfinite(count) or count < 0 or count != int(count):
+        if not isinstance(count, (int, float)) or not is_step_count(count):
             raise CheckpointError(f"{file}: steps[{record.name!r}] is {count!r}, expected a step count: the "
                                   f"checkpoint is of another model or incomplete")
         out[record] = float(count)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -59,6 +60,41 @@ def test_resume_is_bit_identical_to_uninterrupted_training(case, tmp_path):
     assert losses == full_losses
     expected, got = full.state_dict(), second.state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_run_resumed_with_an_lr_scheduler_the_saved_run_lacked_loads_its_checkpoint(tmp_path):
+    # The scheduler's `initial_lr` in the optimizer's groups was taken for another optimizer configuration (torch.optim's
+    # load_state_dict takes the same states); the options the optimizer has must still all be there.
+    model, batches = mlp(), mlp_batches(4)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    full, full_opt = make(model, adamw, "fp32")
+    full_losses = train(full, full_opt, batches, mlp_loss)
+    first, first_opt = make(model, adamw, "fp32")
+    losses = train(first, first_opt, batches[:2], mlp_loss)
+    chunkmem.save_checkpoint(tmp_path / "ckpt", first, first_opt)
+    second, second_opt = make(mlp(seed=99), adamw, "fp32")
+    torch.optim.lr_scheduler.LambdaLR(second_opt, lambda _: 1.0)
+    chunkmem.load_checkpoint(tmp_path / "ckpt", second, second_opt)
+    assert second_opt.param_groups[0]["initial_lr"] == 1e-2
+    assert losses + train(second, second_opt, batches[2:], mlp_loss) == full_losses
+    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
+    del meta["param_groups"][0]["weight_decay"]
+    (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="has no 'weight_decay'"):
+        ckpt._groups(tmp_path / "ckpt" / "meta.json", meta["param_groups"], second_opt)
+
+
+def test_a_checkpoint_resumed_in_another_dtype_says_so(tmp_path, caplog):
+    # It loaded in silence, fp16's loss scale dropped.
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    saved, saved_opt = make(mlp(), adamw, "fp16")
+    chunkmem.save_checkpoint(tmp_path / "ckpt", saved, saved_opt)
+    for dtype, said in (("fp16", None), ("bf16", "resumes in dtype='bf16': its loss scale is not used")):
+        model, opt = make(mlp(), adamw, dtype)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="chunkmem"):
+            chunkmem.load_checkpoint(tmp_path / "ckpt", model, opt)
+        assert [r.getMessage().endswith(said) for r in caplog.records] == ([] if said is None else [True])
 
 
 def test_checkpoint_is_safetensors_and_json(tmp_path):
@@ -146,6 +182,8 @@ def test_missing_checkpoint_and_wrong_objects_are_clear_errors(tmp_path):
     with pytest.raises(TypeError, match="returned by chunkmem.prepare"):
         chunkmem.save_checkpoint(tmp_path / "c", model.module, opt)
     chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    with pytest.raises(FileNotFoundError, match=f"pass its directory, {tmp_path / 'c'}"):
+        chunkmem.load_checkpoint(tmp_path / "c" / ckpt.META, model, opt)
     other, sgd = make(mlp(), functools.partial(torch.optim.SGD, lr=0.1), "fp32")
     with pytest.raises(ValueError, match="checkpoint holds AdamW state but the optimizer is SGD"):
         chunkmem.load_checkpoint(tmp_path / "c", other, sgd)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -92,6 +93,15 @@ LOSS_SCALER = "chunkmem_loss_scaler"  # the key of state_dict() that holds the f
 def _described(value: Any) -> str:
     return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}" if isinstance(
         value, torch.Tensor) else repr(value)
+
+
+def is_step_count(value: Any) -> bool:
+    """Whether `value` is a step count as an optimizer state holds it (a number or a one-element tensor): a whole
+    number, at least 0."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
+        value = value.item()
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0 \
+        and value == int(value)
 
 
 def _check_flags(name: str, group: dict) -> None:
@@ -389,8 +399,10 @@ class ChunkOptimizer(Optimizer):
         """torch.optim's, before or after prepare: every parameter of the prepared model has its chunks'
         slots for optimizer state already (trainable ones; frozen ones get no gradient to step with)."""
         params = param_group["params"]
-        for param in [params] if isinstance(params, torch.Tensor) else list(params):
-            self._check_own(param)
+        if not isinstance(params, (torch.Tensor, set)):  # torch.optim refuses a set
+            param_group["params"] = params = list(params)  # a generator is read once: here, not also in torch.optim's
+        for param in [params] if isinstance(params, torch.Tensor) else params:
+            self._check_own(param[1] if isinstance(param, tuple) else param)  # (name, parameter): named_parameters()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -815,7 +827,11 @@ class ChunkOptimizer(Optimizer):
                     raise ValueError(f"the loaded state of parameter {index} ({record.name}, {tuple(record.shape)}) "
                                      f"has {kind}={_described(value)}: expected a float tensor of its shape")
                 states[record, kind] = value
-            steps[record] = float(values.get("step", 1))  # SGD keeps none: 1, its momentum buffer is made
+            step = values.get("step", None if self.steps_adam else 1)  # SGD keeps none: 1, its momentum buffer is made
+            if not is_step_count(step):
+                raise ValueError(f"the loaded state of parameter {index} ({record.name}) has step={_described(step)}: "
+                                 "expected a step count (a whole number, at least 0)")
+            steps[record] = float(step)
         scaler, saved_scaler = self.runtime.scaler, state_dict.get(LOSS_SCALER)
         problem = None if scaler is None or saved_scaler is None else scaler.problem(saved_scaler)
         if problem is not None:

@@ -75,14 +75,25 @@ def test_fp16_gradients_kept_across_a_clipped_step_keep_their_scale() -> None:
     assert cm.clip_grad_norm_(1e9).item() == pytest.approx(kept.item(), rel=0.02)
 
 
-def test_a_param_group_added_after_prepare_trains_as_in_pytorch() -> None:
+@pytest.mark.parametrize("spelling", ["list", "generator", "named"])
+def test_a_param_group_added_after_prepare_trains_as_in_pytorch(spelling) -> None:
+    # A generator (`module.parameters()`) was read by chunkmem's checks and handed to torch.optim's empty: the group
+    # added held nothing, and its parameters never trained. Named parameters were refused as not the model's.
     model, batches = mlp(), mlp_batches(6)
-    ref, ref_opt, cm, opt = twins(model, param_bytes(model) // 2)
-    later, ref_later = ([p for name, p in m.named_parameters() if name.split(".")[0] in ("2", "4")] for m in (model, ref))
+    named = spelling == "named"
+    ref = copy.deepcopy(model)
+
+    def made(m: nn.Module, keep: bool) -> list:  # the named parameters outside modules 2 and 4, or those alone
+        return [(n, p) if named else p for n, p in m.named_parameters() if (n.split(".")[0] in ("2", "4")) != keep]
+    ref_opt = ADAMW(made(ref, True))
+    cm, opt = chunkmem.prepare(model, ADAMW(made(model, True)), chunkmem.Config(device="cpu",
+                                                                                 device_memory=param_bytes(model) // 2))
     expected = train(ref, ref_opt, batches[:3], mlp_loss)
     assert train(cm, opt, batches[:3], mlp_loss) == expected
-    ref_opt.add_param_group({"params": ref_later, "lr": 3e-2})
-    opt.add_param_group({"params": later, "lr": 3e-2})
+    for optimizer, m in ((ref_opt, ref), (opt, model)):
+        later = made(m, False)
+        optimizer.add_param_group({"params": iter(later) if spelling == "generator" else later, "lr": 3e-2})
+    assert len(opt.param_groups[-1]["params"]) == len(ref_opt.param_groups[-1]["params"]) == 4
     assert opt.param_groups[-1]["lr"] == 3e-2 and opt.param_groups[-1]["betas"] == ref_opt.param_groups[-1]["betas"]
     assert train(cm, opt, batches[3:], mlp_loss) == train(ref, ref_opt, batches[3:], mlp_loss)
     state = cm.state_dict()
@@ -542,7 +553,14 @@ def test_optimizer_load_state_dict_refuses_what_it_cannot_hold_and_carries_the_l
     meta = copy.deepcopy(saved)
     last = meta["state"][max(meta["state"])]
     last["exp_avg"] = torch.empty(last["exp_avg"].shape, device="meta")  # written after the others: a half load
-    for bad, message in ((amsgrad, r"amsgrad=True\) is not supported"), (meta, "expected a float tensor")):
+    steps = []  # a NaN step count made the next step's weights NaN, a negative one its update fail
+    for step in (torch.tensor(float("nan")), torch.tensor(-3.0), 2.5, None):
+        steps.append(copy.deepcopy(saved))
+        steps[-1]["state"][max(saved["state"])]["step"] = step
+        if step is None:  # Adam's state without one: torch's step raises KeyError
+            del steps[-1]["state"][max(saved["state"])]["step"]
+    for bad, message in ((amsgrad, r"amsgrad=True\) is not supported"), (meta, "expected a float tensor"),
+                         *((s, "expected a step count") for s in steps)):
         with pytest.raises(ValueError, match=message):
             opt.load_state_dict(bad)
         after = opt.state_dict()

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 import chunkmem
+from chunkmem.checkpoint import _collect
+from chunkmem.errors import CheckpointError
 from tests.helpers import gpt2_loss, mlp, mlp_loss, tiny_gpt2, train, updates
 from tests.multiproc import run_workers
 
@@ -147,6 +149,31 @@ def test_checkpoint_saved_by_2_ranks_resumes_on_3(tmp_path):
     for got in run_workers(resume_worker, 3, str(tmp_path / "ckpt"), 4):
         for name, update in ref["updates"].items():
             assert (got["updates"][name] - update).norm() / update.norm() < 2e-3, name
+
+
+def partial_resume_worker(rank: int, world: int, path: str) -> tuple[str, bool]:
+    """Load the checkpoint at `path` on rank 0, from a path with none on the others (a node without the file system
+    rank 0 wrote to): the error each rank got, and whether its model and states are as before."""
+    model = mlp_case()
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    train(cm, opt, [shard(b, rank, world) for b in global_batches("mlp", 1)], mlp_loss)
+    before = _collect(cm, opt)  # gathered on rank 0, which would have loaded
+    try:
+        chunkmem.load_checkpoint(path if rank == 0 else path + "-elsewhere", cm, opt)
+    except (CheckpointError, FileNotFoundError) as error:
+        after = _collect(cm, opt)
+        same = all(torch.equal(v, after[0][k]) for k, v in before[0].items()) and before[1] == after[1]
+        return f"{type(error).__name__}: {error}", same
+    return "loaded", False
+
+
+@pytest.mark.slow
+def test_a_checkpoint_one_rank_cannot_read_is_loaded_on_no_rank(tmp_path):
+    # Rank 0 restored its shards and the others kept fresh ones, training on in silence.
+    run_workers(save_worker, 2, str(tmp_path / "ckpt"), 2)
+    (first, same_first), (second, same_second) = run_workers(partial_resume_worker, 2, str(tmp_path / "ckpt"))
+    assert first.startswith("CheckpointError: another rank could not load") and same_first
+    assert second.startswith("FileNotFoundError: no chunkmem checkpoint") and same_second
 
 
 def saving_worker(rank: int, world: int, path: str, rank_0_writes: str) -> str | None:
