@@ -140,8 +140,12 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write the checkpoint {path} ({error}): the previous checkpoint there is "
                               "intact; free space there or save elsewhere") from error
-    verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
-    swap_in(tmp, path)
+    try:
+        verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
+        swap_in(tmp, path)
+    except OSError as error:  # a rename refused, a lost mount: the previous one is at `path`, or moved aside (`existing`)
+        raise CheckpointError(f"could not put the checkpoint in place at {path} ({error}): the previous checkpoint is "
+                              f"intact, and load_checkpoint({str(path)!r}) reads it") from error
 
 
 def check_replaceable(path: Path) -> None:
@@ -256,8 +260,12 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def existing(path: Path, marker: str = META) -> Path:
     """`path`, or the checkpoint a save interrupted after moving it aside; the file `marker` says one is there."""
-    if not (path / marker).exists() and (path.with_name(path.name + ".old") / marker).exists():
-        return path.with_name(path.name + ".old")
+    old, tmp = path.with_name(path.name + ".old"), path.with_name(path.name + ".tmp")
+    if not (path / marker).exists() and (old / marker).exists():
+        newer = f"; the one it wrote, {tmp}, may be whole (verify_checkpoint says)" if (tmp / marker).exists() else ""
+        log.warning("chunkmem: no checkpoint at %s, where a save stopped while replacing it: the one it replaced, %s, "
+                    "is read%s", path, old, newer)
+        return old
     if not (path / marker).exists():
         inside = f": pass its directory, {path.parent}" if (path.parent / marker).exists() else ""
         raise FileNotFoundError(f"no chunkmem checkpoint at {path}: expected a directory holding {marker}, as "

@@ -6,6 +6,7 @@ import copy
 import functools
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,13 +167,18 @@ def test_a_checkpoint_with_momentum_into_an_sgd_without_is_refused_and_changes_n
     assert all(torch.equal(v, other.state_dict()[k]) for k, v in before.items())
 
 
-def test_interrupted_swap_falls_back_to_the_old_checkpoint(tmp_path):
+def test_interrupted_swap_falls_back_to_the_old_checkpoint(tmp_path, caplog):
     model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
     train(model, opt, mlp_batches(1), mlp_loss)
     chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    chunkmem.save_checkpoint(tmp_path / "newer", model, opt)
     (tmp_path / "c").rename(tmp_path / "c.old")  # the crash came between the two renames
-    meta = chunkmem.load_checkpoint(tmp_path / "c", model, opt)
+    (tmp_path / "newer").rename(tmp_path / "c.tmp")
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        meta = chunkmem.load_checkpoint(tmp_path / "c", model, opt)
     assert meta["format"] == ckpt.FORMAT
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{tmp_path / 'c.old'}, is read; the one it wrote, {tmp_path / 'c.tmp'}, may be whole" in said
 
 
 def test_missing_checkpoint_and_wrong_objects_are_clear_errors(tmp_path):
@@ -378,6 +384,26 @@ def test_save_fsyncs_the_directory_after_the_renames_and_verifies_first(tmp_path
     parent = [e for e in events if e[0] == "fsync" and e[1] == tmp_path]
     assert parent and "c" in parent[-1][2] and "c.tmp" not in parent[-1][2]  # after the new one is in place
     assert events.index(("verify", tmp_path / "c.tmp")) < events.index(parent[0])  # verified before the swap
+
+
+def test_a_save_whose_rename_fails_says_the_previous_checkpoint_is_intact(tmp_path, monkeypatch):
+    # The renames' OSError came bare, and said nothing of the checkpoint moved aside, which a load reads.
+    model, opt = _trained()
+    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    before = _snapshot(model, opt)
+    train(model, opt, mlp_batches(1, seed=5), mlp_loss)
+    rename = Path.rename
+
+    def refused(self: Path, target):
+        if self.name.endswith(".tmp"):
+            raise PermissionError(13, "Permission denied")
+        return rename(self, target)
+    monkeypatch.setattr(Path, "rename", refused)
+    with pytest.raises(CheckpointError, match="Permission denied.*the previous checkpoint is intact, and load_"):
+        chunkmem.save_checkpoint(tmp_path / "c", model, opt)
+    monkeypatch.undo()
+    chunkmem.load_checkpoint(tmp_path / "c", model, opt)
+    _assert_same(before, _snapshot(model, opt))
 
 
 def test_a_save_that_does_not_read_back_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -284,7 +284,7 @@ def _claim(root: Path) -> tuple[Path, int]:
     its lock, held; a DiskTierError naming Config.disk when the directory cannot be written."""
     try:
         return _make_run_directory(root)
-    except PermissionError as error:
+    except OSError as error:  # no permission; a file system that takes no files (/proc), read-only, full
         raise DiskTierError(f"Config.disk={str(root)!r}: cannot write {error.filename or root} ({error.strerror}): "
                             "point Config.disk at a directory this user may write, or change its permissions") from None
 

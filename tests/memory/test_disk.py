@@ -228,12 +228,15 @@ def test_files_go_when_the_interpreter_exits(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_unwritable_disk_directory_is_a_disk_tier_error_naming_it(tmp_path, monkeypatch):
-    # (Tests run as root here, whom permissions do not stop: the refusal is the file system's, simulated.)
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), FileNotFoundError(2, "No such file or "
+                                   "directory"), OSError(30, "Read-only file system")], ids=["permission", "proc", "ro"])
+def test_an_unwritable_disk_directory_is_a_disk_tier_error_naming_it(tmp_path, monkeypatch, error) -> None:
+    # (Tests run as root here, whom permissions do not stop: the refusal is the file system's, simulated. /proc, which
+    # takes no directories, refuses with ENOENT: it came as a bare FileNotFoundError.)
     def refused(self, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(self))
+        raise type(error)(*error.args, str(self))
 
     monkeypatch.setattr(Path, "mkdir", refused)
     with pytest.raises(DiskTierError, match=rf"Config.disk='{tmp_path}': cannot write {tmp_path}/.chunkmem-.*"
-                                            "Permission denied"):
+                                            f"{error.strerror}"):
         DiskTier(tmp_path)
