@@ -143,9 +143,10 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -
     try:
         verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
         swap_in(tmp, path)
-    except OSError as error:  # a rename refused, a lost mount: the previous one is at `path`, or moved aside (`existing`)
-        raise CheckpointError(f"could not put the checkpoint in place at {path} ({error}): the previous checkpoint is "
-                              f"intact, and load_checkpoint({str(path)!r}) reads it") from error
+    except OSError as error:  # a rename refused, a lost mount: at `path` or moved aside (`existing`), one is whole
+        which = "the previous checkpoint is intact" if tmp.exists() else "the new checkpoint is in place"
+        raise CheckpointError(f"could not put the checkpoint in place at {path} ({error}): {which}, and "
+                              f"load_checkpoint({str(path)!r}) reads it") from error
 
 
 def check_replaceable(path: Path) -> None:
@@ -207,24 +208,45 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     """
     _check_pair(model, optimizer)
     shards = model.runtime.shards
-    if shards is None:
+    try:
         path, meta, restore = _read(Path(path), model, optimizer)
-    else:  # every rank loads, or none: a rank that cannot read it (no shared file system) would leave its shards fresh
-        try:
-            path, meta, restore = _read(Path(path), model, optimizer)
-        except Exception:
-            all_written(shards.group, False)
-            raise
-        if not all_written(shards.group, True):
-            raise CheckpointError(f"another rank could not load the checkpoint {path} (its error says why): nothing "
-                                  "was loaded on any rank; every rank reads the checkpoint rank 0 wrote (a file system "
-                                  "they share, or a copy on each node)")
+    except Exception as error:
+        if shards is not None:
+            all_read(shards.group, path, error)
+        raise
+    if shards is not None:
+        all_read(shards.group, path, meta.get("meta_checksum"))
     _apply(restore, model, optimizer)
     saved, dtype = meta.get("dtype"), model.runtime.config.dtype
     if saved is not None and saved != dtype:  # (values and states are fp32 in the file)
         log.warning("chunkmem: %s was saved by a run in dtype=%r and resumes in dtype=%r%s", path, saved, dtype,
                     ": its loss scale is not used" if meta.get("loss_scaler") and restore.scaler is None else "")
     return meta
+
+
+# What a rank that read a checkpoint raises when another could not: the other's kind of error (a user resuming where
+# one is found, `except FileNotFoundError`, starts afresh on every rank, or on none).
+_SHARED_ERRORS = {kind.__name__: kind for kind in (FileNotFoundError, CheckpointDamaged, CheckpointError)}
+
+
+def all_read(group: Any, path: str | os.PathLike, read: Exception | str | None) -> None:
+    """Under ZeRO every rank loads the same checkpoint, or none: a rank that could not read it (no file system shared
+    with rank 0) would leave its shards fresh. `read`: this rank's error, or the checksum of the metadata it read. A
+    collective."""
+    said: list[Any] = [None] * dist.get_world_size(group)
+    failed = isinstance(read, Exception)
+    dist.all_gather_object(said, type(read).__name__ if failed else ("read", read), group=_checkpoint_group(group))
+    if failed:
+        return
+    errors = [kind for kind in said if not isinstance(kind, tuple)]
+    if errors:
+        raise _SHARED_ERRORS.get(errors[0], CheckpointError)(
+            f"another rank could not load the checkpoint {path} ({errors[0]}: its error says why): nothing was loaded "
+            "on any rank; every rank reads the checkpoint rank 0 wrote (a file system they share, or a copy on each "
+            "node)")
+    if len(set(said)) > 1:
+        raise CheckpointError(f"the ranks read different checkpoints at {path} (their metadata differ): nothing was "
+                              "loaded on any rank; give every rank the checkpoint rank 0 wrote")
 
 
 def _read(path: Path, model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[Path, dict[str, Any], _Restore]:
@@ -262,7 +284,8 @@ def existing(path: Path, marker: str = META) -> Path:
     """`path`, or the checkpoint a save interrupted after moving it aside; the file `marker` says one is there."""
     old, tmp = path.with_name(path.name + ".old"), path.with_name(path.name + ".tmp")
     if not (path / marker).exists() and (old / marker).exists():
-        newer = f"; the one it wrote, {tmp}, may be whole (verify_checkpoint says)" if (tmp / marker).exists() else ""
+        newer = f"; the one it wrote, {tmp}, may be whole (verify_checkpoint says)" if marker == META and \
+            (tmp / marker).exists() else ""
         log.warning("chunkmem: no checkpoint at %s, where a save stopped while replacing it: the one it replaced, %s, "
                     "is read%s", path, old, newer)
         return old
@@ -458,7 +481,7 @@ def _step_counts(file: Path, saved: Any, optimizer: ChunkOptimizer) -> dict[Para
     out = {}
     for record in optimizer.steps:
         count = saved.get(record.name)
-        if not isinstance(count, (int, float)) or not is_step_count(count):
+        if not is_step_count(count):
             raise CheckpointError(f"{file}: steps[{record.name!r}] is {count!r}, expected a step count: the "
                                   f"checkpoint is of another model or incomplete")
         out[record] = float(count)

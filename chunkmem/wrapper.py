@@ -126,7 +126,8 @@ class ChunkedModel(nn.Module):
             if not lean or not TWO_DEVICES.search(str(error)):
                 raise
             rerun = True  # once out of this block, as above
-        self.runtime.lean_forwards -= lean and (out_of_memory is not None or rerun)  # it did not run lean
+        if lean and (out_of_memory is not None or rerun):  # it did not run lean
+            self.runtime.lean_forwards -= 1
         if out_of_memory is not None:
             output = self.runtime.placer.out_of_memory(out_of_memory, again)
         elif rerun:

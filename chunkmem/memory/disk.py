@@ -285,8 +285,10 @@ def _claim(root: Path) -> tuple[Path, int]:
     try:
         return _make_run_directory(root)
     except OSError as error:  # no permission; a file system that takes no files (/proc), read-only, full
-        raise DiskTierError(f"Config.disk={str(root)!r}: cannot write {error.filename or root} ({error.strerror}): "
-                            "point Config.disk at a directory this user may write, or change its permissions") from None
+        why = error.strerror or error
+        raise DiskTierError(f"Config.disk={str(root)!r}: cannot write {error.filename or root} ({why}): point "
+                            "Config.disk at a directory this user may write, on a file system that takes files and has "
+                            "room (not read-only, not /proc)") from None
 
 
 def _make_run_directory(root: Path) -> tuple[Path, int]:
@@ -302,10 +304,17 @@ def _make_run_directory(root: Path) -> tuple[Path, int]:
     name = f"{socket.gethostname()}-{os.getpid()}-{next(_runs)}"
     making = root / f".{PREFIX}{name}"
     making.mkdir()
-    lock = os.open(making / "lock", os.O_RDONLY | os.O_CREAT, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    directory = root / f"{PREFIX}{name}"
-    making.rename(directory)
+    lock = -1
+    try:
+        lock = os.open(making / "lock", os.O_RDONLY | os.O_CREAT, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        directory = root / f"{PREFIX}{name}"
+        making.rename(directory)
+    except OSError:  # a file system without locks, or whose renames fail: nothing of this run left there
+        if lock >= 0:
+            os.close(lock)
+        shutil.rmtree(making, ignore_errors=True)
+        raise
     return directory, lock
 
 

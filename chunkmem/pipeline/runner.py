@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from chunkmem.checkpoint import (all_written, attempt, check_replaceable, existing, load_checkpoint, save_checkpoint,
-                                 swap_in)
+from chunkmem.checkpoint import (all_read, all_written, attempt, check_replaceable, existing, load_checkpoint,
+                                 save_checkpoint, swap_in)
 from chunkmem.chunks.state import TensorState
 from chunkmem.config import Config
 from chunkmem.errors import CheckpointError
@@ -338,14 +338,19 @@ class Pipeline:
             self._pending_load = path
             return None
         model, optimizer = self._built()
-        meta = json.loads((path / "pipeline.json").read_text())
-        if meta["balance"] != self.balance:
-            raise ValueError(f"checkpoint {path} was saved with balance {meta['balance']}, this pipeline has "
-                             f"{self.balance}: pass balance={meta['balance']} to chunkmem.pipeline")
-        if (meta.get("updates") is None) != (self.versions is None):
-            raise ValueError(f"checkpoint {path} was saved with schedule={meta.get('schedule')!r}, this pipeline runs "
-                             f"{self.schedule_name!r}: 2BW's older weights version is in one and not the other; "
-                             f"resume with schedule={meta.get('schedule')!r}")
+        try:
+            meta = json.loads((path / "pipeline.json").read_text())
+            if meta["balance"] != self.balance:
+                raise ValueError(f"checkpoint {path} was saved with balance {meta['balance']}, this pipeline has "
+                                 f"{self.balance}: pass balance={meta['balance']} to chunkmem.pipeline")
+            if (meta.get("updates") is None) != (self.versions is None):
+                raise ValueError(f"checkpoint {path} was saved with schedule={meta.get('schedule')!r}, this pipeline "
+                                 f"runs {self.schedule_name!r}: 2BW's older weights version is in one and not the "
+                                 f"other; resume with schedule={meta.get('schedule')!r}")
+        except Exception as error:  # the stage's other data-parallel ranks wait for it in load_checkpoint
+            if model.runtime.shards is not None:
+                all_read(model.runtime.shards.group, path, error)
+            raise
         result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer)
         if self.versions is not None:
             self.versions.newest = int(meta["updates"])

@@ -66,30 +66,17 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
             raise RuntimeError(f"load_state_dict got a value for {_name_of(module, tensor)} that is {kind}: nothing was "
                                "loaded (give dense tensors with data: materialize meta ones, .to_dense() sparse "
                                "ones)")
-    _set_extra_states({extra[key]: value for key, value in held.items()})
     with torch.no_grad():
         for tensor, value in given.items():
             if tensor in records:
                 runtime.data.set_value(records[tensor], value)
             else:
                 tensor.copy_(value)
+    for key, value in held.items():
+        extra[key].set_extra_state(value)
     if runtime.shards is not None:
         runtime.shards.drop_all()
     return _IncompatibleKeys(missing, result.unexpected_keys)
-
-
-def _set_extra_states(states: dict[nn.Module, Any]) -> None:
-    """Each module's `set_extra_state`, before any value is written: one that raises (a state it refuses) leaves those
-    set before it as `get_extra_state` gave them, and the load changes nothing."""
-    done: list[tuple[nn.Module, Any]] = []
-    try:
-        for sub, value in states.items():
-            done.append((sub, sub.get_extra_state()))
-            sub.set_extra_state(value)
-    except BaseException:
-        for sub, before in reversed(done):  # the one that raised too: it may have changed part of its state
-            sub.set_extra_state(before)
-        raise
 
 
 def _own_copy(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:

@@ -33,9 +33,10 @@ import contextlib
 import dataclasses
 import logging
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
@@ -95,13 +96,14 @@ def _described(value: Any) -> str:
         value, torch.Tensor) else repr(value)
 
 
-def is_step_count(value: Any) -> bool:
+def is_step_count(value: Any) -> TypeGuard[float | torch.Tensor]:
     """Whether `value` is a step count as an optimizer state holds it (a number or a one-element tensor): a whole
     number, at least 0."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta:
-        value = value.item()
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0 \
-        and value == int(value)
+    number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_meta else value
+    if not isinstance(number, numbers.Real) or isinstance(number, bool):  # numpy's numbers too
+        return False
+    count = float(number)
+    return math.isfinite(count) and count >= 0 and count.is_integer()
 
 
 def _check_flags(name: str, group: dict) -> None:
@@ -789,8 +791,9 @@ class ChunkOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim's: `state_dict` (this optimizer's `state_dict()`, or a plain one's over the same parameters in
         the same groups) gives each trainable parameter its step count and states, those it lacks starting afresh,
-        each group its options, and the loss scaler its state where it has one. Checked whole before anything
-        changes (but by its pre-hooks, which run first, as torch.optim's). Not under ZeRO (chunkmem.load_checkpoint)."""
+        each group its options (keys it lacks are dropped), and the loss scaler its state where it has one. Checked
+        whole before anything changes (but by its pre-hooks, which run first, as torch.optim's). Not under ZeRO
+        (chunkmem.load_checkpoint)."""
         self._states._not_sharded()
         state_dict = _through(self._optimizer_load_state_dict_pre_hooks, self, state_dict.copy())
         self.group_of()  # every parameter of the groups has a step count, and is this model's
@@ -805,8 +808,10 @@ class ChunkOptimizer(Optimizer):
                 raise ValueError(f"parameter group {number} of the loaded state dict has {len(saved['params'])} "
                                  f"parameters, this optimizer's {len(group['params'])}")
             by_index.update({index: records[param] for index, param in zip(saved["params"], group["params"])})
-            # torch.optim's: the saved group's options replace the group's, those it lacks at their defaults
-            merged.append({**self.defaults, **saved, "params": group["params"]})
+            # torch.optim's: the saved group's options replace the group's (a key it lacks is dropped, an option the
+            # optimizer has is at its default), its parameters and their names stay
+            names = {"param_names": group["param_names"]} if "param_names" in group else {}
+            merged.append({**self.defaults, **names, **saved, "params": group["params"]})
             _check_flags(self.wrapped_type.__name__, merged[-1])  # amsgrad, which the chunks have no room for
             self._check_momentum(merged[-1])
         steps = dict.fromkeys(self.steps, 0.0)  # one with no state saved starts afresh, as torch.optim's loading

@@ -868,7 +868,7 @@ class Runtime:
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
         kept, zeroed = False, []
         shown = not set_to_none and self.shards is None  # zeros in `p.grad`, as PyTorch leaves them (grads.py's Note)
-        self.adopt_data()  # `p.data = t` since the step (EMA weights swapped in): hiding would point it back (`restore`)
+        self.adopt_data()  # `p.data = t` since the step (EMA weights swapped in): hiding would point it back
         self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()

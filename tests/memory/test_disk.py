@@ -228,8 +228,9 @@ def test_files_go_when_the_interpreter_exits(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), FileNotFoundError(2, "No such file or "
-                                   "directory"), OSError(30, "Read-only file system")], ids=["permission", "proc", "ro"])
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"),
+                                   FileNotFoundError(2, "No such file or directory"),
+                                   OSError(30, "Read-only file system")], ids=["permission", "proc", "ro"])
 def test_an_unwritable_disk_directory_is_a_disk_tier_error_naming_it(tmp_path, monkeypatch, error) -> None:
     # (Tests run as root here, whom permissions do not stop: the refusal is the file system's, simulated. /proc, which
     # takes no directories, refuses with ENOENT: it came as a bare FileNotFoundError.)
@@ -240,3 +241,13 @@ def test_an_unwritable_disk_directory_is_a_disk_tier_error_naming_it(tmp_path, m
     with pytest.raises(DiskTierError, match=rf"Config.disk='{tmp_path}': cannot write {tmp_path}/.chunkmem-.*"
                                             f"{error.strerror}"):
         DiskTier(tmp_path)
+
+
+def test_a_disk_without_locks_is_a_disk_tier_error_leaving_nothing_there(tmp_path, monkeypatch) -> None:
+    def refused(*args) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(disk_module.fcntl, "flock", refused)
+    with pytest.raises(DiskTierError, match="No locks available"):
+        DiskTier(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -507,6 +507,18 @@ def test_optimizer_state_dict_is_torchs_and_a_plain_one_loads_back_and_forth(mak
         assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items() for k, v in s.items())
 
 
+def test_loading_a_state_dict_without_names_keeps_the_groups_parameter_names_as_torchs() -> None:
+    model = mlp()
+    plain = copy.deepcopy(model)
+    plain_opt = ADAMW(list(plain.named_parameters()))
+    cm, opt = chunkmem.prepare(model, ADAMW(list(model.named_parameters())), chunkmem.Config(device="cpu"))
+    unnamed = ADAMW(plain.parameters()).state_dict()  # a plain optimizer's over the parameters alone
+    plain_opt.load_state_dict(unnamed)
+    opt.load_state_dict(unnamed)
+    assert "param_names" in opt.param_groups[0]
+    assert [{**g, "params": None} for g in opt.param_groups] == [{**g, "params": None} for g in plain_opt.param_groups]
+
+
 def test_optimizer_state_dict_hooks_run_as_torchs_registered_before_prepare_or_after() -> None:
     # They never ran: a library that registers one (to add or rename keys of the saved state) saved without it.
     def hooked(optimizer: torch.optim.Optimizer, calls: list) -> None:

@@ -810,7 +810,7 @@ def test_a_parameter_used_outside_its_module_first_in_a_lean_forward_trains_as_p
             if model is not unwrapped(model):
                 lean.append(model.memory_stats()["lean_forwards"])
     same_bits(loop, budget, Branching())
-    assert lean[3] > 0 and lean[-1] == lean[4] == lean[3], "forwards ran lean until step 4's, which ran again, none after"
+    assert lean[3] > 0 and lean[-1] == lean[4] == lean[3], "lean until step 4's, which ran again; none after it"
 
 
 def test_under_fp16_a_model_may_change_its_input_in_place() -> None:
