@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import copy
 import dataclasses
+import inspect
 import json
 import re
 import typing
@@ -50,6 +51,27 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
+_TAKING: dict[type, type] = {}  # a wrapped module's class -> its ChunkedModel (`_taking_as`)
+
+
+def _taking_as(wrapped: type[nn.Module]) -> type:
+    """ChunkedModel whose forward has the signature of `wrapped`'s, for code that reads it: a Hugging Face Trainer keeps
+    the dataset columns a model's forward names, and finds its labels and whether it returns a loss there."""
+    if wrapped in _TAKING:
+        return _TAKING[wrapped]
+    try:
+        signature = inspect.signature(wrapped.forward)
+    except (TypeError, ValueError):  # a forward without one Python can read
+        return ChunkedModel
+
+    def forward(self: ChunkedModel, *args: Any, **kwargs: Any) -> Any:
+        return ChunkedModel.forward(self, *args, **kwargs)
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    _TAKING[wrapped] = type("ChunkedModel", (ChunkedModel,), {
+        "forward": forward, "__module__": __name__, "__qualname__": "ChunkedModel", "__doc__": ChunkedModel.__doc__})
+    return _TAKING[wrapped]
+
+
 # CUDA's errors for an op given tensors on two devices: most ops' (the simulation's for all: simmemory._refuse_mixed),
 # and a convolution's.
 TWO_DEVICES = re.compile(r"Expected all tensors to be on the same device|Input type \(.*\) and weight type \(.*\) "
@@ -79,6 +101,16 @@ class ChunkedModel(nn.Module):
         self.own_records: frozenset[ParamRecord] | None = None
         report_device(module, runtime.device)
         self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
+        self.__class__ = _taking_as(plain_class(module))
+
+    def _get_name(self) -> str:
+        """The wrapped module's class name, as code that asks a model what it is reads it: a Hugging Face Trainer shifts
+        a causal LM's labels when it smooths them, by this name (`__repr__` still says ChunkedModel)."""
+        return self.module._get_name()
+
+    def __repr__(self) -> str:
+        inner = repr(self.module).replace("\n", "\n  ")
+        return f"ChunkedModel(\n  (module): {inner}\n)"
 
     @property
     def device(self) -> torch.device:

@@ -107,6 +107,9 @@ def test_label_smoothing_and_a_model_prepared_before_the_trainer_train_and_evalu
     plain = run(transformers.Trainer, copy.deepcopy(model), "plain")
     config = chunkmem.Config(device="cpu", device_memory="60KiB")
     assert run(ChunkmemTrainer, copy.deepcopy(model), "chunked", chunkmem_config=config) == pytest.approx(plain)
-    prepared, optimizer = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0),
-                                           config)
-    assert run(ChunkmemTrainer, prepared, "prepared", optimizers=(optimizer, None)) == pytest.approx(plain)
+    for trainer_cls in (ChunkmemTrainer, transformers.Trainer):  # the plain one reads the prepared model's own
+        copied = copy.deepcopy(model)
+        prepared, optimizer = chunkmem.prepare(
+            copied, torch.optim.AdamW(copied.parameters(), lr=3e-3, weight_decay=0.0), config)
+        assert run(trainer_cls, prepared, trainer_cls.__name__, optimizers=(optimizer, None)) == pytest.approx(plain)
+    assert repr(prepared).startswith("ChunkedModel(\n  (module): GPT2LMHeadModel(")
