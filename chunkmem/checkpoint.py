@@ -204,7 +204,8 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     """Restore what `save_checkpoint` wrote; returns its metadata. Training continues bit-identically.
 
     Raises CheckpointDamaged when the files are unreadable or fail their checksums, CheckpointError
-    when they do not fit this model or optimizer; either way nothing has been changed.
+    when they do not fit this model or optimizer; either way nothing has been changed (but by a module's
+    `set_extra_state` that raises, after the values were written, as in PyTorch).
     """
     _check_pair(model, optimizer)
     shards = model.runtime.shards
@@ -230,20 +231,21 @@ _SHARED_ERRORS = {kind.__name__: kind for kind in (FileNotFoundError, Checkpoint
 
 
 def all_read(group: Any, path: str | os.PathLike, read: Exception | str | None) -> None:
-    """Under ZeRO every rank loads the same checkpoint, or none: a rank that could not read it (no file system shared
-    with rank 0) would leave its shards fresh. `read`: this rank's error, or the checksum of the metadata it read. A
-    collective."""
+    """Every rank of `group` loads the same checkpoint, or none: a rank that could not read it (no file system shared
+    with rank 0) would leave its part fresh. `read`: this rank's error, or what says which checkpoint it read (its
+    metadata's checksum). Raises, on every rank, the first failing rank's kind of error (a rank whose own is of that
+    kind returns, and raises its own). A collective."""
     said: list[Any] = [None] * dist.get_world_size(group)
     failed = isinstance(read, Exception)
     dist.all_gather_object(said, type(read).__name__ if failed else ("read", read), group=_checkpoint_group(group))
-    if failed:
-        return
     errors = [kind for kind in said if not isinstance(kind, tuple)]
     if errors:
+        if failed and type(read).__name__ == errors[0]:
+            return
         raise _SHARED_ERRORS.get(errors[0], CheckpointError)(
-            f"another rank could not load the checkpoint {path} ({errors[0]}: its error says why): nothing was loaded "
-            "on any rank; every rank reads the checkpoint rank 0 wrote (a file system they share, or a copy on each "
-            "node)")
+            f"a rank could not load the checkpoint {path} ({errors[0]}: its error says why): nothing was loaded on any "
+            "rank; every rank reads the checkpoint rank 0 wrote (a file system they share, or a copy on each node)"
+        ) from (read if isinstance(read, Exception) else None)
     if len(set(said)) > 1:
         raise CheckpointError(f"the ranks read different checkpoints at {path} (their metadata differ): nothing was "
                               "loaded on any rank; give every rank the checkpoint rank 0 wrote")
@@ -499,7 +501,8 @@ def _scaler(file: Path, saved: Any, optimizer: ChunkOptimizer) -> dict[str, Any]
 
 
 def _apply(restore: _Restore, model: ChunkedModel, optimizer: ChunkOptimizer) -> None:
-    """Write what `load_checkpoint` checked; nothing here can fail on the checkpoint's account."""
+    """Write what `load_checkpoint` checked; nothing here can fail on the checkpoint's account (but a module's
+    `set_extra_state` refusing its state: the model's values are loaded then, the optimizer's states not)."""
     runtime = optimizer.runtime
     model.load_state_dict(restore.values)
     for saved, group in zip(restore.groups, optimizer.param_groups):

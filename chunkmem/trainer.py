@@ -46,7 +46,8 @@ class ChunkmemTrainer(Trainer):
             self.can_return_loss = can_return_loss(wrapped)
 
     # transformers reads a model's forward for which dataset columns to keep, and its class name for whether label
-    # smoothing shifts the labels (a causal LM's); a prepared model's forward takes anything, under its own name.
+    # smoothing shifts the labels (a causal LM's). A prepared model gives the wrapped model's, but a PEFT model is told
+    # apart by its type, which the prepared one is not: the Trainer is given the wrapped model to read.
     def _set_signature_columns_if_needed(self) -> None:
         model = self.model
         self.model = model.module if isinstance(model, ChunkedModel) else model

@@ -51,25 +51,31 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None, None
 
 
-_TAKING: dict[type, type] = {}  # a wrapped module's class -> its ChunkedModel (`_taking_as`)
+_LOOKING_AS: dict[tuple[type, type], type] = {}  # (ChunkedModel class, wrapped class) -> `_looking_as`'s
 
 
-def _taking_as(wrapped: type[nn.Module]) -> type:
-    """ChunkedModel whose forward has the signature of `wrapped`'s, for code that reads it: a Hugging Face Trainer keeps
-    the dataset columns a model's forward names, and finds its labels and whether it returns a loss there."""
-    if wrapped in _TAKING:
-        return _TAKING[wrapped]
+def _looking_as(own: type[ChunkedModel], wrapped: type[nn.Module]) -> type:
+    """`own` (ChunkedModel or a subclass) whose forward has the signature of `wrapped`'s and whose name names it, for
+    code that reads them: a Hugging Face Trainer keeps the dataset columns a model's forward names, and finds its labels
+    and whether it returns a loss there (a question-answering model's labels by its class name)."""
+    if (own, wrapped) in _LOOKING_AS:
+        return _LOOKING_AS[own, wrapped]
+    method = inspect.getattr_static(wrapped, "forward", None)
     try:
-        signature = inspect.signature(wrapped.forward)
-    except (TypeError, ValueError):  # a forward without one Python can read
-        return ChunkedModel
+        signature = inspect.signature(method) if inspect.isfunction(method) else None
+    except (TypeError, ValueError):  # one Python cannot read
+        signature = None
+    if signature is None:  # not a plain method (a staticmethod, a partial): its signature would lose a parameter
+        return own
+    base = own.forward
 
     def forward(self: ChunkedModel, *args: Any, **kwargs: Any) -> Any:
-        return ChunkedModel.forward(self, *args, **kwargs)
+        return base(self, *args, **kwargs)
     forward.__signature__ = signature  # type: ignore[attr-defined]
-    _TAKING[wrapped] = type("ChunkedModel", (ChunkedModel,), {
-        "forward": forward, "__module__": __name__, "__qualname__": "ChunkedModel", "__doc__": ChunkedModel.__doc__})
-    return _TAKING[wrapped]
+    name = f"{own.__name__}[{wrapped.__name__}]"
+    _LOOKING_AS[own, wrapped] = type(name, (own,), {"forward": forward, "__module__": own.__module__,
+                                                     "__qualname__": name, "__doc__": own.__doc__})
+    return _LOOKING_AS[own, wrapped]
 
 
 # CUDA's errors for an op given tensors on two devices: most ops' (the simulation's for all: simmemory._refuse_mixed),
@@ -100,13 +106,15 @@ class ChunkedModel(nn.Module):
         # Its parameters' records where the runtime holds other models' too (a manager's), else None: all of them.
         self.own_records: frozenset[ParamRecord] | None = None
         report_device(module, runtime.device)
+        self.__class__ = _looking_as(type(self), plain_class(module))
         self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
-        self.__class__ = _taking_as(plain_class(module))
 
     def _get_name(self) -> str:
-        """The wrapped module's class name, as code that asks a model what it is reads it: a Hugging Face Trainer shifts
-        a causal LM's labels when it smooths them, by this name (`__repr__` still says ChunkedModel)."""
-        return self.module._get_name()
+        """The wrapped model's class name (a PEFT model's base model's), as code that asks a model what it is reads it:
+        a Hugging Face Trainer shifts a causal LM's labels when it smooths them, by this name (`repr` still says
+        ChunkedModel)."""
+        base = getattr(self.module, "get_base_model", None)
+        return typing.cast(nn.Module, base() if callable(base) else self.module)._get_name()
 
     def __repr__(self) -> str:
         inner = repr(self.module).replace("\n", "\n  ")

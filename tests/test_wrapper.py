@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import inspect
 import io
 import weakref
 
@@ -358,3 +359,24 @@ def test_load_state_dict_takes_what_a_modules_own_loading_writes_in_place(budget
     assert cm.load_state_dict(state) == plain.load_state_dict(state)  # keys as the module saves them
     x = torch.randn(3, 4)
     assert torch.equal(cm(x), plain(x))
+
+
+def test_a_prepared_model_shows_the_wrapped_forwards_signature_and_name() -> None:
+    # A Hugging Face Trainer keeps the dataset columns the model's forward names and finds its labels there, and shifts
+    # a causal LM's labels for label smoothing by the model's name: a prepared model's forward took anything, as
+    # "ChunkedModel", and the Trainer dropped every column, evaluated without a loss, smoothed unshifted labels.
+    class Labelled(nn.Linear):
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+            return super().forward(x)
+
+    class Static(nn.Linear):
+        forward = staticmethod(lambda x, labels=None: x)  # not a method: its signature would lose a parameter
+
+    model = Labelled(4, 4)
+    cm, _ = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    assert inspect.signature(cm.forward) == inspect.signature(model.forward)
+    assert type(cm).__name__ == "ChunkedModel[Labelled]" and isinstance(cm, chunkmem.ChunkedModel)
+    assert cm._get_name() == "Labelled" and repr(cm).startswith("ChunkedModel(\n  (module): Labelled(")
+    static = Static(4, 4)
+    cs, _ = chunkmem.prepare(static, ADAMW(static.parameters()), chunkmem.Config(device="cpu"))
+    assert type(cs) is chunkmem.ChunkedModel and "labels" not in inspect.signature(cs.forward).parameters

@@ -333,7 +333,12 @@ class Pipeline:
         """Restore what `save_checkpoint` wrote; the stage split must be the same. Called before the
         first step, the restore happens when the first step builds the stage (balance='auto' then
         takes the saved split), and None is returned."""
-        path = existing(Path(path), "pipeline.json")
+        try:  # every rank finds it, or none goes on (a rank without the file system rank 0 wrote to)
+            path = existing(Path(path), "pipeline.json")
+        except Exception as error:
+            all_read(dist.group.WORLD, path, error)
+            raise
+        all_read(dist.group.WORLD, path, path.name)  # (or the checkpoint a save moved aside: on every rank)
         if self.model is None:
             self._pending_load = path
             return None

@@ -66,16 +66,18 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
             raise RuntimeError(f"load_state_dict got a value for {_name_of(module, tensor)} that is {kind}: nothing was "
                                "loaded (give dense tensors with data: materialize meta ones, .to_dense() sparse "
                                "ones)")
-    with torch.no_grad():
-        for tensor, value in given.items():
-            if tensor in records:
-                runtime.data.set_value(records[tensor], value)
-            else:
-                tensor.copy_(value)
-    for key, value in held.items():
-        extra[key].set_extra_state(value)
-    if runtime.shards is not None:
-        runtime.shards.drop_all()
+    try:
+        with torch.no_grad():
+            for tensor, value in given.items():
+                if tensor in records:
+                    runtime.data.set_value(records[tensor], value)
+                else:
+                    tensor.copy_(value)
+        for key, value in held.items():  # after the values, as torch's loader: one that raises leaves them loaded
+            extra[key].set_extra_state(value)
+    finally:
+        if runtime.shards is not None:  # gathered copies hold the values from before
+            runtime.shards.drop_all()
     return _IncompatibleKeys(missing, result.unexpected_keys)
 
 

@@ -18,6 +18,7 @@ import re
 import runpy
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -471,3 +472,29 @@ def test_state_dict_and_checkpoints_keep_a_layers_extra_state(tmp_path: Path) ->
         for name, value in rank["state"].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(rank["resumed"][name], value), name
+
+
+def unshared_load_worker(rank: int, world: int, folder: str) -> tuple[str, float]:
+    """A pipeline of one stage over two data-parallel ranks saves, then loads on rank 0 and, on rank 1, from a path with
+    nothing there (a node without the file system rank 0 wrote to): the error each rank got, and how long it took."""
+    torch.manual_seed(0)
+    pipe = pipeline(model(), functools.partial(torch.optim.AdamW, lr=1e-2), loss_fn("mean"), n_microbatches=1,
+                    schedule="gpipe", balance=[len(model())], config=chunkmem.Config(device="cpu"), data_parallel=2)
+    pipe.step(*batches(4)[0])
+    path = Path(folder) / "ckpt"
+    pipe.save_checkpoint(path)
+    start = time.monotonic()
+    try:
+        pipe.load_checkpoint(path if rank == 0 else path.with_name("elsewhere"))
+    except FileNotFoundError as error:
+        return str(error), time.monotonic() - start
+    return "loaded", time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_one_rank_cannot_find_is_loaded_on_no_rank(tmp_path: Path) -> None:
+    # The rank that found none raised; the other loaded its part and waited for it in the stage's agreement, up to
+    # CHUNKMEM_CHECKPOINT_TIMEOUT (6 h).
+    (first, first_s), (second, second_s) = run_workers(unshared_load_worker, 2, str(tmp_path), timeout=90)
+    assert first.startswith("a rank could not load the checkpoint") and second.startswith("no chunkmem checkpoint")
+    assert max(first_s, second_s) < 30
