@@ -387,12 +387,7 @@ def test_save_fsyncs_the_directory_after_the_renames_and_verifies_first(tmp_path
     assert events.index(("verify", tmp_path / "c.tmp")) < events.index(parent[0])  # verified before the swap
 
 
-def test_a_save_whose_rename_fails_says_the_previous_checkpoint_is_intact(tmp_path, monkeypatch):
-    # The renames' OSError came bare, and said nothing of the checkpoint moved aside, which a load reads.
-    model, opt = _trained()
-    chunkmem.save_checkpoint(tmp_path / "c", model, opt)
-    before = _snapshot(model, opt)
-    train(model, opt, mlp_batches(1, seed=5), mlp_loss)
+def _rename_refused(monkeypatch) -> None:
     rename = Path.rename
 
     def refused(self: Path, target):
@@ -400,24 +395,26 @@ def test_a_save_whose_rename_fails_says_the_previous_checkpoint_is_intact(tmp_pa
             raise PermissionError(13, "Permission denied")
         return rename(self, target)
     monkeypatch.setattr(Path, "rename", refused)
-    with pytest.raises(CheckpointError, match="Permission denied.*the previous checkpoint is intact, and load_"):
-        chunkmem.save_checkpoint(tmp_path / "c", model, opt)
-    monkeypatch.undo()
-    chunkmem.load_checkpoint(tmp_path / "c", model, opt)
-    _assert_same(before, _snapshot(model, opt))
 
 
-def test_a_save_that_does_not_read_back_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def _read_back_wrong(monkeypatch) -> None:
+    def bad_disk(path):
+        raise CheckpointDamaged(f"{path}: read back wrong")
+    monkeypatch.setattr(ckpt, "verify_checkpoint", bad_disk)
+
+
+@pytest.mark.parametrize("fault, error, message", [
+    # The renames' OSError came bare, and said nothing of the checkpoint moved aside, which a load reads.
+    (_rename_refused, CheckpointError, "Permission denied.*the previous checkpoint is intact, and load_"),
+    (_read_back_wrong, CheckpointDamaged, "c.tmp: read back wrong"),
+], ids=["rename refused", "read back wrong"])
+def test_a_save_that_fails_at_the_end_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fault, error, message):
     model, opt = _trained()
     chunkmem.save_checkpoint(tmp_path / "c", model, opt)
     before = _snapshot(model, opt)
     train(model, opt, mlp_batches(1, seed=5), mlp_loss)
-
-    def bad_disk(path):
-        raise CheckpointDamaged(f"{path}: read back wrong")
-
-    monkeypatch.setattr(ckpt, "verify_checkpoint", bad_disk)
-    with pytest.raises(CheckpointDamaged, match="c.tmp: read back wrong"):
+    fault(monkeypatch)
+    with pytest.raises(error, match=message):
         chunkmem.save_checkpoint(tmp_path / "c", model, opt)
     monkeypatch.undo()
     chunkmem.load_checkpoint(tmp_path / "c", model, opt)

@@ -215,6 +215,7 @@ class Runtime:
                 self.residency.bring(chunk)
         else:  # homes are chosen by time (planning's Note on homes by time)
             self.placer.host_weight = host_weight(config, self.device)
+        self.dtype = config.torch_dtype  # the compute dtype, that of every chunk's parameters
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
         self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
@@ -387,6 +388,8 @@ class Runtime:
         collector cannot see. A graph backward did not consume (an output dropped, backward failing halfway) then
         kept its activations on the device for good."""
         metered = metered and self.metering
+        if not metered and tensor.dtype != self.dtype:  # chunks hold the compute dtype: an activation (the hot path)
+            return tensor.detach(), tensor._version
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, wrappers)
@@ -395,7 +398,7 @@ class Runtime:
         source: Chunk | Key | None = self.residency.by_storage.get(ptr)
         if source is None and self.shards is not None:
             source = self.shards.by_storage.get(ptr)
-        if source is None or tensor.dtype != self.config.torch_dtype:
+        if source is None or tensor.dtype != self.dtype:
             # with its version counter then, which backward checks (`unchanged`)
             return self.activations.wrap(tensor, storage) if metered else (tensor.detach(), tensor._version)
         param = tensor if tensor._base is None else tensor._base  # views of a parameter share its version counter
@@ -785,7 +788,9 @@ class Runtime:
             return
         # The copy engine moves bytes between flat buffers of one dtype: a gradient of a parameter cast in forward
         # (SwitchTransformers' router casts its weights to fp32) is rounded to the chunk's first, as a copy rounds it.
-        source = (grad if accumulate else grad.to(chunk.dtype)).contiguous()
+        source = grad if accumulate or grad.dtype == chunk.dtype else grad.to(chunk.dtype)
+        if not source.is_contiguous():
+            source = source.contiguous()
         self.residency.stream_down(chunk, source, part, self._host_like(source) if accumulate else None)
 
     def _add_share(self, key: Key, share: torch.Tensor) -> None:
