@@ -588,5 +588,8 @@ def _check_pair(model: Any, optimizer: Any) -> None:
     if not isinstance(model, ChunkedModel) or not isinstance(optimizer, ChunkOptimizer):
         raise TypeError(f"expected the model and optimizer returned by chunkmem.prepare, got "
                         f"{type(model).__name__} and {type(optimizer).__name__}")
-    if optimizer.runtime is not model.runtime:
-        raise ValueError("the optimizer was prepared with another model: pass the pair chunkmem.prepare returned")
+    # A manager's models share one runtime: the optimizer's own parameters tell its model.
+    if optimizer.runtime is not model.runtime or (optimizer.own is not None and
+                                                  optimizer.own != frozenset(model.parameters())):
+        raise ValueError("the optimizer was prepared with another model: pass the pair chunkmem.prepare (or "
+                         "Manager.prepare) returned")

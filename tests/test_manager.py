@@ -169,6 +169,15 @@ def test_a_checkpoint_of_the_trained_model_resumes_exactly(tmp_path):
     chunkmem.save_checkpoint(tmp_path / "ckpt", policy, optimizer)
     expected = [step(policy, optimizer, reference, pair) for pair in batches[2:]]
     manager, (policy, optimizer, reference) = managed(budget)
+    # The reference paired with the policy's optimizer (one runtime holds both) was saved, and loaded over the frozen
+    # reference, with the policy's optimizer states.
+    before = reference.state_dict()
+    with pytest.raises(ValueError, match="prepared with another model"):
+        chunkmem.save_checkpoint(tmp_path / "wrong", reference, optimizer)
+    with pytest.raises(ValueError, match="prepared with another model"):
+        chunkmem.load_checkpoint(tmp_path / "ckpt", reference, optimizer)
+    assert not (tmp_path / "wrong").exists()
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in before.items())
     chunkmem.load_checkpoint(tmp_path / "ckpt", policy, optimizer)
     assert [step(policy, optimizer, reference, pair) for pair in batches[2:]] == expected
 

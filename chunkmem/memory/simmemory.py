@@ -205,7 +205,8 @@ def _refuse_mixed(func: Any, args: tuple, kwargs: dict, host: set[int], blocks: 
                 f"Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
                 f"({func.__name__} was given a host tensor of shape {tuple(tensor.shape)} beside device tensors: "
                 "chunkmem's simulation of a GPU. A parameter whose chunk is off the device is a host tensor; copy "
-                "it to the device first, or read it inside forward)")
+                "it to the device first, with `.to(model.device, copy=True)`: the simulated device is the CPU, so "
+                "`.to(model.device)` alone moves nothing here, where it copies on a GPU; or read it inside forward)")
 
 
 def _restack(change: Callable[[list[TorchDispatchMode]], list[TorchDispatchMode]]) -> None:

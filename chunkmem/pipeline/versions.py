@@ -110,4 +110,6 @@ class WeightVersions:
             raise RuntimeError(f"a backward needs weights version {saved.version}, but this stage holds versions "
                                f"{self.newest - 1} and {self.newest}: the 2BW order was not followed")
         chunk = newest if saved.version == self.newest else stale
-        return self.runtime.unpack(saved.ref._replace(source=chunk))
+        # The update between its forward and this backward moved the parameters' version counters (Runtime.rewrote):
+        # the weights it needs are the version it viewed, kept in the chunk found here.
+        return self.runtime.unpack(saved.ref._replace(source=chunk, param=None))

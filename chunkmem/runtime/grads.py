@@ -27,7 +27,10 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
-frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`).
+frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). A shown
+gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
+values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
+backward writes the chunk it viewed.
 Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
 raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
 torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
@@ -36,6 +39,7 @@ clear nothing; set, it raises at the next forward or step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Container
 from typing import Any
 
@@ -159,18 +163,27 @@ class ShownGrads:
                 self.residency.evict(group.param)
         self.host_viewed.clear()
 
-    def hide(self, records: Container[ParamRecord] | None = None, edits: bool = True) -> None:
+    def hide(self, records: Container[ParamRecord] | None = None, edits: bool = True, dropped: bool = False) -> None:
         """`p.grad` None again, for all shown gradients (`records` None) or those in `records`, what the user put
         there taken first (a fast zero_grad that sets each `p.grad` to None, a gradient replaced between backwards),
-        unless `edits` is False: autograd added into the shown one (Runtime._take_grad)."""
+        unless `edits` is False: autograd added into the shown one (Runtime._take_grad). `dropped`: the gradients
+        are gone (zero_grad(set_to_none=True)), and one the user still holds keeps its values (`_keep_held`)."""
         if edits:
             self.take(records)
         if records is None:
             self.forget_zeros()
         self.restore()
+        gone, shown = [], None  # (`shown` refers to a gradient until `_keep_held`, which must see only the user's)
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
+            shown = self.shown[record]
+            # A ShardedGrad has no values, a lent one is autograd's own: no backward writes them.
+            if dropped and type(shown) is not ShardedGrad and shown is not record.group.grad.lent_part(
+                    record.slot.offset):
+                gone.append(shown)
             del self.shown[record]
+        shown = None
+        _keep_held(gone)
 
     def unseen(self) -> bool:
         """Whether a gradient in its chunk shows nowhere: `p.grad` None, not set so by the user."""
@@ -195,22 +208,40 @@ class ShownGrads:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of
         `records`, None: all) is copied into its chunk's range, and one set to None is the parameter's gradient no
         longer (the step leaves it, the next backward writes it afresh), as torch would see them."""
-        for record, shown in list(self.shown.items()):
+        gone: list[torch.Tensor] = []
+        grad: torch.Tensor | None = None
+        shown: torch.Tensor | None = None
+        for record in list(self.shown):
             if records is not None and record not in records:
                 continue
-            grad = record.param.grad
+            grad, shown = record.param.grad, self.shown[record]
             if grad is shown:
                 continue
             if type(shown) is ShardedGrad:
                 raise RuntimeError(ZERO_GRADS)
             if grad is None:
                 record.move_grad("free")
-                del self.shown[record]
+                gone.append(self.shown.pop(record))
             else:  # into the chunk, and p.grad shows the chunk's range again
                 shown.copy_(grad)
                 record.param.grad = shown
+        grad = shown = None
+        _keep_held(gone)
 
     def accumulated(self, record: ParamRecord, grad: torch.Tensor) -> bool:
         """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second
         backward before any forward): then the chunk holds the sum already."""
         return self.shown.get(record) is grad
+
+
+def _keep_held(gradients: list[torch.Tensor]) -> None:
+    """Shown gradients set to None (zero_grad(set_to_none=True), `p.grad = None`) that the user still holds (a list
+    kept for gradient surgery or for logging) get memory of their own, with their values: in PyTorch the next backward
+    makes new tensors and leaves those as they were, where here it writes the chunk they view. Found by weak
+    references once chunkmem's own are gone: those the user dropped cost nothing. Empties `gradients`."""
+    refs = [weakref.ref(g) for g in gradients]
+    gradients.clear()
+    for ref in refs:
+        held = ref()
+        if held is not None:
+            held.data = held.clone()

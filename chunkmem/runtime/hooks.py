@@ -21,6 +21,9 @@ from torch.utils.hooks import RemovableHandle
 from chunkmem.runtime.runtime import Runtime
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
+# Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
+# read from a parameter, it is used.
+_VIEWS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
 
 
 class FetchMode(TorchFunctionMode):
@@ -33,8 +36,8 @@ class FetchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if type(func) is _DESCRIPTOR_CALL:  # attribute accesses (.shape, .data =): nothing to fetch or retry
-            return func(*args, **kwargs)
+        if type(func) is _DESCRIPTOR_CALL and (func.__name__ != "__get__" or func.__self__.__name__ not in _VIEWS):
+            return func(*args, **kwargs)  # attribute accesses (.shape, .data =): nothing to fetch or retry
         # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
         # parameters its module's hook already acquired; it pays one scan of its arguments.
         params = _parameters(args, kwargs)

@@ -73,6 +73,7 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
                     runtime.data.set_value(records[tensor], value)
                 else:
                     tensor.copy_(value)
+        runtime.rewrote([records[t] for t in given if t in records])  # as torch's copy_ into each parameter
         for key, value in held.items():  # after the values, as torch's loader: one that raises leaves them loaded
             extra[key].set_extra_state(value)
     finally:

@@ -502,15 +502,18 @@ class ChunkOptimizer(Optimizer):
         reserve = self._reserve_run if runtime.config.device_memory is not None else None
         together, hosted = Together(self.rule, reserve), Together(self.rule)
         runtime.residency.before_leave = together.leaving
+        stepped: list[ParamRecord] = []
         try:
             for chunk_group in runtime.groups():
                 members = [r for r in chunk_group.members if r.grad_state is TensorState.HOLD and r in group_of]
                 if members:
                     self._visit(chunk_group, members, group_of, inv_scale, together, hosted)
+                    stepped += members
             self._finish_host_run(hosted)
             together.update()
         finally:
             runtime.residency.before_leave = None
+        runtime.rewrote(stepped)
         runtime.optimizer_done(self)
         runtime.fence_params()  # parameters sent up during the step are read next, maybe outside forward (an EMA)
         return loss

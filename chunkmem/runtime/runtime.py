@@ -58,7 +58,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -423,8 +423,8 @@ class Runtime:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"parameter {name} is at version {saved.param._version}; expected version {saved.version} instead "
-                "(changed in place between forward and backward, as a weight constraint or an EMA swap inside the "
-                "step would: make that change after backward, or before the forward)")
+                "(changed in place between forward and backward, as an optimizer step, a load_state_dict, a weight "
+                "constraint or an EMA swap there would: make that change after backward, or before the forward)")
         if isinstance(saved.source, Chunk):
             nonmodel = self.emit("backward", "bwd", saved.source.name)
             self.placer.access([saved.source], nonmodel=nonmodel)
@@ -674,6 +674,24 @@ class Runtime:
         else:
             self.unhooked.discard(id(hooks))
 
+    def rewrote(self, records: Collection[ParamRecord]) -> None:
+        """chunkmem wrote these parameters' values in their chunks (a step, a load), not through the parameters: their
+        version counters move as an in-place write moves them in PyTorch, so that a backward through a graph that saved
+        them before (`backward(retain_graph=True)`, then a step, then the second backward: a GAN's discriminator) raises
+        as PyTorch's does, rather than mixing the new values with the old activations. The versions chunkmem keeps to
+        find the user's own writes (`_adopt_edits`, ParamStore.note_writes, ShownGrads.restore) move with them."""
+        if not records:
+            return
+        torch.autograd.graph.increment_version([r.param for r in records])
+        for record in records:
+            record.version = record.param._version
+        for group in {r.group for r in records if r.group.owned}:  # under ZeRO, those of this rank's share
+            versions = [r.param._version for r in group.members]
+            if group.param in self.store.device_views:
+                self.store.device_views[group.param] = versions
+            if group in self.grads.host_viewed:
+                self.grads.host_viewed[group] = versions
+
     def adopt_data(self) -> None:
         """A parameter given other storage by the user (`p.data = t`, torch.nn.utils.vector_to_parameters) no longer
         views its chunk, which would point it back and lose the value: its value goes into its chunks first (before a
@@ -877,7 +895,8 @@ class Runtime:
         self.adopt_grads(assigned=True)
         if self.ahead is not None:  # updates made ahead read the gradients cleared now
             self.ahead.drop()
-        self.grads.hide(only, edits=self.shards is None)  # under ZeRO p.grad cannot be set, and this clears it anyway
+        # Under ZeRO p.grad cannot be set, and this clears it anyway.
+        self.grads.hide(only, edits=self.shards is None, dropped=set_to_none)
         for group in self.store.trainable_groups():
             cleared = [r for r in group.members if only is None or r in only]
             chunk = group.grad

@@ -57,19 +57,28 @@ def test_a_streaming_architecture_runs_lean_after_its_first_step_on_plain_pytorc
         assert flags == [False] + [lean] * 3
 
 
-class Borrows(nn.Module):
-    """A model whose forward uses its first layer's parameters itself (F.linear on them), outside the layer."""
+# How a model's forward uses its first layer's parameters outside the layer: through an op, or through an attribute
+# that views them (an output layer tied to an embedding: `h @ self.embed.weight.T`; those were never fetched, and the
+# op that followed got a host tensor under a streaming budget).
+BORROWS = {"F.linear": lambda x, w, b: F.linear(x, w, b), ".T": lambda x, w, b: x @ w.T + b,
+           ".mT": lambda x, w, b: x @ w.mT + b, ".data": lambda x, w, b: x @ w.data.T + b}
 
-    def __init__(self) -> None:
+
+class Borrows(nn.Module):
+    """A model whose forward uses its first layer's parameters itself, outside the layer (BORROWS[how])."""
+
+    def __init__(self, how: str = "F.linear") -> None:
         super().__init__()
         self.first, self.rest = nn.Linear(32, 32), mlp()
+        self.how = how
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rest(torch.tanh(F.linear(x, self.first.weight, self.first.bias)))
+        return self.rest(torch.tanh(BORROWS[self.how](x, self.first.weight, self.first.bias)))
 
 
-def test_a_model_using_a_parameter_outside_its_module_never_runs_lean() -> None:
-    model, batches = Borrows(), mlp_batches(5)
+@pytest.mark.parametrize("how", BORROWS)
+def test_a_model_using_a_parameter_outside_its_module_never_runs_lean(how) -> None:
+    model, batches = Borrows(how), mlp_batches(5)
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, mlp_loss)
     cm, opt = prepared(model, ADAMW, device_memory=streaming(model))
