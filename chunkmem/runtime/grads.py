@@ -177,9 +177,7 @@ class ShownGrads:
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             shown = self.shown[record]
-            # A ShardedGrad has no values, a lent one is autograd's own: no backward writes them.
-            if dropped and type(shown) is not ShardedGrad and shown is not record.group.grad.lent_part(
-                    record.slot.offset):
+            if dropped and _chunk_memory(record, shown):
                 gone.append(shown)
             del self.shown[record]
         shown = None
@@ -221,7 +219,8 @@ class ShownGrads:
                 raise RuntimeError(ZERO_GRADS)
             if grad is None:
                 record.move_grad("free")
-                gone.append(self.shown.pop(record))
+                if _chunk_memory(record, self.shown.pop(record)):
+                    gone.append(shown)
             else:  # into the chunk, and p.grad shows the chunk's range again
                 shown.copy_(grad)
                 record.param.grad = shown
@@ -232,6 +231,12 @@ class ShownGrads:
         """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second
         backward before any forward): then the chunk holds the sum already."""
         return self.shown.get(record) is grad
+
+
+def _chunk_memory(record: ParamRecord, shown: torch.Tensor) -> bool:
+    """Whether gradient `shown` is memory of its chunk that a later backward writes: not a ShardedGrad (no values),
+    not a tensor lent to the chunk (autograd's own, which the chunk lets go)."""
+    return type(shown) is not ShardedGrad and shown is not record.group.grad.lent_part(record.slot.offset)
 
 
 def _keep_held(gradients: list[torch.Tensor]) -> None:

@@ -36,7 +36,8 @@ class FetchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if type(func) is _DESCRIPTOR_CALL and (func.__name__ != "__get__" or func.__self__.__name__ not in _VIEWS):
+        if type(func) is _DESCRIPTOR_CALL and (func.__name__ != "__get__" or
+                                               getattr(func.__self__, "__name__", None) not in _VIEWS):
             return func(*args, **kwargs)  # attribute accesses (.shape, .data =): nothing to fetch or retry
         # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
         # parameters its module's hook already acquired; it pays one scan of its arguments.

@@ -513,6 +513,10 @@ class ChunkOptimizer(Optimizer):
             together.update()
         finally:
             runtime.residency.before_leave = None
+        if runtime.shards is not None:  # every rank's parameters moved, so their versions move on every rank (a
+            # backward through them raises on all or none): which got a gradient is agreed per step
+            stepped += [r for g in runtime.store.groups if g.trainable and not g.owned for r in g.members
+                        if r.grad_state is TensorState.HOLD and r in group_of]
         runtime.rewrote(stepped)
         runtime.optimizer_done(self)
         runtime.fence_params()  # parameters sent up during the step are read next, maybe outside forward (an EMA)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import chunkmem
+from chunkmem.runtime import grads
 
 from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gpt2
 
@@ -907,3 +909,28 @@ def test_gradients_kept_past_their_clearing_keep_their_values(budget, clear) -> 
             opt.step()
             opt.zero_grad()
     same_bits(loop, budget)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("clear", ["zero_grad", "p.grad = None"])
+def test_gradients_nobody_kept_are_not_copied_when_cleared(budget, clear, monkeypatch) -> None:
+    # Gradients lent to their chunks (autograd's own tensors, every one in a resident step) were copied at every
+    # `p.grad = None`: one copy of every gradient a step, on the device, though nobody held them.
+    copies = []
+
+    def counted(gradients: list[torch.Tensor]) -> None:  # grads._keep_held, counting what it would copy
+        refs = [weakref.ref(g) for g in gradients]
+        gradients.clear()
+        copies.append(sum(ref() is not None for ref in refs))
+    monkeypatch.setattr(grads, "_keep_held", counted)
+    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(budget))
+    for ids in gpt2_batches(STEPS):
+        gpt2_loss(cm, ids).backward()
+        opt.step()
+        if clear == "zero_grad":
+            opt.zero_grad()
+        else:
+            for p in cm.parameters():
+                p.grad = None
+    gpt2_loss(cm, gpt2_batches(1)[0]).backward()  # the last `p.grad = None` is taken here
+    assert copies and sum(copies) == 0

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import chunkmem
 from chunkmem.checkpoint import _collect
 from chunkmem.errors import CheckpointError
-from tests.helpers import gpt2_loss, mlp, mlp_loss, tiny_gpt2, train, updates
+from tests.helpers import gpt2_loss, mlp, mlp_batches, mlp_loss, tiny_gpt2, train, updates
 from tests.multiproc import run_workers
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
@@ -576,3 +576,26 @@ def test_a_gradient_under_zero_cannot_be_read_or_set_through_p_grad():
     # and `p.grad = None` cleared nothing (the next backward added onto the old gradients). Now both raise.
     for raised in run_workers(grads_worker, 2, timeout=120):
         assert len(raised) == 3 and all("model.clip_grad_norm_" in m for m in raised)
+
+
+def retained_worker(rank: int, world: int) -> str:
+    model = mlp(width=32, depth=5)
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    batches = mlp_batches(2)
+    train(cm, opt, batches[:1], mlp_loss)
+    loss = mlp_loss(cm, batches[1])
+    loss.backward(retain_graph=True)
+    opt.step()
+    opt.zero_grad()
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_backward_through_parameters_a_step_changed_raises_on_every_rank():
+    # A step moved the version counters of the parameters of the groups the rank owns only: the rank owning the last
+    # layer's raised, the other went on into the backward's collectives and waited for it until the timeout.
+    for outcome in run_workers(retained_worker, 2, timeout=90, group_timeout=30):
+        assert "modified by an inplace operation" in outcome
