@@ -82,6 +82,10 @@ class ChunkGroup:
         """The fp32 copy the optimizer updates (the parameter chunk itself in fp32)."""
         return self.chunks.get("master", self.chunks["param"])
 
+    def versions(self) -> list[int]:
+        """Its parameters' version counters: they move on every in-place write a user or autograd can see."""
+        return [r.param._version for r in self.members]
+
 
 class ParamStore:
     """All chunk groups of one model and the parameters in them. With a disk tier (`host_tier`), the chunks only
@@ -178,7 +182,7 @@ class ParamStore:
         if flat is chunk.host_unfenced:
             self.device_views.pop(chunk, None)
         elif chunk not in self.device_views:
-            self.device_views[chunk] = [r.param._version for r in group.members]
+            self.device_views[chunk] = group.versions()
         for record in group.members:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
@@ -200,7 +204,7 @@ class ParamStore:
         versions = self.device_views.get(chunk)
         if versions is None:
             return
-        now = [r.param._version for r in self._group_of_param_chunk[chunk.name].members]
+        now = self._group_of_param_chunk[chunk.name].versions()
         if now != versions:
             self.device_views[chunk] = now
             if chunk.state is ChunkState.DEVICE:

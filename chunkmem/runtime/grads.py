@@ -108,7 +108,7 @@ class ShownGrads:
                 self.store.note_writes(param)
                 if param.state is ChunkState.DEVICE and not param.pins and param.tier is None:
                     self.store.point_views(param, at_host=True)
-                    self.host_viewed.setdefault(group, [r.param._version for r in group.members])
+                    self.host_viewed.setdefault(group, group.versions())
                 elif param.state.on_device and not param.pins:
                     # A disk tier's host buffer comes and goes (the tier's copy is read), and a device payload
                     # changed through the parameters is read back.
@@ -157,7 +157,7 @@ class ShownGrads:
         for group, versions in self.host_viewed.items():
             if not group.param.state.on_device:
                 continue  # it left the device meanwhile (the step's host update claimed it): views follow it
-            if versions == [r.param._version for r in group.members]:
+            if versions == group.versions():
                 self.store.point_views(group.param)
             else:
                 self.residency.evict(group.param)

@@ -686,7 +686,7 @@ class Runtime:
         for record in records:
             record.version = record.param._version
         for group in {r.group for r in records if r.group.owned}:  # under ZeRO, those of this rank's share
-            versions = [r.param._version for r in group.members]
+            versions = group.versions()
             if group.param in self.store.device_views:
                 self.store.device_views[group.param] = versions
             if group in self.grads.host_viewed:
