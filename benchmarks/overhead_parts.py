@@ -40,7 +40,7 @@ those hooks could give back: one whose parameter chunks keep one storage on the 
 (FSDP's resize of its storage), fetched by a hook before each unit's backward rather than at each saved parameter.
 
     CHUNKMEM_SIM_CHECK=0 CHUNKMEM_SIM_MEMORY=0 python -m benchmarks.overhead_parts --layers 20 --vocab 1024 \
-        --models llama --dtypes bf16 --as-cuda --cpu-time --share 0.5 --rounds 30
+        --models llama --dtypes bf16 --as-cuda --cpu-time --share 0.5 --rounds 30 [--fused]
 
 The models are tiny by default, so that compute costs next to nothing and the figures are chunkmem's own
 work in absolute terms: what each mechanism costs does not grow with the model's width, only with its
@@ -66,7 +66,7 @@ import torch
 
 from benchmarks.common import table, timed, write_json
 from benchmarks.overhead import (CLOCK, DTYPES, Step, add_model_arguments, chunk_step, loss_fn, models, plain_step,
-                                 use_cpu_time)
+                                 use_cpu_time, use_fused)
 from chunkmem.runtime import hooks
 from chunkmem.runtime.runtime import Runtime
 
@@ -156,10 +156,14 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=None, help="chunks stream: a budget of the activation peak "
                         "and this share of the model data (0.5: benchmarks/overhead.py's 50%% rows); the variants are "
                         "then the lean forward's, with and without the saved-tensor hooks")
+    parser.add_argument("--fused", action="store_true", help="as benchmarks/overhead.py's: AdamW(fused=True) on both "
+                        "sides, as the GPU speed issue's plain PyTorch")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
         use_cpu_time()
+    if args.fused:
+        use_fused()
     variants = VARIANTS if args.share is None else STREAMING
     first, *rest = variants  # the whole step, then what each variant takes out of it
 

@@ -502,6 +502,9 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     versions: names of chunk families holding other versions of the parameters (pipeline/versions.py).
     """
     config = config or Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"chunkmem.prepare's config is {type(config).__name__} {config!r:.80}: expected a "
+                        "chunkmem.Config (chunkmem.Config(**options) makes one from a dict of its fields)")
     # The process group first: a rank that refuses its model or optimizer then ends its peers' rendezvous at once,
     # where they would otherwise wait for it until the group's timeout.
     group = shard_group(group, config)

@@ -380,3 +380,11 @@ def test_a_prepared_model_shows_the_wrapped_forwards_signature_and_name() -> Non
     static = Static(4, 4)
     cs, _ = chunkmem.prepare(static, ADAMW(static.parameters()), chunkmem.Config(device="cpu"))
     assert type(cs) is chunkmem.ChunkedModel and "labels" not in inspect.signature(cs.forward).parameters
+
+
+def test_a_config_that_is_not_a_config_is_refused_by_name() -> None:
+    model = mlp()
+    with pytest.raises(TypeError, match=r"config is dict \{'device': 'cpu'\}: expected a chunkmem.Config"):
+        chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), {"device": "cpu"})  # type: ignore[arg-type]
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(device="cpu"))
+    assert cm.module is model, "the refused call left the model as it was"

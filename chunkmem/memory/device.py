@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import os
 import time
 import weakref
@@ -29,9 +30,11 @@ from chunkmem.config import parse_size
 from chunkmem.memory import native
 from chunkmem.memory.allocator import Room, Sizes
 from chunkmem.memory.arena import SlotArena
-from chunkmem.memory.gpu_memory import allocator_fraction, held_bytes
+from chunkmem.memory.gpu_memory import allocator_fraction, held_bytes, held_in
 from chunkmem.memory.hostpool import EngineAllocator, HostAllocator, HostPool, RegisteredAllocator
 from chunkmem.memory.sim import SimulatedDevice
+
+_log = logging.getLogger("chunkmem")
 
 
 LARGE_SEGMENT = 20 << 20  # CUDACachingAllocator's kLargeBuffer: the segment a request of 1-10 MiB reserves
@@ -165,7 +168,8 @@ class CudaDevice:
         allocator: HostAllocator
         # Peaks between moments, without resetting PyTorch's (held_peak): by the trace hook of the native caching
         # allocator, which other backends (cudaMallocAsync, a pluggable allocator) refuse.
-        self.tracking = module is not None and torch.cuda.get_allocator_backend() == "native"
+        self.native_backend = torch.cuda.get_allocator_backend() == "native"
+        self.tracking = module is not None and self.native_backend
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
             if self.tracking:
@@ -220,7 +224,7 @@ class CudaDevice:
             return self.engine.copy([dst], [src], compute.cuda_stream)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            dst.data.copy_(src, non_blocking=True)  # as the engine's: no version counter moves (a user's edit would)
             done = torch.cuda.Event()
             done.record(stream)
         return done
@@ -284,14 +288,14 @@ class CudaDevice:
         index = self.torch_device.index
         if not self.capped():
             return None
-        cap = int(torch.cuda.get_per_process_memory_fraction(index) * self.total_bytes())  # as the allocator checks
+        cap = int(_FRACTIONS[index] * self.total_bytes())  # as the allocator checks
         held = self.engine_module.held_bytes(index) if self.engine_module is not None else held_bytes(self.torch_device)
         return Room(cap - held, cap - torch.cuda.memory_allocated(index), cap - torch.cuda.memory_reserved(index))
 
     def memory_reading(self) -> tuple[int, int]:
         engine, index = self.engine_module, self.torch_device.index
-        if not self.tracking:  # no tracker: what is held now, and no size of the blocks between readings
-            return held_bytes(self.torch_device), 0
+        if not self.tracking:
+            return _peak_reading(index, self.native_backend), 0
         held = engine.held_bytes(index)  # held_bytes's figure, without torch.cuda.memory_stats's dictionary
         excess, largest = engine.take_allocation_reading(index)
         return held + excess, largest
@@ -314,6 +318,7 @@ class _Collective:
 
 
 _BUDGETS: dict[int, weakref.WeakKeyDictionary] = {}  # CUDA index -> {runtime: (device budget, bytes outside)}
+_FRACTIONS: dict[int, float] = {}  # CUDA index -> the share of the device its allocator may reserve, as last set
 
 
 def _apply_cap(index: int, total: int) -> None:
@@ -323,17 +328,45 @@ def _apply_cap(index: int, total: int) -> None:
     budgets = list(_BUDGETS.get(index, {}).values())
     fraction = allocator_fraction([b for b, _ in budgets], max(o for _, o in budgets), total) if budgets else 1.0
     torch.cuda.set_per_process_memory_fraction(fraction, index)
+    _FRACTIONS[index] = fraction  # (torch has no getter before 2.6)
     if torch.cuda.memory_reserved(index) > fraction * total:
         torch.cuda.empty_cache()
 
 
-def check_allocator(backend: str) -> None:
+# Options of the native caching allocator that change how it splits, rounds, caches or maps blocks: the plan's model
+# of its segments (allocator.py) is of its defaults.
+_RESHAPING_OPTIONS = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
+                      "garbage_collection_threshold")
+
+
+def _peak_reading(index: int, native_backend: bool) -> int:
+    """Without the engine's tracker: what the caching allocator holds (held_bytes) and the most its live blocks rose
+    above that since the last reading, by its own peak statistics, reset for the next (torch.cuda.max_memory_allocated
+    then reads the peak since chunkmem's last reading); no size of the blocks that rose. Before, the temporaries
+    between two readings (a backward op's input gradients) went unseen, and the plan gave their room to chunks. Other
+    backends keep no peak: what is held now."""
+    stats = torch.cuda.memory_stats(index)
+    if not native_backend:
+        return held_in(stats)
+    torch.cuda.reset_peak_memory_stats(index)
+    live = stats.get("allocated_bytes.all.current", 0)
+    return held_in(stats) + max(stats.get("allocated_bytes.all.peak", 0) - live, 0)
+
+
+def check_allocator(backend: str, conf: str = "") -> None:
     """A budget on CUDA needs PyTorch's native caching allocator: its cap, its statistics and the rules the plan
-    counts on (gpu_memory's Note on the budget)."""
+    counts on (gpu_memory's Note on the budget); `conf`, its PYTORCH_CUDA_ALLOC_CONF, may change those rules: a
+    warning names the options that do."""
     if backend != "native":
         raise ValueError(f"Config.device_memory needs PyTorch's native CUDA caching allocator, but "
                          f"PYTORCH_CUDA_ALLOC_CONF selects the {backend!r} backend: remove backend:{backend} from "
                          "PYTORCH_CUDA_ALLOC_CONF, or leave device_memory=None")
+    options = [o.strip() for o in conf.split(",") if o.split(":")[0].strip() in _RESHAPING_OPTIONS]
+    if options:
+        _log.warning("chunkmem: PYTORCH_CUDA_ALLOC_CONF sets %s, which changes how PyTorch's caching allocator splits, "
+                     "rounds or maps its blocks; the plan counts its blocks as its defaults make them, so a budget may "
+                     "take more steps to settle or, rarely, run out of memory: leave them at their defaults under "
+                     "Config.device_memory", ", ".join(options))
 
 
 def collect_garbage() -> None:
@@ -353,7 +386,8 @@ def make_device(name: str, host_memory: int | str | None = None, budgeted: bool 
     limit = parse_size("host_memory", host_memory)
     device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
     if budgeted and name != "cpu":
-        check_allocator(torch.cuda.get_allocator_backend())
+        check_allocator(torch.cuda.get_allocator_backend(),
+                        os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")))
     if device.capped() or (budgeted and device.memory_reading() is not None):
         collect_garbage()
     native.report_missing(cuda=name != "cpu")

@@ -94,7 +94,11 @@ def held_bytes(device: torch.device) -> int:
     """What the caching allocator holds on `device` and would not give back at its cap: its live blocks and the free
     blocks between them in split segments (holes a request fits only if it is no larger). Wholly free cached
     segments are not counted: the allocator releases them and retries before it runs out of memory."""
-    stats = torch.cuda.memory_stats(device)
+    return held_in(torch.cuda.memory_stats(device))
+
+
+def held_in(stats: dict[str, int]) -> int:
+    """`held_bytes` by the allocator's statistics `stats` (torch.cuda.memory_stats)."""
     return stats.get("allocated_bytes.all.current", 0) + stats.get("inactive_split_bytes.all.current", 0)
 
 

@@ -277,10 +277,12 @@ class SimulatedDevice:
         waited[copy.stream] = max(waited[copy.stream], copy.id)
 
     def discard(self, token: object) -> None:
-        """The copy's result will not be read: it lands whenever it lands, and no access races with it."""
+        """The copy's result will not be read: it lands whenever it lands, and a host write into its source races with
+        nothing that matters. Its write into the device buffer still does, as on CUDA: that buffer's next user must be
+        ordered after it (arena.py)."""
         copy = _copy(token)
         if _active is not None:
-            _active.forget(lambda hazard: hazard.copy is copy)
+            _active.forget(lambda hazard: hazard.copy is copy and hazard.side == "host")
 
     def synchronize(self) -> None:
         """Everything issued so far has landed, and both sides know it."""
@@ -638,7 +640,8 @@ def _describe(func: Any, written: bool, hazard: Hazard) -> str:
 
 
 _METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default,
-             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default, torch.ops.aten.set_.source_Tensor}
+             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default, torch.ops.aten.set_.source_Tensor,
+             torch.ops.aten._has_compatible_shallow_copy_type.default}
 _active: HazardChecker | None = None  # the checker in force in this process, if any
 
 

@@ -30,8 +30,11 @@ from chunkmem.memory.allocator import Block, CachingAllocator, Sizes
 
 _TO_COPY = torch.ops.aten._to_copy.default
 # Ops a GPU runs across host and device: copies.
+# Ops that may take a device tensor and a host one: copies, and `param.data = t`'s check of their types (under
+# inference_mode it reaches the dispatcher), which reads no bytes.
 _CROSSING = frozenset({_TO_COPY, torch.ops.aten.copy_.default, torch.ops.aten.copy.default,
-                       torch.ops.aten._copy_from.default, torch.ops.aten._copy_from_and_resize.default})
+                       torch.ops.aten._copy_from.default, torch.ops.aten._copy_from_and_resize.default,
+                       torch.ops.aten._has_compatible_shallow_copy_type.default})
 
 
 class SimulatedMemory:

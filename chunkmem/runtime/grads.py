@@ -173,15 +173,19 @@ class ShownGrads:
         if records is None:
             self.forget_zeros()
         self.restore()
-        gone, shown = [], None  # (`shown` refers to a gradient until `_keep_held`, which must see only the user's)
+        _keep_held(self._unshown(records, dropped))
+
+    def _unshown(self, records: Container[ParamRecord] | None, dropped: bool) -> list[torch.Tensor]:
+        """`hide`'s own: `p.grad` None for the shown gradients of `records` (None: all); gives those of them that were
+        chunk memory, if `dropped` (for `_keep_held`, which must find no reference of ours to them: this frame's die
+        with it)."""
+        gone = []
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
-            shown = self.shown[record]
+            shown = self.shown.pop(record)
             if dropped and _chunk_memory(record, shown):
                 gone.append(shown)
-            del self.shown[record]
-        shown = None
-        _keep_held(gone)
+        return gone
 
     def unseen(self) -> bool:
         """Whether a gradient in its chunk shows nowhere: `p.grad` None, not set so by the user."""
@@ -206,9 +210,12 @@ class ShownGrads:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of
         `records`, None: all) is copied into its chunk's range, and one set to None is the parameter's gradient no
         longer (the step leaves it, the next backward writes it afresh), as torch would see them."""
-        gone: list[torch.Tensor] = []
-        grad: torch.Tensor | None = None
-        shown: torch.Tensor | None = None
+        _keep_held(self._taken(records))
+
+    def _taken(self, records: Container[ParamRecord] | None) -> list[torch.Tensor]:
+        """`take`'s own; gives the shown gradients set to None that were chunk memory (for `_keep_held`, as
+        `_unshown`)."""
+        gone = []
         for record in list(self.shown):
             if records is not None and record not in records:
                 continue
@@ -224,8 +231,7 @@ class ShownGrads:
             else:  # into the chunk, and p.grad shows the chunk's range again
                 shown.copy_(grad)
                 record.param.grad = shown
-        grad = shown = None
-        _keep_held(gone)
+        return gone
 
     def accumulated(self, record: ParamRecord, grad: torch.Tensor) -> bool:
         """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -16,9 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from chunkmem.runtime.runtime import Runtime
+
+log = logging.getLogger("chunkmem")
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 # Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
@@ -132,6 +136,7 @@ class Hooks:
         # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
+        self.warned_unscaled = False  # that an fp16 model's module was called on its own to train (`_enter_outside`)
         self.module = module
         self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
         # Those of the modules inside units (idle: they acquire nothing) that a lean forward takes off (`_idle_hooks`).
@@ -271,6 +276,11 @@ class Hooks:
         if self.outside is not None and self.outside[0] is module:
             contexts, self.outside = self.outside[1], None
             contexts.close()
+            if not _in_backward():  # called on its own, as the model's forward is: its ends are the forward's
+                self.runtime.fence_params()
+                for leaf in tree_flatten(_output)[0] if torch.is_grad_enabled() else ():
+                    if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                        leaf.grad_fn.register_prehook(self.runtime.backward_begins)
 
     def _enter_outside(self, module: nn.Module) -> None:
         """Backward re-computes a checkpointed module (or a module is called on its own): its ops need FetchMode as
@@ -278,7 +288,19 @@ class Hooks:
         saves meanwhile are packed by chunk address, as in the forward, unless saved-tensor hooks are on (torch's
         non-reentrant checkpointing re-computes under its own, which keep what they save on the device). Reentrant
         checkpointing re-computes with none, and its backward, inside the model's, would otherwise read a
-        parameter where it is then: on the host once its chunk has left."""
+        parameter where it is then: on the host once its chunk has left. A module called on its own (a loss on
+        `model.model(x)`'s hidden states) is a forward of the model's as its own forward is, from the gradients it hides
+        before (grads.py's Note: the backward adds into their chunks) to the parameters it fences and the outputs whose
+        backward hides them again after (`_post_forward`); not a re-computation, which backward runs."""
+        if torch.is_grad_enabled() and not _in_backward():
+            self.runtime.grads.hide_for_forward()
+            if self.runtime.scaler is not None and not self.warned_unscaled:
+                self.warned_unscaled = True
+                log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
+                            "enabled: its outputs do not carry the loss scale the model's outputs carry, and step() "
+                            "divides every gradient by it, so the gradients of a loss on them come out %g times too "
+                            "small: compute it from the model's own forward, or use dtype='bf16'", self.names[module],
+                            self.runtime.scaler.scale)
         with contextlib.ExitStack() as contexts:  # closed if entering raises (torch.func refuses saved-tensor hooks)
             contexts.enter_context(FetchMode(self.runtime))
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
@@ -357,6 +379,11 @@ class Hooks:
         self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
         _drop(self.handles)
         self.runtime.grads_unhooked(self, False)  # removed for good, not off
+
+
+def _in_backward() -> bool:
+    """Whether a backward is running on this thread (a checkpointed module re-computed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _drop(handles: list[RemovableHandle]) -> None:

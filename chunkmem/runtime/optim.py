@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import numbers
@@ -52,6 +53,7 @@ from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory import native
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.runtime import Runtime
+from chunkmem.runtime.statecopy import StateCopy
 
 _log = logging.getLogger("chunkmem")
 
@@ -302,9 +304,10 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
 
 class ChunkStates(Mapping):
     """A prepared optimizer's `state`: torch.optim's per-parameter states read from their chunks, as fp32 copies on the
-    host (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step with momentum made it). Changes are
-    refused (a change made to a copy is not seen): the empty dict torch.optim's own would have been took writes and
-    clears that did nothing. Not under ZeRO, where each rank holds a share of every state."""
+    host that behave as the states themselves (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step
+    with momentum made it): statecopy's Note. A state or a parameter's entry is not added, replaced or removed (the
+    empty dict torch.optim's own would have been took those and did nothing). Not under ZeRO, where each rank holds a
+    share of every state."""
 
     def __init__(self, optimizer: ChunkOptimizer) -> None:
         self.optimizer = optimizer
@@ -329,11 +332,11 @@ class ChunkStates(Mapping):
         record = self._record(param)
         if record is None:
             return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
-        runtime = self.optimizer.runtime
-        out = {"step": self.optimizer.steps[record].clone()} if self.optimizer.steps_adam else {}
-        for kind in runtime.store.families.saved:
-            out[kind] = record.view(runtime.data.read(record.group.chunks[kind])).to("cpu", torch.float32, copy=True)
-        return MappingProxyType(out)
+        optimizer = self.optimizer
+        kinds = (("step",) if optimizer.steps_adam else ()) + optimizer.runtime.store.families.saved
+        return MappingProxyType({kind: StateCopy.made(functools.partial(optimizer.read_state, record, kind),
+                                                      functools.partial(optimizer.write_state, record, kind),
+                                                      lambda: optimizer.state_writes) for kind in kinds})
 
     def __contains__(self, param: Any) -> bool:
         return self._record(param) is not None
@@ -345,9 +348,9 @@ class ChunkStates(Mapping):
         return len(self._stepped())
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("a chunkmem optimizer keeps its states in chunks, and optimizer.state is read-only copies "
-                        "of them: to save or restore them use chunkmem.save_checkpoint / load_checkpoint; to start "
-                        "the states afresh, prepare a fresh optimizer")
+        raise TypeError("a chunkmem optimizer keeps its states in chunks: optimizer.state[p] gives them, and takes "
+                        "changes made in place (optimizer.state[p]['exp_avg'].zero_()), not states added, replaced or "
+                        "removed; to save or restore them use chunkmem.save_checkpoint / load_checkpoint")
 
     __setitem__ = __delitem__ = clear = pop = update = setdefault = _refuse
 
@@ -369,6 +372,7 @@ class ChunkOptimizer(Optimizer):
         self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
         self.steps_adam = rule.update is _adam
+        self.state_writes = 0  # steps, loads and changes made through optimizer.state: what its copies follow
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
         self.warned_scaled = False  # that p.grad was changed in place while it held scaled fp16 gradients
         self.warned_hidden = False  # that a forward after backward hid p.grad before this step (ShownGrads)
@@ -439,6 +443,7 @@ class ChunkOptimizer(Optimizer):
     def set_states(self, steps: dict[ParamRecord, float], states: dict[tuple[ParamRecord, str], torch.Tensor]) -> None:
         """Every parameter's step count, and its states of each kind, from `states` (those it lacks: zeros)."""
         data = self.runtime.data
+        self.state_writes += 1
         for record, step in self.steps.items():
             step.fill_(steps[record])
             for kind in self.runtime.store.families.saved if record.group.owned and record.group.trainable else ():
@@ -447,6 +452,21 @@ class ChunkOptimizer(Optimizer):
                 if value is not None or chunk.state is not ChunkState.FREE:
                     view = record.view(data.writable(chunk, chunk.state.on_device))
                     view.copy_(value) if value is not None else view.zero_()
+
+    def read_state(self, record: ParamRecord, kind: str) -> torch.Tensor:
+        """`record`'s state `kind` ("step": its step count) as `optimizer.state` gives it: an fp32 copy on the host."""
+        if kind == "step":
+            return self.steps[record].clone()
+        return record.view(self.runtime.data.read(record.group.chunks[kind])).to("cpu", torch.float32, copy=True)
+
+    def write_state(self, record: ParamRecord, kind: str, value: torch.Tensor) -> None:
+        """`value`, `record`'s state `kind` changed in place through `optimizer.state`, into its chunk."""
+        self.state_writes += 1
+        if kind == "step":
+            self.steps[record].copy_(value)
+            return
+        chunk = record.group.chunks[kind]
+        record.view(self.runtime.data.writable(chunk, chunk.state.on_device)).copy_(value)
 
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
@@ -463,6 +483,7 @@ class ChunkOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         self.original._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler made on it looks for
+        self.state_writes += 1
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -827,17 +827,31 @@ class Runtime:
             self.grads.hide()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
             self._end_of_backward_called()
-        if self.warmup:
+        if self.warmup or not self.placer.steady:
             # A loss's backward, over the logits, comes first, and no chunk access before it makes room. In the
-            # warm-up only, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model
-            # data, coarse chunks, died there); in later steps chunks that left it found no room to come back.
-            self._room_for_activations()
+            # warm-up, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model data,
+            # coarse chunks, died there), and in a step that outgrew its plan's record or left it (longer sequences
+            # than any before: GPT-2 at 2.2 MB, scaled, died there); in steady steps chunks that left it found no
+            # room to come back. With no chunk left to leave and no block for that gradient alone, the backward is
+            # certain to fail where it cannot be retried (every activation is alive still): a MemoryBudgetError names
+            # the bytes, as `_room_for_grad`'s does, rather than the allocator's error from inside autograd (a step
+            # whose activations took all but a few bytes of the budget, its forward's ops kept going by evicting every
+            # chunk).
+            room, largest = self._room_for_activations(), self.largest_block
+            if room is not None and not (room.most >= largest and self._allocates([largest])):
+                raise MemoryBudgetError(
+                    f"backward needs {largest} bytes on the device for the gradient of the largest activation, but "
+                    f"with no chunk left there, the activations leave the allocator {room.most} bytes of "
+                    f"Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB), and no block of that "
+                    f"size: {ACTIVATION_FIXES}")
 
-    def _room_for_activations(self) -> None:
+    def _room_for_activations(self) -> Room | None:
         """Before a backward op no chunk access precedes: room for two blocks of the largest size non-model data
-        took (the gradient of its input and a temporary), where chunks can leave (`_room_for`)."""
-        if self.config.device_memory is not None and self.shards is None and self.largest_block:
-            self._room_for([self.largest_block] * 2)
+        took (the gradient of its input and a temporary), where chunks can leave (`_room_for`: None when made, or
+        nothing to make it for; else the room there is, with no chunk left to leave)."""
+        if self.config.device_memory is None or self.shards is not None or not self.largest_block:
+            return None
+        return self._room_for([self.largest_block] * 2)
 
     def _backward_done(self, task: int) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters

@@ -73,7 +73,7 @@ class ModelData:
         for group in self.store.groups if self.receives(root) else ():
             chunk = pick(group) if group.owned else None
             if chunk is not None:
-                flat = self.read(chunk).detach().to("cpu", torch.float32)
+                flat = self.read(chunk).detach().to("cpu", torch.float32, copy=True)  # (on the host in the simulation)
                 out.update({r: r.view(flat).clone() for r in group.members})
         if self.shards is not None:
             for group, part in self._wholes(pick, torch.float32, root):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunkmem.memory import device
 from chunkmem.memory.device import check_allocator, cuda_index, make_device, use_device
 from chunkmem.memory.sim import SimulatedDevice
 
@@ -50,3 +51,24 @@ def test_a_budget_on_cuda_needs_the_native_caching_allocator():
     with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF selects the 'cudaMallocAsync' backend: remove "
                                          "backend:cudaMallocAsync"):
         check_allocator("cudaMallocAsync")
+
+
+def test_allocator_options_that_change_its_blocks_are_named_under_a_budget(caplog):
+    with caplog.at_level("WARNING", logger="chunkmem"):
+        check_allocator("native", "max_split_size_mb:128, expandable_segments:True,pinned_use_cuda_host_register:True")
+        check_allocator("native", "pinned_use_cuda_host_register:True")
+        check_allocator("native", "")
+    named = [r.getMessage() for r in caplog.records]
+    assert len(named) == 1 and "sets max_split_size_mb:128, expandable_segments:True," in named[0]
+
+
+def test_without_the_copy_engine_a_reading_sees_the_peak_since_the_last_one(monkeypatch):
+    # device.py's _peak_reading: the temporaries an op made and freed between two readings count, as the engine's
+    # tracker counts them; the allocator's peak is reset for the next reading.
+    stats = {"allocated_bytes.all.current": 100, "inactive_split_bytes.all.current": 20,
+             "allocated_bytes.all.peak": 150}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda index: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    assert device._peak_reading(3, native_backend=True) == 170 and resets == [3]
+    assert device._peak_reading(3, native_backend=False) == 120 and resets == [3], "other backends keep no peak"
