@@ -185,9 +185,7 @@ class ChunkedModel(nn.Module):
             # even when one output is computed from another inside the module (loss from logits).
             output = tree_map(lambda t: _ScaleGrad.apply(t, scaler.scale)
                               if isinstance(t, torch.Tensor) and t.requires_grad else t, output)
-        for leaf in tree_flatten(output)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-                leaf.grad_fn.register_prehook(self.runtime.backward_begins)
+        self.runtime.mark_outputs(output)
         return output
 
     @torch.no_grad()
@@ -501,7 +499,7 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     `chunkmem.LOCAL`: no sharding (each pipeline stage, for instance, holds its own model data).
     versions: names of chunk families holding other versions of the parameters (pipeline/versions.py).
     """
-    config = config or Config()
+    config = Config() if config is None else config
     if not isinstance(config, Config):
         raise TypeError(f"chunkmem.prepare's config is {type(config).__name__} {config!r:.80}: expected a "
                         "chunkmem.Config (chunkmem.Config(**options) makes one from a dict of its fields)")

@@ -19,11 +19,11 @@ def mlp(width: int = 32, depth: int = 6, seed: int = 0) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 4))
 
 
-def tiny_gpt2(seed: int = 0, layers: int = 4) -> nn.Module:
+def tiny_gpt2(seed: int = 0, layers: int = 4, width: int = 64) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=layers, n_head=4,
+    config = GPT2Config(vocab_size=128, n_positions=64, n_embd=width, n_layer=layers, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 

@@ -386,5 +386,7 @@ def test_a_config_that_is_not_a_config_is_refused_by_name() -> None:
     model = mlp()
     with pytest.raises(TypeError, match=r"config is dict \{'device': 'cpu'\}: expected a chunkmem.Config"):
         chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), {"device": "cpu"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"config is dict \{\}: expected"):  # not taken for no config
+        chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), {})  # type: ignore[arg-type]
     cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(device="cpu"))
     assert cm.module is model, "the refused call left the model as it was"

@@ -429,11 +429,12 @@ class Placer:
             return self.residency.retry_out_of_memory(error, retry)
         except torch.OutOfMemoryError as failed:
             pinned = self.residency.stats.device_chunk_bytes
+            chunks = f"only the {pinned} bytes of chunks the running modules need ({_mib(pinned)})" if pinned else \
+                "no chunk"
             raise MemoryBudgetError(
-                f"activations and temporaries do not fit the device budget: with only the {pinned} bytes of chunks "
-                f"the running modules need on the device ({_mib(pinned)}), the other {_mib(self.nonmodel())} it "
-                f"holds and the next allocation exceed Config.device_memory={self.limit} bytes ({_mib(self.limit)}): "
-                f"{ACTIVATION_FIXES}. The allocator said: {failed}") from failed
+                f"activations and temporaries do not fit the device budget: with {chunks} left on the device, the "
+                f"other {_mib(self.nonmodel())} it holds and the next allocation exceed Config.device_memory="
+                f"{self.limit} bytes ({_mib(self.limit)}): {ACTIVATION_FIXES}. The allocator said: {failed}") from failed
         finally:
             self.residency.limit = max(self.working_set, self.residency.stats.device_chunk_bytes)
             del error  # its traceback holds the frames calling this one: a cycle (Residency.retry_out_of_memory)

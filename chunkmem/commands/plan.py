@@ -105,8 +105,11 @@ def _config(args: argparse.Namespace) -> Any:
     if hidden is None and args.params and layers:
         hidden = int(math.sqrt(args.params / (12 * layers)) / 64 + 0.5) * 64 or 64  # 12*h^2 per GPT-2 layer
     if not layers or not hidden:
-        raise ValueError("give MODEL (a Hugging Face directory or config.json), or --layers with --hidden "
-                         "(or --params), e.g. `chunkmem plan --layers 24 --hidden 2048`")
+        sizes = {"layers": layers, "hidden": hidden, "params": args.params}
+        got = " ".join(f"--{name} {value:g}" for name, value in sizes.items() if value)
+        raise ValueError(f"{f'got {got}: ' if got else ''}give MODEL (a Hugging Face directory or config.json), or "
+                         "--layers with --hidden or with --params, e.g. `chunkmem plan --layers 24 --hidden 2048` or "
+                         "`chunkmem plan --layers 24 --params 1.3e9`")
     return gpt2_config(layers, hidden, args.vocab or DEFAULT_VOCAB, max(args.seq_len, 1024))
 
 

@@ -19,6 +19,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -168,8 +169,8 @@ class CudaDevice:
         allocator: HostAllocator
         # Peaks between moments, without resetting PyTorch's (held_peak): by the trace hook of the native caching
         # allocator, which other backends (cudaMallocAsync, a pluggable allocator) refuse.
-        self.native_backend = torch.cuda.get_allocator_backend() == "native"
-        self.tracking = module is not None and self.native_backend
+        self.tracking = module is not None and torch.cuda.get_allocator_backend() == "native"
+        self.last_peak = 0  # the allocator's peak of live bytes at the last reading (without the tracker)
         if module is not None:
             self.engine = native.copy_engine(self.torch_device.index)
             if self.tracking:
@@ -294,8 +295,9 @@ class CudaDevice:
 
     def memory_reading(self) -> tuple[int, int]:
         engine, index = self.engine_module, self.torch_device.index
-        if not self.tracking:
-            return _peak_reading(index, self.native_backend), 0
+        if not self.tracking:  # no size of the blocks between readings
+            reading, self.last_peak = peak_reading(torch.cuda.memory_stats(index), self.last_peak)
+            return reading, 0
         held = engine.held_bytes(index)  # held_bytes's figure, without torch.cuda.memory_stats's dictionary
         excess, largest = engine.take_allocation_reading(index)
         return held + excess, largest
@@ -339,18 +341,14 @@ _RESHAPING_OPTIONS = ("expandable_segments", "max_split_size_mb", "roundup_power
                       "garbage_collection_threshold")
 
 
-def _peak_reading(index: int, native_backend: bool) -> int:
-    """Without the engine's tracker: what the caching allocator holds (held_bytes) and the most its live blocks rose
-    above that since the last reading, by its own peak statistics, reset for the next (torch.cuda.max_memory_allocated
-    then reads the peak since chunkmem's last reading); no size of the blocks that rose. Before, the temporaries
-    between two readings (a backward op's input gradients) went unseen, and the plan gave their room to chunks. Other
-    backends keep no peak: what is held now."""
-    stats = torch.cuda.memory_stats(index)
-    if not native_backend:
-        return held_in(stats)
-    torch.cuda.reset_peak_memory_stats(index)
-    live = stats.get("allocated_bytes.all.current", 0)
-    return held_in(stats) + max(stats.get("allocated_bytes.all.peak", 0) - live, 0)
+def peak_reading(stats: dict[str, int], last_peak: int) -> tuple[int, int]:
+    """Without the engine's tracker: what the caching allocator holds (held_bytes, by its statistics `stats`) and,
+    where its peak of live bytes rose above `last_peak` (the peak at the last reading), the most they rose above
+    what it holds now: a temporary an op made and freed since (a backward op's input gradients), which before went
+    unseen, and the plan gave its room to chunks. Where the peak did not rise, nothing more is known (its statistics
+    are not reset: torch.cuda.max_memory_allocated stays the user's). Gives the reading and the peak for the next."""
+    peak, live = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
+    return held_in(stats) + (max(peak - live, 0) if peak > last_peak else 0), peak
 
 
 def check_allocator(backend: str, conf: str = "") -> None:
@@ -361,7 +359,8 @@ def check_allocator(backend: str, conf: str = "") -> None:
         raise ValueError(f"Config.device_memory needs PyTorch's native CUDA caching allocator, but "
                          f"PYTORCH_CUDA_ALLOC_CONF selects the {backend!r} backend: remove backend:{backend} from "
                          "PYTORCH_CUDA_ALLOC_CONF, or leave device_memory=None")
-    options = [o.strip() for o in conf.split(",") if o.split(":")[0].strip() in _RESHAPING_OPTIONS]
+    options = [f"{key}:{value}" for key, value in re.findall(r"(\w+)\s*:\s*(\[[^\]]*\]|[^,]*)", conf)
+               if key in _RESHAPING_OPTIONS and (key, value.strip()) != ("expandable_segments", "False")]
     if options:
         _log.warning("chunkmem: PYTORCH_CUDA_ALLOC_CONF sets %s, which changes how PyTorch's caching allocator splits, "
                      "rounds or maps its blocks; the plan counts its blocks as its defaults make them, so a budget may "
@@ -386,7 +385,7 @@ def make_device(name: str, host_memory: int | str | None = None, budgeted: bool 
     limit = parse_size("host_memory", host_memory)
     device: Device = SimulatedDevice(limit) if name == "cpu" else CudaDevice(name, limit)
     if budgeted and name != "cpu":
-        check_allocator(torch.cuda.get_allocator_backend(),
+        check_allocator(torch.cuda.get_allocator_backend(),  # (in the order CUDAAllocatorConfig reads them)
                         os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", "")))
     if device.capped() or (budgeted and device.memory_reading() is not None):
         collect_garbage()

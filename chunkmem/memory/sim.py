@@ -640,8 +640,8 @@ def _describe(func: Any, written: bool, hazard: Hazard) -> str:
 
 
 _METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.sym_size.default, torch.ops.aten.sym_stride.default,
-             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default, torch.ops.aten.set_.source_Tensor,
-             torch.ops.aten._has_compatible_shallow_copy_type.default}
+             torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default,
+             torch.ops.aten.set_.source_Tensor, torch.ops.aten._has_compatible_shallow_copy_type.default}
 _active: HazardChecker | None = None  # the checker in force in this process, if any
 
 

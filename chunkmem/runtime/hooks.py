@@ -17,12 +17,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from chunkmem.runtime.runtime import Runtime
 
-log = logging.getLogger("chunkmem")
+_log = logging.getLogger("chunkmem")
 
 _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 # Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
@@ -278,9 +277,8 @@ class Hooks:
             contexts.close()
             if not _in_backward():  # called on its own, as the model's forward is: its ends are the forward's
                 self.runtime.fence_params()
-                for leaf in tree_flatten(_output)[0] if torch.is_grad_enabled() else ():
-                    if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-                        leaf.grad_fn.register_prehook(self.runtime.backward_begins)
+                if torch.is_grad_enabled():
+                    self.runtime.mark_outputs(_output)
 
     def _enter_outside(self, module: nn.Module) -> None:
         """Backward re-computes a checkpointed module (or a module is called on its own): its ops need FetchMode as
@@ -296,7 +294,7 @@ class Hooks:
             self.runtime.grads.hide_for_forward()
             if self.runtime.scaler is not None and not self.warned_unscaled:
                 self.warned_unscaled = True
-                log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
+                _log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
                             "enabled: its outputs do not carry the loss scale the model's outputs carry, and step() "
                             "divides every gradient by it, so the gradients of a loss on them come out %g times too "
                             "small: compute it from the model's own forward, or use dtype='bf16'", self.names[module],

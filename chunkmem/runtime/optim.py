@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import numbers
@@ -314,14 +313,14 @@ class ChunkStates(Mapping):
 
     def _stepped(self) -> dict[Any, ParamRecord]:
         self._not_sharded()
-        steps = self.optimizer.steps
-        return {r.param: r for r in steps if steps[r].item() > 0}
+        steps, restarted = self.optimizer.steps, self.optimizer.restarted
+        return {r.param: r for r in steps if steps[r].item() > 0 or r in restarted}
 
     def _record(self, param: Any) -> ParamRecord | None:
         """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
         self._not_sharded()
         record, steps = self.optimizer.runtime.store.records.get(param), self.optimizer.steps
-        return record if record in steps and steps[record].item() > 0 else None
+        return record if record in steps and (steps[record].item() > 0 or record in self.optimizer.restarted) else None
 
     def _not_sharded(self) -> None:
         if self.optimizer.runtime.shards is not None:
@@ -332,11 +331,16 @@ class ChunkStates(Mapping):
         record = self._record(param)
         if record is None:
             return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
-        optimizer = self.optimizer
-        kinds = (("step",) if optimizer.steps_adam else ()) + optimizer.runtime.store.families.saved
-        return MappingProxyType({kind: StateCopy.made(functools.partial(optimizer.read_state, record, kind),
-                                                      functools.partial(optimizer.write_state, record, kind),
-                                                      lambda: optimizer.state_writes) for kind in kinds})
+        return MappingProxyType({kind: StateCopy.made(self.optimizer, record, kind) for kind in self._kinds()})
+
+    def snapshot(self, param: Any) -> dict[str, torch.Tensor]:
+        """`param`'s states as plain tensors, copies of their values now (a state dict's: `ChunkOptimizer.state_dict`);
+        {} before it has stepped."""
+        record = self._record(param)
+        return {} if record is None else {kind: self.optimizer.read_state(record, kind) for kind in self._kinds()}
+
+    def _kinds(self) -> tuple[str, ...]:
+        return (("step",) if self.optimizer.steps_adam else ()) + self.optimizer.runtime.store.families.saved
 
     def __contains__(self, param: Any) -> bool:
         return self._record(param) is not None
@@ -373,6 +377,7 @@ class ChunkOptimizer(Optimizer):
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
         self.steps_adam = rule.update is _adam
         self.state_writes = 0  # steps, loads and changes made through optimizer.state: what its copies follow
+        self.restarted: set[ParamRecord] = set()  # whose step count optimizer.state set (to 0, say) since a load
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
         self.warned_scaled = False  # that p.grad was changed in place while it held scaled fp16 gradients
         self.warned_hidden = False  # that a forward after backward hid p.grad before this step (ShownGrads)
@@ -444,6 +449,7 @@ class ChunkOptimizer(Optimizer):
         """Every parameter's step count, and its states of each kind, from `states` (those it lacks: zeros)."""
         data = self.runtime.data
         self.state_writes += 1
+        self.restarted.clear()
         for record, step in self.steps.items():
             step.fill_(steps[record])
             for kind in self.runtime.store.families.saved if record.group.owned and record.group.trainable else ():
@@ -453,17 +459,21 @@ class ChunkOptimizer(Optimizer):
                     view = record.view(data.writable(chunk, chunk.state.on_device))
                     view.copy_(value) if value is not None else view.zero_()
 
+    @torch.no_grad()
     def read_state(self, record: ParamRecord, kind: str) -> torch.Tensor:
         """`record`'s state `kind` ("step": its step count) as `optimizer.state` gives it: an fp32 copy on the host."""
         if kind == "step":
             return self.steps[record].clone()
         return record.view(self.runtime.data.read(record.group.chunks[kind])).to("cpu", torch.float32, copy=True)
 
+    @torch.no_grad()
     def write_state(self, record: ParamRecord, kind: str, value: torch.Tensor) -> None:
-        """`value`, `record`'s state `kind` changed in place through `optimizer.state`, into its chunk."""
+        """`value`, `record`'s state `kind` changed in place through `optimizer.state`, into its chunk. A step count
+        set to 0 leaves the parameter's states in `state` and the state dict, as torch.optim's (`restarted`)."""
         self.state_writes += 1
         if kind == "step":
             self.steps[record].copy_(value)
+            self.restarted.add(record)
             return
         chunk = record.group.chunks[kind]
         record.view(self.runtime.data.writable(chunk, chunk.state.on_device)).copy_(value)
@@ -809,7 +819,7 @@ class ChunkOptimizer(Optimizer):
         groups = [{**{k: v for k, v in group.items() if k != "params"},
                    "params": [index.setdefault(id(p), len(index)) for p in group["params"]]}
                   for group in self.param_groups]
-        state = {index[id(p)]: dict(self.state[p]) for group in self.param_groups for p in group["params"]
+        state = {index[id(p)]: self._states.snapshot(p) for group in self.param_groups for p in group["params"]
                  if p in self.state}
         scaler = self.runtime.scaler
         out = {"state": state, "param_groups": groups,

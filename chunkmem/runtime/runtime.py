@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.family import Families
@@ -193,6 +194,8 @@ class Runtime:
         self.data = ModelData(self.store, self.residency, self.shards)
         self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
         self.queued: set[int] = set()  # the tasks whose end calls it (a nested one's asks its outer's: _backward_done)
+        self.room_task = -1  # the graph task `backward_begins` made room for
+        self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
@@ -818,32 +821,59 @@ class Runtime:
             grad = owned.grad
             self._write_grad(owned, share, lambda flat: flat, accumulate=grad.state is not ChunkState.FREE)
 
-    def backward_begins(self, _grads: Any) -> None:
-        """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient):
-        gradients shown since the last backward are hidden, so that this one adds into their chunks rather than into
-        `p.grad` (grads.py's Note). A second backward of a retained graph, with no forward between, added a
-        gradient made on the device into a streamed group's, shown on the host."""
+    def mark_outputs(self, output: Any) -> None:
+        """A forward of the model's (its own, or a module of it called on its own) gave `output`: the backward through
+        any of its tensors begins with `backward_begins`, and the largest of them is the first gradient that backward
+        makes."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        for tensor in tensors:
+            tensor.grad_fn.register_prehook(self.backward_begins)  # type: ignore[union-attr]  # (not None: above)
+        self.output_bytes = max([t.nbytes for t in tensors], default=0)
+
+    def backward_begins(self, grads: Any) -> None:
+        """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient), or a
+        pipeline's micro-batch backward begins (`grads` None): gradients shown since the last backward are hidden, so
+        that this one adds into their chunks rather than into `p.grad` (grads.py's Note). A second backward of a
+        retained graph, with no forward between, added a gradient made on the device into a streamed group's, shown on
+        the host."""
         if self.grads.shown:
             self.grads.hide()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
             self._end_of_backward_called()
-        if self.warmup or not self.placer.steady:
-            # A loss's backward, over the logits, comes first, and no chunk access before it makes room. In the
-            # warm-up, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model data,
-            # coarse chunks, died there), and in a step that outgrew its plan's record or left it (longer sequences
-            # than any before: GPT-2 at 2.2 MB, scaled, died there); in steady steps chunks that left it found no
-            # room to come back. With no chunk left to leave and no block for that gradient alone, the backward is
-            # certain to fail where it cannot be retried (every activation is alive still): a MemoryBudgetError names
-            # the bytes, as `_room_for_grad`'s does, rather than the allocator's error from inside autograd (a step
-            # whose activations took all but a few bytes of the budget, its forward's ops kept going by evicting every
-            # chunk).
-            room, largest = self._room_for_activations(), self.largest_block
-            if room is not None and not (room.most >= largest and self._allocates([largest])):
-                raise MemoryBudgetError(
-                    f"backward needs {largest} bytes on the device for the gradient of the largest activation, but "
-                    f"with no chunk left there, the activations leave the allocator {room.most} bytes of "
-                    f"Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB), and no block of that "
-                    f"size: {ACTIVATION_FIXES}")
+        # A loss's backward, over the logits, comes first, and no chunk access before it makes room. Room is made in
+        # the warm-up, which has no record of what backward allocates (LLaMA and Mixtral at 5% of their model data,
+        # coarse chunks, died there); in later steps chunks that left it found no room to come back.
+        if grads is None:
+            if self.warmup:
+                self._room_for_activations()
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self.room_task:  # another output of this backward's (a loss, then its logits)
+            return
+        self.room_task = task
+        if self.warmup:
+            self._certain_room(self._room_for_activations(), 0)
+        elif not self.placer.steady:  # a step that outgrew its plan's record or left it (longer sequences)
+            room = self.device.allocation_room()
+            chunks = sum(c.nbytes for c in self.residency.resident.values() if not c.pins)
+            self._certain_room(room, chunks)
+
+    def _certain_room(self, room: Room | None, chunks: int) -> None:
+        """A loss's first backward ops make two gradients the size of the output it is computed from (the
+        log-softmax's and the logits', or the squared difference's and the difference's) while every activation is
+        alive. With too little `room` for two of the model's largest output, even once the `chunks` bytes of chunks
+        that may leave have left (or no blocks of that size, with none left), backward is certain to fail where
+        nothing can be retried: a MemoryBudgetError names the bytes, as `_room_for_grad`'s does, rather than the
+        allocator's error from inside autograd (activations that took all but a few bytes of the budget, their
+        forward's ops kept going by evicting every chunk)."""
+        sizes = [self.output_bytes] * 2
+        if room is None or room.most + chunks >= sum(sizes) and (chunks or self._allocates(sizes)):
+            return
+        raise MemoryBudgetError(
+            f"backward needs two blocks of {self.output_bytes} bytes on the device for the first gradients of the "
+            f"model's output, but the activations leave the allocator {room.most} bytes of Config.device_memory="
+            f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB) beside {chunks} bytes of chunks that could leave, or no "
+            f"blocks of that size: {ACTIVATION_FIXES}")
 
     def _room_for_activations(self) -> Room | None:
         """Before a backward op no chunk access precedes: room for two blocks of the largest size non-model data

@@ -6,73 +6,108 @@ torch.optim's `state[p]["exp_avg"]` is the state itself: a step changes it, and 
 prepared optimizer keeps its states in chunks, in whatever tier they are, so it gives fp32 copies on the host
 instead, which behave as the states themselves: before each use, one a step (or a load, or a change made through
 another copy) left behind is read again from its chunk, and an in-place change made through it, or through a view of
-it, is written into the chunk at once. Not its `.numpy()` arrays (numpy's changes are not seen), nor its clones or
-deep copies, which are plain tensors, as torch.optim's are.
+it (`.data` too), is written into the chunk at once. Not its `.numpy()` arrays (numpy's changes are not seen), nor its
+clones or deep copies, which are plain tensors, as torch.optim's are. A copy refers to its optimizer and parameter
+weakly: one kept after they are gone (a logged value) is a plain tensor with the value last read, and keeps none of
+their memory.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 
+class States(Protocol):
+    """What a StateCopy reads and writes: the prepared optimizer (optim.ChunkOptimizer)."""
+
+    state_writes: int  # steps, loads and changes made through its copies so far
+
+    def read_state(self, record: Any, kind: str) -> torch.Tensor: ...
+
+    def write_state(self, record: Any, kind: str, value: torch.Tensor) -> None: ...
+
+
 class StateCopy(torch.Tensor):
     """An optimizer state as `optimizer.state[p]` gives it (the Note): an fp32 copy on the host of its part of a
-    chunk, or a view of one."""
+    chunk (a root), or a view of one (`_root` names it)."""
 
-    # The copy `optimizer.state[p]` gave (a view's base); and of that copy only: how to read its value from the chunk
-    # and write it there, and the optimizer's count of state writes its value is from (`ChunkOptimizer.state_writes`).
-    _root: StateCopy
-    _read: Callable[[], torch.Tensor]
-    _write: Callable[[torch.Tensor], None]
-    _writes: Callable[[], int]
+    _root: StateCopy | None
+    # A root's: its optimizer, its parameter's record (both weakly) and the state's kind; the optimizer's count of
+    # state writes its value is from.
+    _source: tuple[weakref.ref[States], weakref.ref[Any], str]
     _seen: int
 
     @staticmethod
-    def made(read: Callable[[], torch.Tensor], write: Callable[[torch.Tensor], None],
-             writes: Callable[[], int]) -> StateCopy:
-        """A copy of the state `read()` gives; `write(value)` puts a changed one into its chunk, and `writes()` counts
-        the state writes so far (a step's, a load's, a copy's)."""
-        made = read().as_subclass(StateCopy)
-        made._root, made._read, made._write, made._writes, made._seen = made, read, write, writes, writes()
+    def made(states: States, record: Any, kind: str) -> StateCopy:
+        """A copy of `record`'s state `kind` ("step": its step count) in `states`."""
+        with torch.inference_mode(False):  # one read inside inference_mode is a tensor like any other
+            made = states.read_state(record, kind).as_subclass(StateCopy)
+        made._root, made._source, made._seen = None, (weakref.ref(states), weakref.ref(record), kind), \
+            states.state_writes
         return made
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        roots = list({id(a._root): a._root for a in tree_flatten((args, kwargs))[0] if type(a) is StateCopy}.values())
+        copies = [a for a in tree_flatten((args, kwargs))[0] if type(a) is StateCopy]
+        roots = list({id(root): root for root in map(_root, copies)}.values())
         with torch._C.DisableTorchFunctionSubclass():
             for root in roots:
-                if root._seen != root._writes():  # a step, a load or another copy changed the state since
-                    root.copy_(root._read())
-                    root._seen = root._writes()
-            versions = [root._version for root in roots]  # a view shares its base's version counter
+                _fresh(root)
+            # A view shares its base's version counter; `.data` has one of its own: each copy given is asked.
+            versions = [c._version for c in copies]
             out = func(*args, **kwargs)
-            for root, version in zip(roots, versions):
-                if root._version != version:
-                    root._write(root)
-                    root._seen = root._writes()
+            changed = {id(_root(c)): _root(c) for c, version in zip(copies, versions) if c._version != version}
+            for root in changed.values():
+                _write(root)
             return tree_map(lambda o: _view_of(o, roots), out)
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         """A plain tensor with the state's value, as a deep copy of torch.optim's state is."""
         with torch._C.DisableTorchFunctionSubclass():
+            _fresh(_root(self))
             return copy.deepcopy(self.as_subclass(torch.Tensor), memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved (torch.save, pickle) as a plain tensor: loading it needs nothing of chunkmem's."""
         with torch._C.DisableTorchFunctionSubclass():
+            _fresh(_root(self))
             return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def _root(tensor: StateCopy) -> StateCopy:
+    return tensor if tensor._root is None else tensor._root
+
+
+def _fresh(root: StateCopy) -> None:
+    """`root` read again from its chunk if a step, a load or another copy changed the state since it was read."""
+    states, record, kind = root._source[0](), root._source[1](), root._source[2]
+    if states is None or record is None or root._seen == states.state_writes:
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        root.copy_(states.read_state(record, kind))
+    root._seen = states.state_writes
+
+
+def _write(root: StateCopy) -> None:
+    """`root`, changed in place, into its chunk."""
+    states, record, kind = root._source[0](), root._source[1](), root._source[2]
+    if states is None or record is None:
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        states.write_state(record, kind, root)
+    root._seen = states.state_writes
 
 
 def _view_of(out: Any, roots: list[StateCopy]) -> Any:
     """`out`, an op's result, as a StateCopy of the root whose memory it views, if any (its in-place changes are the
     state's too); else as it is (a plain tensor: a clone, a sum)."""
-    if type(out) is not torch.Tensor:
+    if type(out) is not torch.Tensor or out.layout is not torch.strided:
         return out
     for root in roots:
         if out.untyped_storage().data_ptr() == root.untyped_storage().data_ptr():

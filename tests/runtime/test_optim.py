@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import itertools
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -470,6 +472,39 @@ def test_optimizer_states_changed_in_place_change_as_pytorchs(make, tier, tmp_pa
     torch.save(dict(opt.state[first]), tmp_path / "state.pt")
     saved = torch.load(tmp_path / "state.pt", weights_only=True)
     assert all(type(v) is torch.Tensor and torch.equal(v, opt.state[first][k]) for k, v in saved.items())
+
+
+def test_optimizer_states_behave_as_pytorchs_through_data_under_inference_mode_and_when_kept() -> None:
+    """statecopy's Note, at its edges, against torch.optim's own states: a change through `.data` (its own version
+    counter), a read under inference_mode, a state written from a tensor that requires grad (no graph is kept in the
+    chunk: torch's own state would require grad since), a deep copy of one kept
+    across a step, a step count set to 0 (the states stay in `state` and the state dict), a sparse copy; and a state
+    kept after its optimizer is gone keeps none of it alive."""
+    model, batches = mlp(), mlp_batches(3)
+    ref = copy.deepcopy(model)
+    ref_opt = ADAMW(ref.parameters())
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    first, ref_first = next(model.parameters()), next(ref.parameters())
+    seen = []
+    for net, optimizer, p in ((cm, opt, first), (ref, ref_opt, ref_first)):
+        train(net, optimizer, batches[:1], mlp_loss)
+        kept = optimizer.state[p]["exp_avg"]
+        optimizer.state[p]["exp_avg"].data.mul_(0.5)
+        with torch.inference_mode():
+            norm = optimizer.state[p]["exp_avg_sq"].norm()
+        optimizer.state[p]["exp_avg_sq"].copy_(p.detach().float().abs().requires_grad_())
+        train(net, optimizer, batches[1:2], mlp_loss)
+        optimizer.state[p]["step"].zero_()
+        seen.append((norm, copy.deepcopy(kept), kept.to_sparse().to_dense(), p in optimizer.state,
+                     optimizer.state_dict()["state"][0]["exp_avg"].clone()))  # (torch's is the live state)
+        train(net, optimizer, batches[2:], mlp_loss)
+    for mine, theirs in zip(*seen):
+        assert mine == theirs if isinstance(mine, bool) else torch.equal(mine, theirs)
+    assert all(torch.equal(a.detach().cpu(), b.detach()) for a, b in zip(model.parameters(), ref.parameters()))
+    held, gone = opt.state[first]["exp_avg"], weakref.ref(opt)
+    del cm, opt
+    gc.collect()
+    assert gone() is None and held.abs().sum() > 0, "a kept state holds its value, not its optimizer"
 
 
 @pytest.mark.parametrize("budget,native", [(None, False), (0.3, False), (0.3, True)])

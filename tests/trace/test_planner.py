@@ -141,6 +141,9 @@ def test_plan_command(capsys) -> None:
     assert "verdict: does not fit (binding: device memory)" in capsys.readouterr().out
     assert main(["plan"]) == 2
     assert "give MODEL" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9"]) == 2  # the depth is missing: said so, with an example that has it
+    err = capsys.readouterr().err
+    assert "got --params 1e+09: give MODEL" in err and "--layers 24 --params" in err
     assert main(args + ["--device-memory", "lots"]) == 2
     assert "--device-memory='lots'" in capsys.readouterr().err
     assert main(["plan", "/nonexistent/model"]) == 2
