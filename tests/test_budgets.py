@@ -611,4 +611,5 @@ def test_an_evaluation_under_inference_mode_at_a_larger_batch_and_a_state_dict_l
     del logits
     before = memory.allocator.allocated
     state = cm.state_dict()
-    assert memory.allocator.allocated == before and torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    assert memory.allocator.allocated == before
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])

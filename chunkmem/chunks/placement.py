@@ -434,7 +434,8 @@ class Placer:
             raise MemoryBudgetError(
                 f"activations and temporaries do not fit the device budget: with {chunks} left on the device, the "
                 f"other {_mib(self.nonmodel())} it holds and the next allocation exceed Config.device_memory="
-                f"{self.limit} bytes ({_mib(self.limit)}): {ACTIVATION_FIXES}. The allocator said: {failed}") from failed
+                f"{self.limit} bytes ({_mib(self.limit)}): {ACTIVATION_FIXES}. The allocator said: {failed}"
+            ) from failed
         finally:
             self.residency.limit = max(self.working_set, self.residency.stats.device_chunk_bytes)
             del error  # its traceback holds the frames calling this one: a cycle (Residency.retry_out_of_memory)

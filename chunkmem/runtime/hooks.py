@@ -295,10 +295,10 @@ class Hooks:
             if self.runtime.scaler is not None and not self.warned_unscaled:
                 self.warned_unscaled = True
                 _log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
-                            "enabled: its outputs do not carry the loss scale the model's outputs carry, and step() "
-                            "divides every gradient by it, so the gradients of a loss on them come out %g times too "
-                            "small: compute it from the model's own forward, or use dtype='bf16'", self.names[module],
-                            self.runtime.scaler.scale)
+                             "enabled: its outputs do not carry the loss scale the model's outputs carry, and step() "
+                             "divides every gradient by it, so the gradients of a loss on them come out %g times too "
+                             "small: compute it from the model's own forward, or use dtype='bf16'", self.names[module],
+                             self.runtime.scaler.scale)
         with contextlib.ExitStack() as contexts:  # closed if entering raises (torch.func refuses saved-tensor hooks)
             contexts.enter_context(FetchMode(self.runtime))
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:

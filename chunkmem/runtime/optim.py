@@ -320,7 +320,8 @@ class ChunkStates(Mapping):
         """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
         self._not_sharded()
         record, steps = self.optimizer.runtime.store.records.get(param), self.optimizer.steps
-        return record if record in steps and (steps[record].item() > 0 or record in self.optimizer.restarted) else None
+        stepped = record in steps and (steps[record].item() > 0 or record in self.optimizer.restarted)
+        return record if stepped else None
 
     def _not_sharded(self) -> None:
         if self.optimizer.runtime.shards is not None:

@@ -853,7 +853,7 @@ class Runtime:
         self.room_task = task
         if self.warmup:
             self._certain_room(self._room_for_activations(), 0)
-        elif not self.placer.steady:  # a step that outgrew its plan's record or left it (longer sequences)
+        elif not self.placer.steady and self.shards is None:  # a step that outgrew its plan's record or left it
             room = self.device.allocation_room()
             chunks = sum(c.nbytes for c in self.residency.resident.values() if not c.pins)
             self._certain_room(room, chunks)
@@ -872,8 +872,8 @@ class Runtime:
         raise MemoryBudgetError(
             f"backward needs two blocks of {self.output_bytes} bytes on the device for the first gradients of the "
             f"model's output, but the activations leave the allocator {room.most} bytes of Config.device_memory="
-            f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB) beside {chunks} bytes of chunks that could leave, or no "
-            f"blocks of that size: {ACTIVATION_FIXES}")
+            f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB) beside {chunks} bytes of chunks that could leave, or "
+            f"no blocks of that size: {ACTIVATION_FIXES}")
 
     def _room_for_activations(self) -> Room | None:
         """Before a backward op no chunk access precedes: room for two blocks of the largest size non-model data
