@@ -27,7 +27,7 @@ from chunkmem.runtime import optim
 from chunkmem.runtime.runtime import Runtime
 from benchmarks import budget_sweep
 from benchmarks.budget_sweep import h100_rule
-from tests import zoo
+from tests import helpers, zoo
 from tests.helpers import tiny_gpt2
 
 DIVISOR = 256  # 1.16B parameters and 250 MiB chunks on the H100, 4.5M and 1 MiB here
@@ -613,3 +613,33 @@ def test_an_evaluation_under_inference_mode_at_a_larger_batch_and_a_state_dict_l
     state = cm.state_dict()
     assert memory.allocator.allocated == before
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("kib", [600, 700])
+def test_a_module_checkpointed_by_torchs_non_reentrant_kind_trains_as_plain_pytorch_or_is_refused_plainly(
+        sim_memory, kib):
+    """A tiny GPT-2 checkpointed per layer (torch's non-reentrant kind) at 600-800 KiB of an allocator scaled 20000
+    times: the saved tensors of a layer's re-computation in backward are torch's, which view its parameters' chunks,
+    so those chunks left the device without a byte freed, the next chunk took a new slot, and the layer's backward
+    died of CUDA's error from inside autograd. Now they stay until the layer's backward ends (hooks' Note on
+    re-computation): at 700 KiB it trains as plain PyTorch does; at 600 KiB, where nothing can leave and no block
+    holds the first gradients, a MemoryBudgetError names the bytes."""
+    def build() -> torch.nn.Module:
+        model = tiny_gpt2()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    batches = helpers.gpt2_batches(3)
+    ref = build()
+    expected = helpers.train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches, helpers.gpt2_loss)
+    memory = sim_memory(20000)
+    model = build()
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                               chunkmem.Config(device="cpu", device_memory=kib * 1024))
+    if kib == 600:
+        with pytest.raises(chunkmem.MemoryBudgetError, match=r"re-computed under activation checkpointing"):
+            helpers.train(cm, opt, batches, helpers.gpt2_loss)
+        return
+    assert helpers.train(cm, opt, batches, helpers.gpt2_loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert cm.memory_stats()["oom_fallbacks"] == 0 and memory.allocator.peak_reserved <= kib * 1024

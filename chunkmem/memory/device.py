@@ -328,7 +328,7 @@ def _apply_cap(index: int, total: int) -> None:
     below what the allocator holds (what the process holds outside it grew) only stops it from taking more: its
     cached free blocks go back to the device too."""
     budgets = list(_BUDGETS.get(index, {}).values())
-    fraction = allocator_fraction([b for b, _ in budgets], max(o for _, o in budgets), total) if budgets else 1.0
+    fraction = allocator_fraction(budgets, total) if budgets else 1.0
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     _FRACTIONS[index] = fraction  # (torch has no getter before 2.6)
     if torch.cuda.memory_reserved(index) > fraction * total:

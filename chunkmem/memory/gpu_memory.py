@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -109,16 +110,23 @@ def nvml_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
-def allocator_fraction(budgets: list[int], outside: int, total: int) -> float:
-    """The share of the device the caching allocator may reserve: the budgets of the prepared models on
-    it, less what the process holds outside the allocator (see the Note on the budget)."""
-    allowed = sum(budgets) - outside
-    if allowed <= 0:
-        raise ValueError(f"device_memory ({sum(budgets) / MiB:.0f} MiB) leaves nothing for training: this process "
+def allocator_cap(budgets: Collection[tuple[int, int]]) -> int:
+    """What the caching allocator may reserve on a device for the prepared models there, each given as (its budget,
+    what the process held outside the allocator when it last read it): their budgets less those bytes, counted once,
+    as the most read (the process's, not any model's: see the Note on the budget). CUDA's cap (CudaDevice) and the
+    simulation's (SimulatedMemory) both."""
+    total, outside = sum(b for b, _ in budgets), max(o for _, o in budgets)
+    if total - outside <= 0:
+        raise ValueError(f"device_memory ({total / MiB:.0f} MiB) leaves nothing for training: this process "
                          f"already holds {outside / MiB:.0f} MiB on the device outside PyTorch's allocator (CUDA "
                          "context, libraries), and the budget counts those bytes too; give device_memory those "
                          "bytes plus what training needs (chunkmem.memory.gpu_memory.outside_bytes reads them)")
-    return min(1.0, allowed / total)
+    return total - outside
+
+
+def allocator_fraction(budgets: Collection[tuple[int, int]], total: int) -> float:
+    """The share of a device of `total` bytes the caching allocator may reserve (`allocator_cap`)."""
+    return min(1.0, allocator_cap(budgets) / total)
 
 
 def outside_bytes(device: str | torch.device) -> int:

@@ -192,7 +192,7 @@ class SimulatedDevice:
         """Cap the simulated allocator as CudaDevice caps CUDA's, at the live owners' budgets."""
         self.memory_limit = limit - outside
         if self.memory is not None:
-            self.memory.limit(owner, limit - outside)
+            self.memory.limit(owner, limit, outside)
 
     def capped(self) -> bool:
         return self.memory is not None and self.memory.capped()

@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
 from chunkmem.memory.allocator import Block, CachingAllocator, Sizes
+from chunkmem.memory.gpu_memory import allocator_cap
 
 _TO_COPY = torch.ops.aten._to_copy.default
 # Ops a GPU runs across host and device: copies.
@@ -47,7 +48,7 @@ class SimulatedMemory:
         self.models_budget = capped
         self.blocks: dict[int, Block] = {}  # storage address -> its block
         self.host: set[int] = set()  # storage addresses of pinned host buffers (chunk payloads, staging)
-        self._budgets: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+        self._budgets: weakref.WeakKeyDictionary[object, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.devices: weakref.WeakSet[Any] = weakref.WeakSet()  # simulated devices whose copies hold its blocks
 
     def _settle(self) -> None:
@@ -84,12 +85,13 @@ class SimulatedMemory:
         except (RuntimeError, NotImplementedError):  # no storage (sparse, wrappers)
             return False
 
-    def limit(self, owner: object, allowed: int) -> None:
-        """Cap what the allocator may reserve at the sum of the live owners' `allowed` bytes (CudaDevice's cap)."""
+    def limit(self, owner: object, budget: int, outside: int) -> None:
+        """Cap what the allocator may reserve at the live owners' budgets less what the process holds outside it
+        (gpu_memory.allocator_cap: CudaDevice's cap)."""
         if not self.models_budget:
             return
         known = owner in self._budgets
-        self._budgets[owner] = allowed
+        self._budgets[owner] = (budget, outside)
         self._apply()
         if not known:
             weakref.finalize(owner, self._apply)
@@ -99,8 +101,8 @@ class SimulatedMemory:
 
     def _apply(self) -> None:
         """The cap; lowered below what the allocator reserves, its wholly free segments go (as _apply_cap's on CUDA)."""
-        allowed = list(self._budgets.values())
-        self.allocator.allowed = sum(allowed) if allowed else None
+        budgets = list(self._budgets.values())
+        self.allocator.allowed = allocator_cap(budgets) if budgets else None
         if self.allocator.allowed is not None and self.allocator.reserved > self.allocator.allowed:
             self.allocator.empty_cache()
 

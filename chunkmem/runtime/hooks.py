@@ -1,6 +1,18 @@
 """The hooks that connect a model's execution to the runtime (see runtime's Note on parameters).
 
 Installing them is the only change made to the user's modules; `remove()` takes them all off.
+
+[Note: re-computation]
+Under activation checkpointing, backward re-computes a checkpointed module before the ops of its backward run. Torch's
+non-reentrant kind re-computes under saved-tensor hooks of its own, which keep what the re-computation saves on the
+device for those ops, views of the module's parameter chunks among them: none of chunkmem's unpacks runs there, so
+no access says that backward still reads the chunks. Released at the re-computation's end, as a forward releases
+them, they left the device without a byte freed (the arena reuses no slot something else still views) and the next
+chunk took a new slot: a tiny GPT-2 checkpointed per layer died of CUDA's error inside a layer's backward at budgets
+prepare accepted. So the modules a re-computation under hooks not chunkmem's releases are held back (Runtime.holding)
+until the next re-computation begins or the backward ends, when that module's backward is done: the warm-up records
+its chunks as held there, and the plan keeps them. Chunkmem's own hooks re-compute under the reentrant kind, whose
+unpacks access the chunks as a forward's do.
 """
 
 from __future__ import annotations
@@ -275,7 +287,10 @@ class Hooks:
         if self.outside is not None and self.outside[0] is module:
             contexts, self.outside = self.outside[1], None
             contexts.close()
-            if not _in_backward():  # called on its own, as the model's forward is: its ends are the forward's
+            self.runtime.holding = False
+            if _in_backward():
+                self.runtime.recomputed(self.names[module])
+            else:  # called on its own, as the model's forward is: its ends are the forward's
                 self.runtime.fence_params()
                 if torch.is_grad_enabled():
                     self.runtime.mark_outputs(_output)
@@ -290,7 +305,10 @@ class Hooks:
         `model.model(x)`'s hidden states) is a forward of the model's as its own forward is, from the gradients it hides
         before (grads.py's Note: the backward adds into their chunks) to the parameters it fences and the outputs whose
         backward hides them again after (`_post_forward`); not a re-computation, which backward runs."""
-        if torch.is_grad_enabled() and not _in_backward():
+        backward = _in_backward()
+        if backward:  # the previous segment's backward is done
+            self.runtime.release_held_back()
+        if torch.is_grad_enabled() and not backward:
             self.runtime.grads.hide_for_forward()
             if self.runtime.scaler is not None and not self.warned_unscaled:
                 self.warned_unscaled = True
@@ -304,6 +322,8 @@ class Hooks:
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
                 contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     functools.partial(self.runtime.pack, metered=False), self.runtime.unpack))
+            elif backward and self.runtime.shards is None:
+                self.runtime.holding = True
             self.outside = (module, contexts.pop_all())
 
     def _acquires(self, module: nn.Module) -> bool:

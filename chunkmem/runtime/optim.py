@@ -313,15 +313,17 @@ class ChunkStates(Mapping):
 
     def _stepped(self) -> dict[Any, ParamRecord]:
         self._not_sharded()
-        steps, restarted = self.optimizer.steps, self.optimizer.restarted
-        return {r.param: r for r in steps if steps[r].item() > 0 or r in restarted}
+        return {r.param: r for r in self.optimizer.steps if self._has_stepped(r)}
 
     def _record(self, param: Any) -> ParamRecord | None:
         """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
         self._not_sharded()
-        record, steps = self.optimizer.runtime.store.records.get(param), self.optimizer.steps
-        stepped = record in steps and (steps[record].item() > 0 or record in self.optimizer.restarted)
-        return record if stepped else None
+        record = self.optimizer.runtime.store.records.get(param)
+        return record if record in self.optimizer.steps and self._has_stepped(record) else None
+
+    def _has_stepped(self, record: ParamRecord) -> bool:
+        """Whether `record`'s parameter has states: a step counted, or a count set back to 0 (torch keeps those)."""
+        return self.optimizer.steps[record].item() > 0 or record in self.optimizer.restarted
 
     def _not_sharded(self) -> None:
         if self.optimizer.runtime.shards is not None:

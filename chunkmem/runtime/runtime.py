@@ -195,6 +195,10 @@ class Runtime:
         self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
         self.queued: set[int] = set()  # the tasks whose end calls it (a nested one's asks its outer's: _backward_done)
         self.room_task = -1  # the graph task `backward_begins` made room for
+        # Modules whose parameters a re-computation in backward holds until the next one or the backward's end, and
+        # whether modules leaving now join them (hooks' Note on re-computation)
+        self.held_back: list[nn.Module] = []
+        self.holding = False
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
@@ -326,7 +330,16 @@ class Runtime:
         self.acquire(self.module_records[module], self.shards.pin_keys[module] if self.shards else None, nonmodel)
 
     def leave(self, module: nn.Module) -> None:
+        if self.holding:
+            self.held_back.append(module)
+            return
         self.release(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
+
+    def release_held_back(self) -> None:
+        """A re-computation in backward ended its modules' hold (hooks' Note on re-computation): release them."""
+        modules, self.held_back, self.holding = self.held_back, [], False
+        for module in modules:
+            self.leave(module)
 
     def acquire(self, records: Sequence[ParamRecord], keys: Iterable[Key] | None = None,
                 nonmodel: int | None = None) -> None:
@@ -379,6 +392,7 @@ class Runtime:
 
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
+        self.held_back, self.holding = [], False  # a backward that raised left them
         for record in self.store.records.values():
             if record.uses:
                 record.uses = 1
@@ -852,11 +866,32 @@ class Runtime:
             return
         self.room_task = task
         if self.warmup:
-            self._certain_room(self._room_for_activations(), 0)
+            self._certain_room(self._room_for_activations(), chunks=0)  # those that may leave, left
         elif not self.placer.steady and self.shards is None:  # a step that outgrew its plan's record or left it
             room = self.device.allocation_room()
             chunks = sum(c.nbytes for c in self.residency.resident.values() if not c.pins)
             self._certain_room(room, chunks)
+
+    def recomputed(self, name: str) -> None:
+        """Backward re-computed module `name` (activation checkpointing) for the node running now, whose gradients
+        come next. Under torch's own saved-tensor hooks (its non-reentrant kind) no unpack of ours runs before the
+        ops of that module's backward (`_room_for_grad`), so where no plan foresees them (the warm-up, a step that
+        left its plan) chunks nothing holds leave for the node's gradients, and where even with none left no blocks
+        of theirs are free, a MemoryBudgetError names the bytes rather than the allocator's error from inside
+        autograd (a tiny GPT-2 checkpointed per layer at 600 KiB of a scaled H100 allocator)."""
+        if not (self.warmup or self.placer.phase is Phase.DIVERGED) or self.config.device_memory is None or \
+                self.shards is not None:
+            return
+        sizes = _grad_sizes() or [self.largest_block] * 2
+        room = self._room_for(sizes)
+        if room is not None and not (room.most >= sum(sizes) and self._allocates(sizes)):
+            raise MemoryBudgetError(
+                f"backward needs {sum(sizes)} bytes on the device for the gradients of {name}, re-computed under "
+                f"activation checkpointing (blocks of {', '.join(map(str, sizes))} bytes), but with every chunk "
+                f"that may leave gone (those {name} re-computed stay until its backward ends: what it saved views "
+                f"them), the tensors there leave {room.most} bytes of Config.device_memory={self.limit} bytes "
+                f"({self.limit / 2**20:.1f} MiB), or no blocks of those sizes: {ACTIVATION_FIXES}, or lower "
+                "Config.chunk_size")
 
     def _certain_room(self, room: Room | None, chunks: int) -> None:
         """A loss's first backward ops make two gradients the size of the output it is computed from (the
@@ -867,7 +902,7 @@ class Runtime:
         allocator's error from inside autograd (activations that took all but a few bytes of the budget, their
         forward's ops kept going by evicting every chunk)."""
         sizes = [self.output_bytes] * 2
-        if room is None or room.most + chunks >= sum(sizes) and (chunks or self._allocates(sizes)):
+        if room is None or (room.most + chunks >= sum(sizes) and (chunks > 0 or self._allocates(sizes))):
             return
         raise MemoryBudgetError(
             f"backward needs two blocks of {self.output_bytes} bytes on the device for the first gradients of the "
@@ -896,6 +931,7 @@ class Runtime:
             self._after_node(node)
             return
         self.queued.clear()  # those of backwards that raised: they never end
+        self.release_held_back()
         self.adopt_grads()
         self.placer.backwards += 1
         if self.placer.resident:

@@ -112,7 +112,7 @@ def test_tensors_computed_from_device_tensors_are_device_memory_until_they_die(m
 
 def test_an_op_beyond_the_cap_raises_cudas_out_of_memory_error(memory):
     owner = type("Owner", (), {})()
-    memory.limit(owner, 24 * MiB)
+    memory.limit(owner, 24 * MiB, 0)
     weight = memory.charge(torch.ones(1024, 1024))
     with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
         weight.repeat(8, 1)  # 32 MiB: beyond the cap
@@ -124,11 +124,11 @@ def test_a_cap_lowered_below_what_is_reserved_gives_the_free_segments_back(memor
     # What the process holds outside the allocator grew after the cap was set (kernels load lazily): the cap comes
     # down, and cached segments no block uses leave, as on CUDA (device._apply_cap), so the process holds the budget.
     owner = type("Owner", (), {})()
-    memory.limit(owner, 64 * MiB)
+    memory.limit(owner, 64 * MiB, 0)
     kept, dropped = memory.charge(torch.ones(1024, 1024)), memory.charge(torch.ones(6 * 1024, 1024))
     del dropped
     assert memory.allocator.reserved == 20 * MiB + 24 * MiB, "the freed 24 MiB segment stays cached"
-    memory.limit(owner, 32 * MiB)
+    memory.limit(owner, 32 * MiB, 0)
     assert memory.allocator.reserved == 20 * MiB, "the wholly free segment went; the one in use stays"
     assert kept.sum() == 1024 * 1024
 

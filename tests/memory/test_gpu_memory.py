@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import types
 
@@ -10,6 +11,7 @@ import torch
 
 from chunkmem.memory import gpu_memory
 from chunkmem.memory.gpu_memory import DeviceMemory
+from chunkmem.memory.simmemory import SimulatedMemory
 
 MiB = 2**20
 
@@ -108,8 +110,26 @@ def test_nvml_reads_the_device_torch_means_under_cuda_visible_devices(allocator:
 
 
 def test_the_allocator_cap_is_the_budgets_less_memory_outside_the_allocator() -> None:
-    assert gpu_memory.allocator_fraction([40 * MiB], 8 * MiB, 80 * MiB) == pytest.approx(0.4)
-    assert gpu_memory.allocator_fraction([40 * MiB, 30 * MiB], 0, 80 * MiB) == pytest.approx(70 / 80)
-    assert gpu_memory.allocator_fraction([100 * MiB], 0, 80 * MiB) == 1.0
+    assert gpu_memory.allocator_fraction([(40 * MiB, 8 * MiB)], 80 * MiB) == pytest.approx(0.4)
+    assert gpu_memory.allocator_fraction([(40 * MiB, 0), (30 * MiB, 0)], 80 * MiB) == pytest.approx(70 / 80)
+    assert gpu_memory.allocator_fraction([(100 * MiB, 0)], 80 * MiB) == 1.0
     with pytest.raises(ValueError, match=r"device_memory \(8 MiB\) leaves nothing for training: .* holds 16 MiB"):
-        gpu_memory.allocator_fraction([8 * MiB], 16 * MiB, 80 * MiB)
+        gpu_memory.allocator_fraction([(8 * MiB, 16 * MiB)], 80 * MiB)
+
+
+def test_the_simulations_cap_for_several_models_counts_what_the_process_holds_outside_once_as_cudas_does() -> None:
+    # Two models on one device read the process's bytes outside the allocator at different times (8, then 10 MiB):
+    # CUDA's cap (device._apply_cap) is their budgets less the most read, once; the simulation's took each model's
+    # budget less its own reading, the outside bytes twice.
+    class Owner:  # a runtime, as far as the cap goes: held weakly
+        pass
+
+    memory = SimulatedMemory()
+    first, second = Owner(), Owner()
+    memory.limit(first, 40 * MiB, 8 * MiB)
+    memory.limit(second, 30 * MiB, 10 * MiB)
+    assert memory.allocator.allowed == gpu_memory.allocator_cap([(40 * MiB, 8 * MiB), (30 * MiB, 10 * MiB)])
+    assert memory.allocator.allowed == 60 * MiB
+    del second
+    gc.collect()
+    assert memory.allocator.allowed == 32 * MiB, "a model gone takes its budget with it"
