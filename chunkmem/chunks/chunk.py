@@ -126,6 +126,19 @@ class Chunk:
         self._zero_unwritten(self._host)
         return self._host
 
+    def viewed_elsewhere(self) -> bool:
+        """Whether a FREE chunk's host payload is viewed by a tensor not the chunk's own (one the user kept)."""
+        if self.state is not ChunkState.FREE or self._host is None or self.landings or self.io:
+            return False
+        storage = self._host.untyped_storage()
+        return torch._C._storage_Use_Count(storage._cdata) > 2  # `_host`'s and `storage`'s own references
+
+    def renew_host(self) -> None:
+        """A FREE chunk takes a fresh host payload, leaving the old one to what still views it."""
+        if self.state is not ChunkState.FREE:
+            raise ChunkStateError(f"{self!r}: renew_host needs a FREE chunk, whose values nobody reads")
+        self._host = self._dev.host_alloc(self.numel, self.dtype)
+
     def give_host(self, buffer: torch.Tensor, read: Waitable | None) -> None:
         """The tier hands this chunk its host payload: `buffer`, being filled by the disk `read` (DISK -> HOST),
         or fresh, for a FREE chunk."""

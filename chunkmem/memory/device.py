@@ -176,11 +176,13 @@ class CudaDevice:
             if self.tracking:
                 module.track_allocations()
             allocator = EngineAllocator(module)
+        else:
+            allocator = RegisteredAllocator()
+        if self.engine is not None:
             # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
             self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
             self.d2h_stream = torch.cuda.ExternalStream(self.engine.d2h_stream, device=self.torch_device)
-        else:
-            allocator = RegisteredAllocator()
+        else:  # not built, or it did not start (native.copy_engine)
             self.h2d_stream = torch.cuda.Stream(self.torch_device)
             self.d2h_stream = torch.cuda.Stream(self.torch_device)
         self.comm_stream = torch.cuda.Stream(self.torch_device)  # ZeRO's collectives

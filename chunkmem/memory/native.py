@@ -174,9 +174,17 @@ def load_copy_engine() -> ModuleType | None:
 
 @functools.cache
 def copy_engine(device: int) -> CopyEngine | None:
-    """The copy engine of CUDA device `device`, or None; one per process: its streams outlive runtimes."""
+    """The copy engine of CUDA device `device`, or None; one per process: its streams outlive runtimes. None too
+    where it is built but cannot start there (its streams or events not made): copies then go through PyTorch's
+    streams, as without it, and report_missing says why, rather than the run ending at prepare."""
     module = load_copy_engine()
-    return None if module is None else CopyEngine(module.CopyEngine(device))
+    if module is None:
+        return None
+    try:
+        return CopyEngine(module.CopyEngine(device))
+    except RuntimeError as exc:
+        _missing[COPY_ENGINE] = f"did not start on cuda:{device}: {exc}"
+        return None
 
 
 class CopyEngine:

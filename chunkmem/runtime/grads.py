@@ -30,7 +30,9 @@ frees it, where it reads as zeros: a parameter the next backward gives no gradie
 frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
-backward writes the chunk it viewed.
+backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
+zero_grad(set_to_none=True) frees a gradient chunk whose host payload something else still views, the chunk takes
+a fresh one (`keep_viewed`). Past `p.grad = None`, which frees no chunk, such a view is still written (not yet).
 Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
 raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
 torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
@@ -82,6 +84,7 @@ class ShownGrads:
         # A forward with gradients enabled hid gradients a backward showed, and no backward ran since: `p.grad` read
         # meanwhile (torch.nn.utils.clip_grad_norm_) saw None, where plain PyTorch shows the gradients (step() warns).
         self.hidden_by_forward = False
+        self.renewed = 0  # gradient chunks that left their host payload to the user's views (`keep_viewed`)
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
@@ -186,6 +189,16 @@ class ShownGrads:
             if dropped and _chunk_memory(record, shown):
                 gone.append(shown)
         return gone
+
+    def keep_viewed(self, chunk: Chunk) -> None:
+        """`chunk`, a gradient chunk zero_grad(set_to_none=True) just freed: where a tensor of the user's still views
+        its host payload (`p.grad.detach()` or a slice of `p.grad` kept past zero_grad, which `_keep_held` cannot find:
+        not the shown tensor itself), the chunk takes a fresh payload and leaves the old to it, as PyTorch's next
+        backward makes new gradients and leaves those as they were. A device payload needs nothing: the arena
+        reuses no slot something else views."""
+        if chunk.viewed_elsewhere():
+            chunk.renew_host()
+            self.renewed += 1
 
     def unseen(self) -> bool:
         """Whether a gradient in its chunk shows nowhere: `p.grad` None, not set so by the user."""

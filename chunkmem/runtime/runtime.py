@@ -983,6 +983,8 @@ class Runtime:
             whole = len(cleared) == len(group.members)
             if whole and (not shown or chunk.state is ChunkState.FREE):
                 self.residency.reset(chunk)
+                if set_to_none:
+                    self.grads.keep_viewed(chunk)
             elif cleared and chunk.state is not ChunkState.FREE:
                 held = [r for r in cleared if r.grad_state is TensorState.HOLD]
                 if held:

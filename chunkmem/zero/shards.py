@@ -115,6 +115,7 @@ class Shards:
         self.off_path = False  # a forward without gradients: not part of the recorded order
         self.summoned = False  # parameters view whole values on the host (gathered_parameters): no forward
         self.log: list[tuple[str, Key]] | None = None  # set to a list to record the collectives issued
+        self.issued: list[tuple[str, Key]] = []  # the gathers and reduce-scatters since the last update (check_order)
         self.live = self.live_peak = self.gathered_peak = 0  # transient device bytes
         self.gathered_bytes = 0
         self.reducer = Reducer(self, deliver)
@@ -219,6 +220,8 @@ class Shards:
                                       [reads] if reads is not None else [], label)
 
     def note(self, op: str, key: Key) -> None:
+        if op != "reduced":  # a reduce-scatter finished: no collective issued
+            self.issued.append(("gather" if op == "prefetch" else op, key))
         if self.log is not None:
             self.log.append((op, key))
 
@@ -346,18 +349,26 @@ class Shards:
             self._point_home(key)
 
     def check_order(self) -> None:
-        """Before an update: every rank gathered the same groups in the same order this step (the Note on
-        one order). Where a module ran on some ranks only, gathers of equal size paired different groups
-        and gradients were reduced across them: every rank raises the same error, nothing updated."""
-        digest = zlib.crc32(repr(self.order.now).encode())
+        """Before an update: every rank gathered the same groups and reduce-scattered the same gradient groups, in
+        the same order, since the last one (the Note on one order). Where a module ran on some ranks only, gathers
+        of equal size paired different groups; where a parameter got a gradient on some ranks only (a module's
+        output reaching the loss on some ranks only), its group was complete, and reduce-scattered, at another
+        point of backward on each: gradients were reduced across different groups. Every rank raises the same
+        error, nothing updated."""
+        issued, self.issued = self.issued, []  # checked: the next step's are checked afresh
+        digest = zlib.crc32(repr(issued).encode())
         extremes = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), dist.ReduceOp.MAX)
         if extremes[0] != -extremes[1]:
+            gathers = sum(op == "gather" for op, _ in issued)
             raise RuntimeError(
-                f"the ranks gathered different parameter groups in this step (rank {self.rank}: "
-                f"{len(self.order.now)} gathers), so some module ran on some ranks only: a branch or a "
-                "layer skip decided by each rank's own data or random draws. Draw random choices alike on "
-                "every rank (seed them the same), or name the module class that chooses among its children "
-                "in chunkmem.Config(gather_units=...) so ZeRO gathers it whole; no parameter was updated")
+                f"the ranks gathered different parameter groups or reduce-scattered gradient groups in another order "
+                f"in this step (rank {self.rank}: {gathers} gathers, {len(issued) - gathers} reduce-scatters), "
+                "so collectives paired different groups: some module ran on some ranks only (a branch or a layer "
+                "skip decided by each rank's own data or random draws), or a module's output reached the loss on "
+                "some ranks only, so that its parameters got a gradient there only. Draw random choices alike on "
+                "every rank (seed them the same), name the module class that chooses among its children in "
+                "chunkmem.Config(gather_units=...) so ZeRO gathers it whole, or make every rank's loss depend on "
+                "each output it computes (add 0 * output.sum() where a rank leaves it out); no parameter was updated")
 
     def step_done(self) -> None:
         """After an optimizer step: the owners changed their shares, so gathered copies are stale."""

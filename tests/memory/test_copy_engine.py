@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 
+from chunkmem.memory import native
 from chunkmem.memory.hostpool import EngineAllocator, HostPool
 from chunkmem.memory.native import CopyEngine
 
@@ -62,6 +63,21 @@ def test_an_error_the_extension_returns_is_raised():
     broken.error = "chunkmem copy engine: cudaStreamCreateWithFlags (h2d) failed"
     with pytest.raises(RuntimeError, match="cudaStreamCreateWithFlags"):
         CopyEngine(broken)
+
+
+def test_an_engine_that_cannot_start_leaves_copies_to_pytorchs_streams_and_says_why(monkeypatch):
+    # Its streams not made (a device out of memory at prepare): the RuntimeError above ended the run at prepare; the
+    # device now copies on PyTorch's streams, as without the extension (CudaDevice), and report_missing names it.
+    def broken(device: int) -> FakeExtension:
+        raw = FakeExtension()
+        raw.error = "chunkmem copy engine: cudaStreamCreateWithFlags (h2d) failed: out of memory"
+        return raw
+
+    monkeypatch.setattr(native, "load_copy_engine", lambda: types.SimpleNamespace(CopyEngine=broken))
+    monkeypatch.setattr(native, "_missing", {})
+    assert native.copy_engine.__wrapped__(0) is None
+    assert native.missing()[native.COPY_ENGINE] == (
+        "did not start on cuda:0: chunkmem copy engine: cudaStreamCreateWithFlags (h2d) failed: out of memory")
 
 
 def test_a_refused_cuda_host_alloc_falls_back_to_pageable_memory(monkeypatch, caplog):

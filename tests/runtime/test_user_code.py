@@ -887,17 +887,25 @@ def test_a_backward_through_parameters_a_step_or_a_load_changed_since_its_forwar
     same_bits(loop, budget)
 
 
+KEEPS = {"p.grad": lambda g: g, "p.grad.detach()": lambda g: g.detach(), "a slice": lambda g: g[:1]}
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("clear", ["zero_grad", "p.grad = None"])
-def test_gradients_kept_past_their_clearing_keep_their_values(budget, clear) -> None:
+@pytest.mark.parametrize("keep", KEEPS)
+def test_gradients_kept_past_their_clearing_keep_their_values(budget, clear, keep, request) -> None:
+    if clear == "p.grad = None" and keep != "p.grad" and budget is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a view of p.grad kept past `p.grad = None` (not "
+                                              "zero_grad) is written by the next backward where chunks stream"))
     # Gradient surgery keeps one loss's p.grad, clears the gradients and runs the next loss's backward: p.grad viewed
     # the gradient chunk, which that backward wrote, so the kept gradients became the second loss's (cosine 1.0 between
-    # them, where plain PyTorch's, new tensors, gave 0.34).
+    # them, where plain PyTorch's, new tensors, gave 0.34). Kept as a view of p.grad (detached, sliced), not p.grad
+    # itself, they were written so still where chunks stream (by 0.30 on an MLP at 30% of its parameter bytes).
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         batches = gpt2_batches(4)
         for first, second in zip(batches[::2], batches[1::2]):
             gpt2_loss(model, first).backward()
-            kept = [p.grad for p in model.parameters()]
+            kept = [KEEPS[keep](p.grad) for p in model.parameters()]
             if clear == "zero_grad":
                 opt.zero_grad()
             else:
@@ -905,7 +913,8 @@ def test_gradients_kept_past_their_clearing_keep_their_values(budget, clear) -> 
                     p.grad = None
             gpt2_loss(model, second).backward()
             for p, grad in zip(model.parameters(), kept):
-                p.grad = p.grad + grad
+                p.grad = p.grad + torch.zeros_like(p.grad).index_add(0, torch.arange(len(grad)), grad) \
+                    if grad.dim() and grad.shape != p.grad.shape else p.grad + grad
             opt.step()
             opt.zero_grad()
     same_bits(loop, budget)
@@ -934,6 +943,7 @@ def test_gradients_nobody_kept_are_not_copied_when_cleared(budget, clear, monkey
                 p.grad = None
     gpt2_loss(cm, gpt2_batches(1)[0]).backward()  # the last `p.grad = None` is taken here
     assert copies and sum(copies) == 0
+    assert cm.runtime.grads.renewed == 0, "no chunk left its host payload to views nobody holds"
 
 
 @pytest.mark.parametrize("clear", ["accumulate", "zeros kept"])

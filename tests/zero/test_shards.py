@@ -467,6 +467,41 @@ def test_ranks_that_gather_different_groups_fail_the_step_instead_of_mixing_them
     assert all("gather_units" in m and "no parameter was updated" in m for m in messages)
 
 
+class RankAuxiliary(torch.nn.Module):
+    """Four layers, one chunk each; every rank runs `aux`, whose output reaches the loss on rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.aux, self.last = (torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.second(torch.relu(self.first(x))))
+        a = self.aux(h)
+        return self.last(h + a if dist.get_rank() == 0 else h)
+
+
+def auxiliary_worker(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = RankAuxiliary()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               chunkmem.Config(device="cpu", chunk_size=32 * 32 + 32))
+    cm(torch.randn(2, 32, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    with pytest.raises(RuntimeError, match="reduce-scattered gradient groups in another order") as error:
+        opt.step()
+    after = cm.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a step that raised updated parameters"
+    return str(error.value)
+
+
+def test_ranks_that_reduce_scatter_gradient_groups_in_another_order_fail_the_step_instead_of_mixing_them():
+    # aux's group is complete when aux's gradient comes on rank 0, and when the last layer's does on rank 1 (it
+    # gets none there): the two ranks started their reduce-scatters in other orders and summed one group's
+    # gradients with another's, silently (helper's bug hunt: every parameter off DDP's by up to 1e-2).
+    messages = run_workers(auxiliary_worker, 2, timeout=120)
+    assert all("0 * output.sum()" in m and "no parameter was updated" in m for m in messages)
+
+
 def nonfinite_worker(rank: int, world: int) -> list[bool]:
     model = mlp_case()
     cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
