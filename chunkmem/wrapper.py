@@ -278,6 +278,14 @@ class ChunkedModel(nn.Module):
         return total
 
     @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's context for gradient accumulation, so that a DDP loop runs unchanged: it does nothing. Under ZeRO
+        every backward reduce-scatters its gradients to their owners, which add them up across micro-batches (the
+        same sum, in another order: equal to DDP's within rounding); a rank cannot hold every whole gradient until
+        the last micro-batch, which is what sharding them saves."""
+        yield
+
+    @contextlib.contextmanager
     def gathered_parameters(self) -> Iterator[None]:
         """Every parameter holds its whole value while the context lasts, under ZeRO too, where outside `forward` a
         rank holds a share of each parameter group and the others read NaN: an EMA, a weight average, a log line

@@ -3,6 +3,7 @@ the plain model and on a prepared one gives the same bits (fp32), whether chunks
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -981,3 +982,18 @@ def test_under_fp16_a_module_called_on_its_own_to_train_is_named(caplog) -> None
             cm.transformer(ids).last_hidden_state.float().pow(2).mean().backward()
     named = [r.getMessage() for r in caplog.records]
     assert len(named) == 1 and "transformer, a module of a dtype='fp16' model" in named[0] and "65536" in named[0]
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
+def test_a_ddp_accumulation_loop_with_no_sync_runs_unchanged_and_trains_as_plain_pytorch(budget) -> None:
+    # `with model.no_sync():` around every micro-batch's backward but the last, as DDP loops accumulate: an
+    # AttributeError ended such a loop (bug hunt); a plain model has no no_sync, and sums the same gradients.
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        batches = gpt2_batches(4)
+        for first, second in zip(batches[::2], batches[1::2]):
+            with getattr(model, "no_sync", contextlib.nullcontext)():
+                gpt2_loss(model, first).backward()
+            gpt2_loss(model, second).backward()
+            opt.step()
+            opt.zero_grad()
+    same_bits(loop, budget)
