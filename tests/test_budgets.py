@@ -615,28 +615,39 @@ def test_an_evaluation_under_inference_mode_at_a_larger_batch_and_a_state_dict_l
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
 
 
-@pytest.mark.parametrize("kib", [600, 700])
-def test_a_module_checkpointed_by_torchs_non_reentrant_kind_trains_as_plain_pytorch_or_is_refused_plainly(
-        sim_memory, kib):
-    """A tiny GPT-2 checkpointed per layer (torch's non-reentrant kind) at 600-800 KiB of an allocator scaled 20000
-    times: the saved tensors of a layer's re-computation in backward are torch's, which view its parameters' chunks,
-    so those chunks left the device without a byte freed, the next chunk took a new slot, and the layer's backward
-    died of CUDA's error from inside autograd. Now they stay until the layer's backward ends (hooks' Note on
-    re-computation): at 700 KiB it trains as plain PyTorch does; at 600 KiB, where nothing can leave and no block
-    holds the first gradients, a MemoryBudgetError names the bytes."""
-    def build() -> torch.nn.Module:
-        model = tiny_gpt2()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.train()
+def checkpointed(arch: str) -> torch.nn.Module:
+    """A tiny GPT-2 or LLaMA checkpointed per layer by torch's non-reentrant kind. transformers 5 checkpoints a
+    LLaMA layer's forward, not its call: its norms, attention and MLP are re-computed one after the other."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    batches = helpers.gpt2_batches(3)
-    ref = build()
+    torch.manual_seed(0)
+    model = tiny_gpt2() if arch == "gpt2" else LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+@pytest.mark.parametrize("arch, kib", [("gpt2", 600), ("gpt2", 700), ("llama", 400), ("llama", 450)])
+def test_a_model_checkpointed_by_torchs_non_reentrant_kind_trains_as_plain_pytorch_or_is_refused_plainly(
+        sim_memory, arch, kib):
+    """Tiny GPT-2 and LLaMA checkpointed per layer (torch's non-reentrant kind), an allocator scaled 20000 times:
+    the saved tensors of a layer's re-computation in backward are torch's, which view its parameters' chunks, so
+    those chunks left the device without a byte freed, the next chunk took a new slot, and the layer's backward died
+    of CUDA's error from inside autograd (GPT-2 at 600-800 KiB, LLaMA at 400-450). Now they stay until the layer's
+    backward is done (hooks' Note on re-computation), all the modules a LLaMA layer's forward calls in turn among
+    them (bug hunt: they were let go one by one): GPT-2 at 700 KiB and LLaMA at 450 train as plain PyTorch does;
+    at 600 and 400, where nothing can leave and no block holds the gradients of a layer's backward, a
+    MemoryBudgetError names the bytes."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(1, 128, (2, 16), generator=generator) for _ in range(4)]
+    ref = checkpointed(arch)
     expected = helpers.train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), batches, helpers.gpt2_loss)
     memory = sim_memory(20000)
-    model = build()
+    model = checkpointed(arch)
     cm, opt = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                chunkmem.Config(device="cpu", device_memory=kib * 1024))
-    if kib == 600:
+    if kib in (400, 600):
         with pytest.raises(chunkmem.MemoryBudgetError, match=r"re-computed under activation checkpointing"):
             helpers.train(cm, opt, batches, helpers.gpt2_loss)
         return

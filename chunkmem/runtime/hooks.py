@@ -10,9 +10,12 @@ no access says that backward still reads the chunks. Released at the re-computat
 them, they left the device without a byte freed (the arena reuses no slot something else still views) and the next
 chunk took a new slot: a tiny GPT-2 checkpointed per layer died of CUDA's error inside a layer's backward at budgets
 prepare accepted. So the modules a re-computation under hooks not chunkmem's releases are held back (Runtime.holding)
-until the next re-computation begins or the backward ends, when that module's backward is done: the warm-up records
-its chunks as held there, and the plan keeps them. Chunkmem's own hooks re-compute under the reentrant kind, whose
-unpacks access the chunks as a forward's do.
+until a re-computation begins for another node of backward or the backward ends, when that module's backward is
+done: the warm-up records its chunks as held there, and the plan keeps them. Not at the next re-computation for the
+same node: a checkpointed function may call several modules in turn (transformers 5 checkpoints a decoder layer's
+forward, not its call, so its norms, attention and MLP are re-computed one after the other, its own hooks never
+running), and all of them are re-computed for the node that first reads what they saved. Chunkmem's own hooks
+re-compute under the reentrant kind, whose unpacks access the chunks as a forward's do.
 """
 
 from __future__ import annotations
@@ -306,8 +309,8 @@ class Hooks:
         before (grads.py's Note: the backward adds into their chunks) to the parameters it fences and the outputs whose
         backward hides them again after (`_post_forward`); not a re-computation, which backward runs."""
         backward = _in_backward()
-        if backward:  # the previous segment's backward is done
-            self.runtime.release_held_back()
+        if backward:
+            self.runtime.recomputing(torch._C._current_autograd_node())
         if torch.is_grad_enabled() and not backward:
             self.runtime.grads.hide_for_forward()
             if self.runtime.scaler is not None and not self.warned_unscaled:

@@ -195,10 +195,11 @@ class Runtime:
         self.backward_task = -1  # the autograd graph task whose end calls `_backward_done` (-1: none queued)
         self.queued: set[int] = set()  # the tasks whose end calls it (a nested one's asks its outer's: _backward_done)
         self.room_task = -1  # the graph task `backward_begins` made room for
-        # Modules whose parameters a re-computation in backward holds until the next one or the backward's end, and
-        # whether modules leaving now join them (hooks' Note on re-computation)
+        # Modules whose parameters re-computations in backward hold until one for another node or the backward's end,
+        # and whether modules leaving now join them (hooks' Note on re-computation)
         self.held_back: list[nn.Module] = []
         self.holding = False
+        self.held_for: object = None  # the autograd node whose re-computations those modules ran for
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
@@ -335,9 +336,16 @@ class Runtime:
             return
         self.release(self.module_records[module], self.shards.pin_keys[module] if self.shards else None)
 
+    def recomputing(self, node: object) -> None:
+        """A re-computation in backward begins, for autograd node `node`: the modules held back for another node's are
+        released, their backward done (hooks' Note on re-computation)."""
+        if node is not self.held_for:
+            self.release_held_back()
+            self.held_for = node
+
     def release_held_back(self) -> None:
-        """A re-computation in backward ended its modules' hold (hooks' Note on re-computation): release them."""
-        modules, self.held_back, self.holding = self.held_back, [], False
+        """Release the modules re-computations held back (hooks' Note on re-computation)."""
+        modules, self.held_back, self.holding, self.held_for = self.held_back, [], False, None
         for module in modules:
             self.leave(module)
 
@@ -392,7 +400,7 @@ class Runtime:
 
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
-        self.held_back, self.holding = [], False  # a backward that raised left them
+        self.held_back, self.holding, self.held_for = [], False, None  # a backward that raised left them
         for record in self.store.records.values():
             if record.uses:
                 record.uses = 1
@@ -882,7 +890,9 @@ class Runtime:
         if not (self.warmup or self.placer.phase is Phase.DIVERGED) or self.config.device_memory is None or \
                 self.shards is not None:
             return
-        sizes = _grad_sizes() or [self.largest_block] * 2
+        sizes = _grad_sizes()
+        if sum(sizes) < 2 * self.largest_block:  # the module's other backward ops: as `_room_for_activations`
+            sizes = [self.largest_block] * 2
         room = self._room_for(sizes)
         if room is not None and not (room.most >= sum(sizes) and self._allocates(sizes)):
             raise MemoryBudgetError(

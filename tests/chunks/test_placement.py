@@ -202,7 +202,9 @@ def test_activation_checkpointing_with_chunks_moving_matches_plain_pytorch(offlo
     model.train()
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, gpt2_loss)
-    cm, opt = prepared(model, ADAMW, device_memory=param_bytes(model) // 4, offload_activations=offload)
+    # Not a quarter: what a layer's re-computation saves views its 4 chunks until its backward is done, and they stay
+    # (hooks' Note on re-computation); counted as left, they held bytes the budget did not see.
+    cm, opt = prepared(model, ADAMW, device_memory=int(param_bytes(model) * 0.4), offload_activations=offload)
     losses = train(cm, opt, batches, gpt2_loss)
     stats = cm.memory_stats()
     assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
