@@ -10,8 +10,10 @@ no access says that backward still reads the chunks. Released at the re-computat
 them, they left the device without a byte freed (the arena reuses no slot something else still views) and the next
 chunk took a new slot: a tiny GPT-2 checkpointed per layer died of CUDA's error inside a layer's backward at budgets
 prepare accepted. So the modules a re-computation under hooks not chunkmem's releases are held back (Runtime.holding)
-until a re-computation begins for another node of backward or the backward ends, when that module's backward is
-done: the warm-up records its chunks as held there, and the plan keeps them. Not at the next re-computation for the
+until a re-computation begins for another node of backward or the backward's graph task ends (whether or not a
+parameter's gradient comes: torch.autograd.grad of the inputs), when that module's backward is done, or, after a
+backward that raised, the next forward begins: the warm-up records its chunks as held there, and the plan keeps
+them. Not at the next re-computation for the
 same node: a checkpointed function may call several modules in turn (transformers 5 checkpoints a decoder layer's
 forward, not its call, so its norms, attention and MLP are re-computed one after the other, its own hooks never
 running), and all of them are re-computed for the node that first reads what they saved. Chunkmem's own hooks
@@ -290,10 +292,10 @@ class Hooks:
         if self.outside is not None and self.outside[0] is module:
             contexts, self.outside = self.outside[1], None
             contexts.close()
-            self.runtime.holding = False
-            if _in_backward():
+            held, self.runtime.holding = self.runtime.holding, False
+            if held:
                 self.runtime.recomputed(self.names[module])
-            else:  # called on its own, as the model's forward is: its ends are the forward's
+            elif not _in_backward():  # called on its own, as the model's forward is: its ends are the forward's
                 self.runtime.fence_params()
                 if torch.is_grad_enabled():
                     self.runtime.mark_outputs(_output)
@@ -355,6 +357,8 @@ class Hooks:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
                                "parameters itself; run it after the `with` block")
         runtime.adopt_data()
+        if runtime.held_back:  # a backward that raised, before it released them (hooks' Note on re-computation)
+            runtime.release_held_back()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
             runtime.grads.hide_for_forward()

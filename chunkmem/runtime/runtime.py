@@ -200,6 +200,7 @@ class Runtime:
         self.held_back: list[nn.Module] = []
         self.holding = False
         self.held_for: object = None  # the autograd node whose re-computations those modules ran for
+        self.held_task = -1  # the graph task whose end releases them
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
@@ -338,10 +339,15 @@ class Runtime:
 
     def recomputing(self, node: object) -> None:
         """A re-computation in backward begins, for autograd node `node`: the modules held back for another node's are
-        released, their backward done (hooks' Note on re-computation)."""
+        released, their backward done, and those held from now on at the end of this backward, whether or not a
+        parameter's gradient comes (torch.autograd.grad of the inputs: hooks' Note on re-computation)."""
         if node is not self.held_for:
             self.release_held_back()
             self.held_for = node
+        task = torch._C._current_graph_task_id()
+        if task != self.held_task:
+            self.held_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.release_held_back)
 
     def release_held_back(self) -> None:
         """Release the modules re-computations held back (hooks' Note on re-computation)."""

@@ -220,7 +220,7 @@ class Shards:
                                       [reads] if reads is not None else [], label)
 
     def note(self, op: str, key: Key) -> None:
-        if op != "reduced":  # a reduce-scatter finished: no collective issued
+        if op != "reduced" and not self.off_path:  # no collective issued; no update follows an evaluation's gathers
             self.issued.append(("gather" if op == "prefetch" else op, key))
         if self.log is not None:
             self.log.append((op, key))

@@ -999,3 +999,50 @@ def test_a_ddp_accumulation_loop_with_no_sync_runs_unchanged_and_trains_as_plain
             opt.step()
             opt.zero_grad()
     same_bits(loop, budget)
+
+
+class CheckpointedBlocks(nn.Module):
+    """Four residual blocks, each checkpointed by torch's non-reentrant kind, and a head."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+                                    for _ in range(4))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("after", ["input gradient", "a backward that raised"])
+def test_a_backward_with_no_parameter_gradient_lets_go_of_what_its_re_computations_held(after) -> None:
+    # Chunks a re-computation holds were let go when a parameter's gradient hook ended the backward: after
+    # torch.autograd.grad of the input (no such hook) or a backward that raised, they stayed pinned through the next
+    # forward, which found no room for the next block's chunk (review: a MemoryBudgetError at every step).
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            inputs = x.clone().requires_grad_()
+            if after == "input gradient":
+                torch.autograd.grad(model(inputs).square().mean(), inputs)
+                continue
+            out = model(inputs).square().mean()
+            inputs.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("a hook failed")))
+            with pytest.raises(RuntimeError, match="a hook failed"):
+                out.backward()
+            opt.zero_grad()
+    model = CheckpointedBlocks()
+    plain = copy.deepcopy(model)
+    loop(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    cm, opt = prepared(model, functools.partial(torch.optim.SGD, lr=0.1), device_memory=int(param_bytes(model) * 0.4),
+                       chunk_size=2 * (32 * 32 + 32))  # a block's a chunk
+    loop(cm, opt)
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in plain.state_dict().items())
+    assert cm.memory_stats()["h2d_bytes"] > 0, "chunks must move for this test to mean anything"
