@@ -489,8 +489,8 @@ class Runtime:
         sizes = _grad_sizes() or sizes[:1]
         if nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
             return
-        room = self._room_for(sizes, chunk)
-        if room is not None and not (room.most >= sum(sizes) and self._allocates(sizes)):
+        room = self._no_room(sizes, chunk)
+        if room is not None:
             raise MemoryBudgetError(
                 f"backward needs {sum(sizes)} bytes on the device for the gradients of an op on parameters in "
                 f"{chunk.name} (blocks of {', '.join(map(str, sizes))} bytes), but with {chunk.name} itself "
@@ -542,6 +542,13 @@ class Runtime:
         finally:
             if keep is not None:
                 keep.pins -= 1
+
+    def _no_room(self, sizes: list[int], keep: Chunk | None = None) -> Room | None:
+        """Gradients of these byte sizes that backward makes next: chunks nothing uses (but `keep`) leave for them
+        (`_room_for`), and where none is left to and no blocks of theirs are free, the room there is, for the
+        caller's MemoryBudgetError; None where they fit."""
+        room = self._room_for(sizes, keep)
+        return None if room is None or (room.most >= sum(sizes) and self._allocates(sizes)) else room
 
     def _make_certain(self, room: Room, need: int, several: bool) -> bool:
         """Whether new segments of `need` bytes in all are certain: for one allocation, within what the allocator
@@ -899,8 +906,8 @@ class Runtime:
         sizes = _grad_sizes()
         if sum(sizes) < 2 * self.largest_block:  # the module's other backward ops: as `_room_for_activations`
             sizes = [self.largest_block] * 2
-        room = self._room_for(sizes)
-        if room is not None and not (room.most >= sum(sizes) and self._allocates(sizes)):
+        room = self._no_room(sizes)
+        if room is not None:
             raise MemoryBudgetError(
                 f"backward needs {sum(sizes)} bytes on the device for the gradients of {name}, re-computed under "
                 f"activation checkpointing (blocks of {', '.join(map(str, sizes))} bytes), but with every chunk "

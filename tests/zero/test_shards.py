@@ -448,12 +448,18 @@ class RankOrdered(torch.nn.Module):
 
 def diverging_worker(rank: int, world: int) -> str:
     torch.manual_seed(0)
-    model = RankOrdered()
+    return refused_step(RankOrdered(), torch.randn(4, 16), "gathered different parameter groups")
+
+
+def refused_step(model: torch.nn.Module, x: torch.Tensor, match: str) -> str:
+    """The error of the step after a backward of `model` on `x`, in layers of one chunk each, which must name
+    `match` and leave every parameter as it was."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    width = x.shape[1]
     cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5),
-                               chunkmem.Config(device="cpu", chunk_size=16 * 16 + 16))
-    cm(torch.randn(4, 16)).square().mean().backward()
-    with pytest.raises(RuntimeError, match="gathered different parameter groups") as error:
+                               chunkmem.Config(device="cpu", chunk_size=width * width + width))
+    cm(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match=match) as error:
         opt.step()
     after = cm.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()), "a step that raised updated parameters"
@@ -482,16 +488,8 @@ class RankAuxiliary(torch.nn.Module):
 
 def auxiliary_worker(rank: int, world: int) -> str:
     torch.manual_seed(0)
-    model = RankAuxiliary()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               chunkmem.Config(device="cpu", chunk_size=32 * 32 + 32))
-    cm(torch.randn(2, 32, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-    with pytest.raises(RuntimeError, match="reduce-scattered gradient groups in another order") as error:
-        opt.step()
-    after = cm.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in before.items()), "a step that raised updated parameters"
-    return str(error.value)
+    return refused_step(RankAuxiliary(), torch.randn(2, 32, generator=torch.Generator().manual_seed(rank)),
+                        "reduce-scattered gradient groups in another order")
 
 
 def test_ranks_that_reduce_scatter_gradient_groups_in_another_order_fail_the_step_instead_of_mixing_them():
