@@ -13,11 +13,11 @@ prepare accepted. So the modules a re-computation under hooks not chunkmem's rel
 until a re-computation begins for another node of backward or the backward's graph task ends (whether or not a
 parameter's gradient comes: torch.autograd.grad of the inputs), when that module's backward is done, or, after a
 backward that raised, the next forward begins: the warm-up records its chunks as held there, and the plan keeps
-them. Not at the next re-computation for the
-same node: a checkpointed function may call several modules in turn (transformers 5 checkpoints a decoder layer's
-forward, not its call, so its norms, attention and MLP are re-computed one after the other, its own hooks never
-running), and all of them are re-computed for the node that first reads what they saved. Chunkmem's own hooks
-re-compute under the reentrant kind, whose unpacks access the chunks as a forward's do.
+them. Not at the next re-computation for the same node: a checkpointed function may call several modules in turn
+(transformers 5 checkpoints a decoder layer's forward, not its call, so its norms, attention and MLP are re-computed
+one after the other, its own hooks never running), and all of them are re-computed for the node that first reads
+what they saved. Chunkmem's own hooks re-compute under the reentrant kind, whose unpacks access the chunks as a
+forward's do. Not under ZeRO, where parameters view gathered copies, not chunks.
 """
 
 from __future__ import annotations

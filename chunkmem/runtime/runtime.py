@@ -900,8 +900,7 @@ class Runtime:
         left its plan) chunks nothing holds leave for the node's gradients, and where even with none left no blocks
         of theirs are free, a MemoryBudgetError names the bytes rather than the allocator's error from inside
         autograd (a tiny GPT-2 checkpointed per layer at 600 KiB of a scaled H100 allocator)."""
-        if not (self.warmup or self.placer.phase is Phase.DIVERGED) or self.config.device_memory is None or \
-                self.shards is not None:
+        if not (self.warmup or self.placer.phase is Phase.DIVERGED) or self.config.device_memory is None:
             return
         sizes = _grad_sizes()
         if sum(sizes) < 2 * self.largest_block:  # the module's other backward ops: as `_room_for_activations`
