@@ -18,6 +18,11 @@ them. Not at the next re-computation for the same node: a checkpointed function 
 one after the other, its own hooks never running), and all of them are re-computed for the node that first reads
 what they saved. Chunkmem's own hooks re-compute under the reentrant kind, whose unpacks access the chunks as a
 forward's do. Not under ZeRO, where parameters view gathered copies, not chunks.
+
+The modules around the first one re-computed run their forwards there without their hooks, under either kind, and
+some read parameters of their own between their modules (BEiT's layer scales, between its attention and its MLP): with
+no hook to bring them, a re-computation whose chunk had left died of a device mismatch. So those parameters come to
+the device when the re-computation begins and stay until the modules held back are released (Runtime.hold_enclosing).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
+from chunkmem.chunks.store import ParamRecord
 from chunkmem.runtime.runtime import Runtime
 
 _log = logging.getLogger("chunkmem")
@@ -145,6 +151,8 @@ class Hooks:
         self.handles: list[RemovableHandle] = []  # the gradient hooks, while they are on
         self.hooked: list[nn.Parameter] = []  # their parameters
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
+        self.parents = {child: sub for sub in module.modules() for child in sub.children()}
+        self.enclosing: dict[nn.Module, list[ParamRecord]] = {}  # `_enclosing`'s, as first asked
         self.forwarding = False  # inside `forward()`, the model's own forward pass
         # A module running outside it, and the contexts it entered.
         self.outside: tuple[nn.Module, contextlib.ExitStack] | None = None
@@ -313,6 +321,7 @@ class Hooks:
         backward = _in_backward()
         if backward:
             self.runtime.recomputing(torch._C._current_autograd_node())
+            self.runtime.hold_enclosing(self._enclosing(module))
         if torch.is_grad_enabled() and not backward:
             self.runtime.grads.hide_for_forward()
             if self.runtime.scaler is not None and not self.warned_unscaled:
@@ -330,6 +339,18 @@ class Hooks:
             elif backward and self.runtime.shards is None:
                 self.runtime.holding = True
             self.outside = (module, contexts.pop_all())
+
+    def _enclosing(self, module: nn.Module) -> list[ParamRecord]:
+        """The parameters of the modules around `module` that are theirs, not a child's (BEiT's layer scales)."""
+        found = self.enclosing.get(module)
+        if found is None:
+            records, found = self.runtime.store.records, []
+            parent = self.parents.get(module)
+            while parent is not None:
+                found += [records[p] for p in parent.parameters(recurse=False) if p in records]
+                parent = self.parents.get(parent)
+            self.enclosing[module] = found
+        return found
 
     def _acquires(self, module: nn.Module) -> bool:
         """Whether `module` acquires parameters when it runs (units.py's Note): a unit, a module outside every unit,
@@ -357,7 +378,8 @@ class Hooks:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
                                "parameters itself; run it after the `with` block")
         runtime.adopt_data()
-        if runtime.held_back:  # a backward that raised, before it released them (hooks' Note on re-computation)
+        if runtime.held_back or runtime.held_params:  # a backward that raised, before it released them (the Note on
+            # re-computation)
             runtime.release_held_back()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks

@@ -201,6 +201,8 @@ class Runtime:
         self.holding = False
         self.held_for: object = None  # the autograd node whose re-computations those modules ran for
         self.held_task = -1  # the graph task whose end releases them
+        # Parameters of the modules around a re-computed one, whose forward runs without their hooks (`hold_enclosing`).
+        self.held_params: list[ParamRecord] = []
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
@@ -349,11 +351,23 @@ class Runtime:
             self.held_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.release_held_back)
 
+    def hold_enclosing(self, records: list[ParamRecord]) -> None:
+        """A re-computation in backward begins inside modules whose own hooks do not run, `records` their parameters
+        (hooks' Note on re-computation): they come to the device and stay until the modules held back are released."""
+        fresh = [record for record in records if record not in self.held_params]
+        if fresh:
+            self.held_params.extend(fresh)  # before acquiring: one that raised is released all the same
+            self.acquire(fresh)
+
     def release_held_back(self) -> None:
-        """Release the modules re-computations held back (hooks' Note on re-computation)."""
+        """Release the modules re-computations held back, and the parameters around them (hooks' Note on
+        re-computation)."""
         modules, self.held_back, self.holding, self.held_for = self.held_back, [], False, None
         for module in modules:
             self.leave(module)
+        records, self.held_params = self.held_params, []
+        if records:
+            self.release(records)
 
     def acquire(self, records: Sequence[ParamRecord], keys: Iterable[Key] | None = None,
                 nonmodel: int | None = None) -> None:
@@ -406,7 +420,8 @@ class Runtime:
 
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
-        self.held_back, self.holding, self.held_for = [], False, None  # a backward that raised left them
+        # a backward that raised left them
+        self.held_back, self.held_params, self.holding, self.held_for = [], [], False, None
         for record in self.store.records.values():
             if record.uses:
                 record.uses = 1

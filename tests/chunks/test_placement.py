@@ -213,6 +213,33 @@ def test_activation_checkpointing_with_chunks_moving_matches_plain_pytorch(offlo
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_trains_as_plain_pytorch(reentrant):
+    """BEiT's layer multiplies by its own parameters (layer scales) between its attention and its MLP, and
+    transformers 5 checkpoints a layer's forward, not its call: re-computed in backward, the layer's hooks never run,
+    so nothing brought those parameters' chunk back, and at a budget where it had left, the re-computation died of a
+    device mismatch (15 transformers layer classes read parameters of their own so). Now a re-computation brings the
+    parameters of the modules around the one it starts in, and holds them until that layer's backward is done."""
+    import transformers
+    config = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=5,
+                                     layer_scale_init_value=0.1, use_mean_pooling=True, drop_path_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.BeitForImageClassification(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 5, (2,), generator=generator))
+               for _ in range(4)]
+    loss = lambda m, batch: m(pixel_values=batch[0], labels=batch[1]).loss  # noqa: E731
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, loss)
+    cm, opt = prepared(model, ADAMW, chunk_size=8192, device_memory=int(param_bytes(model) * 0.3) + 100_000)
+    assert train(cm, opt, batches, loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    stats = cm.memory_stats()
+    assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
+
+
 class DeviceBytes:
     """An observer: chunk bytes plus non-model bytes on the device at every moment of the warm-up."""
 
