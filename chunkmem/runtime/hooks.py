@@ -42,6 +42,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
 from chunkmem.chunks.store import ParamRecord
+from chunkmem.errors import MemoryBudgetError
 from chunkmem.runtime.runtime import Runtime
 
 _log = logging.getLogger("chunkmem")
@@ -282,7 +283,17 @@ class Hooks:
             self.refused = module
             raise
         if acquires:
-            self.runtime.enter(module, nonmodel)
+            try:
+                self.runtime.enter(module, nonmodel)
+            except MemoryBudgetError as error:
+                if not _in_backward():
+                    raise
+                raise MemoryBudgetError(
+                    f"{error}. This was backward re-computing {self.names[module]} under activation checkpointing: "
+                    "under torch's non-reentrant kind the chunks of the modules re-computed before it in the same "
+                    "checkpointed segment stay on the device until that segment's backward is done (what the "
+                    "re-computation saved views them: hooks' Note on re-computation), so checkpointing smaller "
+                    "segments also helps") from None
             if self.idle_off and not self.runtime.placer.steady:  # gave way: moments inside units make room again
                 self._idle_hooks(True)
 

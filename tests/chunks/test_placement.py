@@ -240,6 +240,18 @@ def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_t
     assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
 
 
+def test_a_re_computation_with_no_room_for_its_next_chunk_says_checkpointing_holds_the_others():
+    """Non-reentrant checkpointing at a budget that holds a layer's chunks only one by one: backward refuses to
+    re-compute the layer's MLP beside the chunks of its attention, which its re-computation keeps, and the error said
+    only which chunks were in use (bug hunt): it names the re-computation and what holds them."""
+    model, batches = tiny_gpt2(), gpt2_batches(2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cm, opt = prepared(model.train(), ADAMW, device_memory=int(param_bytes(model) * 0.3))
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"held by chunks in use .*\. This was backward re-computing "
+                       r"transformer\.h\.\d\.mlp\.\w+ under activation checkpointing: .*checkpointing smaller"):
+        train(cm, opt, batches, gpt2_loss)
+
+
 class DeviceBytes:
     """An observer: chunk bytes plus non-model bytes on the device at every moment of the warm-up."""
 
