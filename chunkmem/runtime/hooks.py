@@ -22,7 +22,9 @@ forward's do. Not under ZeRO, where parameters view gathered copies, not chunks.
 The modules around the first one re-computed run their forwards there without their hooks, under either kind, and
 some read parameters of their own between their modules (BEiT's layer scales, between its attention and its MLP): with
 no hook to bring them, a re-computation whose chunk had left died of a device mismatch. So those parameters come to
-the device when the re-computation begins and stay until the modules held back are released (Runtime.hold_enclosing).
+the device when the re-computation begins and stay until the modules held back are released (Runtime.hold_enclosing):
+theirs directly or in a ParameterList, of every module around it (a module shared by several layers has several).
+Not one read before the first module runs: nothing of chunkmem's runs there (the README's limit).
 """
 
 from __future__ import annotations
@@ -152,7 +154,10 @@ class Hooks:
         self.handles: list[RemovableHandle] = []  # the gradient hooks, while they are on
         self.hooked: list[nn.Parameter] = []  # their parameters
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
-        self.parents = {child: sub for sub in module.modules() for child in sub.children()}
+        self.parents: dict[nn.Module, list[nn.Module]] = {}  # a module shared by several has them all
+        for sub in module.modules():
+            for child in sub.children():
+                self.parents.setdefault(child, []).append(sub)
         self.enclosing: dict[nn.Module, list[ParamRecord]] = {}  # `_enclosing`'s, as first asked
         self.forwarding = False  # inside `forward()`, the model's own forward pass
         # A module running outside it, and the contexts it entered.
@@ -352,15 +357,22 @@ class Hooks:
             self.outside = (module, contexts.pop_all())
 
     def _enclosing(self, module: nn.Module) -> list[ParamRecord]:
-        """The parameters of the modules around `module` that are theirs, not a child's (BEiT's layer scales)."""
+        """The parameters of the modules around `module` that are theirs, not a child's that runs (BEiT's layer scales;
+        those in a ParameterList), around every module `module` is shared by."""
         found = self.enclosing.get(module)
         if found is None:
-            records, found = self.runtime.store.records, []
-            parent = self.parents.get(module)
-            while parent is not None:
-                found += [records[p] for p in parent.parameters(recurse=False) if p in records]
-                parent = self.parents.get(parent)
-            self.enclosing[module] = found
+            around: dict[nn.Module, None] = {}
+            parents = list(self.parents.get(module, ()))
+            while parents:
+                parent = parents.pop()
+                if parent not in around:
+                    around[parent] = None
+                    parents += self.parents.get(parent, ())
+            params = {p: None for sub in around for p in sub.parameters(recurse=False)}
+            params |= {p: None for sub in around for child in sub.children()
+                       if isinstance(child, (nn.ParameterList, nn.ParameterDict)) for p in child.parameters()}
+            records = self.runtime.store.records
+            found = self.enclosing[module] = [records[p] for p in params if p in records]
         return found
 
     def _acquires(self, module: nn.Module) -> bool:

@@ -240,6 +240,62 @@ def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_t
     assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
 
 
+class _MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _ScaledLayer(torch.nn.Module):
+    """A layer checkpointed as transformers 5 checkpoints one (its forward, not its call) that scales by parameters
+    of its own, kept in a ParameterList, or kept directly around a body every layer shares."""
+
+    def __init__(self, reentrant: bool, body: _MLP | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        if body is None:
+            self.norm = torch.nn.LayerNorm(32)
+            self.gammas = torch.nn.ParameterList([torch.nn.Parameter(torch.rand(32) + 0.5) for _ in range(2)])
+            self.body = _MLP()
+        else:
+            self.body = body
+            self.gamma = torch.nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=self.reentrant)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gamma"):
+            return x + self.gamma * self.body(x)
+        return x + self.gammas[1] * self.body(self.norm(x) * self.gammas[0])
+
+
+@pytest.mark.parametrize("shared, reentrant, budget", [(False, True, 36_056), (True, False, 50_649)])
+def test_checkpointed_layers_with_scales_in_a_parameter_list_or_around_a_shared_body_train_as_plain_pytorch(
+        shared, reentrant, budget):
+    """Bug hunt, after BEiT's fix: the parameters a re-computation brings were those of the modules around the first
+    one it runs, through one parent each and not in a ParameterList, so a layer's scales kept in one, or those of
+    every layer but the last around a body they share, stayed on the host and the re-computation died of a device
+    mismatch."""
+    torch.manual_seed(0)
+    body = _MLP() if shared else None
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), *[_ScaledLayer(reentrant, body) for _ in range(3)],
+                                torch.nn.Linear(32, 4))
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(4)]
+    loss = lambda m, batch: torch.nn.functional.mse_loss(m(batch[0]), batch[1])  # noqa: E731
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, loss)
+    cm, opt = prepared(model, ADAMW, chunk_size=2048, device_memory=budget)
+    assert train(cm, opt, batches, loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    stats = cm.memory_stats()
+    assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
+
+
 def test_a_re_computation_with_no_room_for_its_next_chunk_says_checkpointing_holds_the_others():
     """Non-reentrant checkpointing at a budget that holds a layer's chunks only one by one: backward refuses to
     re-compute the layer's MLP beside the chunks of its attention, which its re-computation keeps, and the error said
