@@ -197,6 +197,14 @@ class ParamStore:
             else:
                 record.param.data = record.view(flat)
 
+    def written(self, record: ParamRecord) -> None:
+        """`record`'s parameter was changed in place where its version counter did not move (through `p.data`): the
+        versions that find such changes see one, so the master takes its value (Runtime._adopt_edits) and a device
+        payload it views is dirty before it leaves (`note_writes`)."""
+        record.version = -1
+        if record.group.param in self.device_views:
+            self.device_views[record.group.param] = []
+
     def note_writes(self, chunk: Chunk) -> None:
         """A clean device payload that parameters viewing it changed in place since they were pointed there (`with
         torch.no_grad(): p.mul_(0.9)` after a step: a weight constraint, EMA weights swapped in) is dirty: the host

@@ -53,6 +53,9 @@ _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 # Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
 # read from a parameter, it is used.
 _VIEWS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+# Python's in-place operators and item assignment on a tensor (torch's in-place methods end in "_").
+_IN_PLACE_CALLS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                             "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
 
 
 class FetchMode(TorchFunctionMode):
@@ -62,12 +65,18 @@ class FetchMode(TorchFunctionMode):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
         self.runtime = runtime
+        # What `p.data` gave for a parameter `p` of the model in this forward, and views of it: id -> (it, p).
+        self.data_of: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if type(func) is _DESCRIPTOR_CALL and (func.__name__ != "__get__" or
-                                               getattr(func.__self__, "__name__", None) not in _VIEWS):
-            return func(*args, **kwargs)  # attribute accesses (.shape, .data =): nothing to fetch or retry
+        data = False
+        if type(func) is _DESCRIPTOR_CALL:
+            view = getattr(func.__self__, "__name__", None) if func.__name__ == "__get__" else None
+            if view not in _VIEWS:
+                return func(*args, **kwargs)  # attribute accesses (.shape, .data =): nothing to fetch or retry
+            data = view == "data"
+        of_data = self.data_of.get(id(args[0])) if self.data_of and args else None
         # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
         # parameters its module's hook already acquired; it pays one scan of its arguments.
         params = _parameters(args, kwargs)
@@ -81,14 +90,30 @@ class FetchMode(TorchFunctionMode):
                 self.runtime.resident_allowed = False
                 args, kwargs = cast_args, cast_kwargs
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except torch.OutOfMemoryError as error:
             # Activations outgrew the warm-up's record: make room with the chunks nobody uses and run
             # the op again (forward ops only: backward's kernels do not pass through this mode).
-            return self.runtime.placer.out_of_memory(error, lambda: func(*args, **kwargs))
+            out = self.runtime.placer.out_of_memory(error, lambda: func(*args, **kwargs))
         finally:
             if records:
                 self.runtime.release(records)
+        if data and args[0] in self.runtime.store.records:
+            self.data_of[id(out)] = (out, args[0])
+        elif of_data is not None:
+            self._through_data(func, args[0], out, of_data[1])
+        return out
+
+    def _through_data(self, func: Any, given: torch.Tensor, out: Any, param: nn.Parameter) -> None:
+        """`func` ran on `given`, what `param.data` gave in this forward (or a view of it). One that wrote it in place
+        (Gemma3n clamps its AltUp coefficients so, in every forward) moved no version counter, and chunkmem would lose
+        the change where the chunk is on the device: it is kept as a write through `param` is
+        (Runtime.written_through_data). A view of it is known as `param`'s too."""
+        name = getattr(func, "__name__", "")
+        if (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_CALLS:
+            self.runtime.written_through_data(param)
+        elif isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+            self.data_of[id(out)] = (out, param)
 
 
 def _affine_like_statistics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -402,6 +402,65 @@ def test_in_low_precision_a_change_made_before_the_first_forward_and_one_made_by
     assert torch.all(rows <= 1.01), "the renormalized rows reached the masters"
 
 
+class _ClampsThroughData(nn.Module):
+    """Weight constraints a forward makes through `p.data`, which moves no version counter: one on a module it calls
+    later, one on a view of a weight through Python's in-place operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 4)
+        self.mids = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mids[3].weight.data.clamp_(-0.05, 0.05)
+        self.out.weight.data[:, :8] *= 0.9
+        x = torch.tanh(self.inp(x))
+        for mid in self.mids:
+            x = torch.tanh(mid(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_forward_that_changes_parameters_in_place_through_data_trains_as_plain_pytorch(budget) -> None:
+    """Bug hunt (Gemma3n clamps its AltUp coefficients so): where the chunk was on the device the change was lost,
+    the step taking the value from before it."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(STEPS)]
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for x, y in batches:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    same_bits(loop, budget, _ClampsThroughData())
+
+
+@pytest.mark.slow
+def test_gemma3n_whose_forward_clamps_its_altup_coefficients_through_data_trains_as_plain_pytorch() -> None:
+    """The bug hunt's model: its clip made small enough to bind, at a budget where chunks stream."""
+    import transformers
+    layers = 3
+    config = transformers.Gemma3nTextConfig(
+        hidden_size=32, intermediate_size=[64] * layers, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=128, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, laurel_rank=8, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0] * layers,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=8,
+        max_position_embeddings=64, altup_coef_clip=0.01, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.Gemma3nForCausalLM(config).train()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, 128, (2, 16), generator=generator) for _ in range(STEPS)]
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids in batches:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    same_bits(loop, 0.1, model)
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_a_parameter_changed_in_place_between_forward_and_backward_is_an_error_as_in_pytorch(budget) -> None:
     # Autograd checks the version of every tensor it saved; a parameter chunkmem saved by address was read as it was
