@@ -23,8 +23,9 @@ The modules around the first one re-computed run their forwards there without th
 some read parameters of their own between their modules (BEiT's layer scales, between its attention and its MLP): with
 no hook to bring them, a re-computation whose chunk had left died of a device mismatch. So those parameters come to
 the device when the re-computation begins and stay until the modules held back are released (Runtime.hold_enclosing):
-theirs directly or in a ParameterList, of every module around it (a module shared by several layers has several).
-Not one read before the first module runs: nothing of chunkmem's runs there (the README's limit).
+theirs directly or in a ParameterList, of every module around it (a module shared by several layers has several),
+under ZeRO too (their groups stay gathered meanwhile). Not one read before the first module runs: nothing of
+chunkmem's runs there (the README's limit).
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 # Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
 # read from a parameter, it is used.
 _VIEWS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
-# Python's in-place operators and item assignment on a tensor (torch's in-place methods end in "_").
+# Python's in-place operators and item assignment on a tensor (torch's in-place methods end in "_"), and those of
+# torch's in-place methods that change only what a tensor says of itself, not its values.
 _IN_PLACE_CALLS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+_METADATA_ONLY = frozenset({"requires_grad_", "detach_", "share_memory_", "t_", "transpose_", "squeeze_",
+                            "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "rename_"})
 
 
 class FetchMode(TorchFunctionMode):
@@ -65,8 +69,9 @@ class FetchMode(TorchFunctionMode):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
         self.runtime = runtime
-        # What `p.data` gave for a parameter `p` of the model in this forward, and views of it: id -> (it, p).
-        self.data_of: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
+        # What `p.data` gave for a parameter `p` of the model in this forward, and views of it: id -> (it, p). Held
+        # weakly: a view of a chunk's device payload kept here would keep its slot from the next chunk.
+        self.data_of: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -76,7 +81,7 @@ class FetchMode(TorchFunctionMode):
             if view not in _VIEWS:
                 return func(*args, **kwargs)  # attribute accesses (.shape, .data =): nothing to fetch or retry
             data = view == "data"
-        of_data = self.data_of.get(id(args[0])) if self.data_of and args else None
+        of_data = self._param_of_data(args, kwargs) if self.data_of else None
         # The hot path: every op of a forward comes here, and almost every one either gets no parameter or
         # parameters its module's hook already acquired; it pays one scan of its arguments.
         params = _parameters(args, kwargs)
@@ -98,22 +103,41 @@ class FetchMode(TorchFunctionMode):
         finally:
             if records:
                 self.runtime.release(records)
-        if data and args[0] in self.runtime.store.records:
-            self.data_of[id(out)] = (out, args[0])
+        if data:
+            managed = self.runtime.store.records
+            param = args[0] if args[0] in managed else args[0]._base  # `.data` of a parameter, or of a view of one
+            if param is not None and param in managed:
+                self.data_of[id(out)] = (weakref.ref(out), param)
         elif of_data is not None:
-            self._through_data(func, args[0], out, of_data[1])
+            self._through_data(func, args, kwargs, out, of_data)
         return out
 
-    def _through_data(self, func: Any, given: torch.Tensor, out: Any, param: nn.Parameter) -> None:
-        """`func` ran on `given`, what `param.data` gave in this forward (or a view of it). One that wrote it in place
+    def _param_of_data(self, args: tuple, kwargs: dict) -> nn.Parameter | None:
+        """The parameter whose `p.data` (or a view of it) an op gets first, or as its `out`."""
+        for given in (args[0] if args else None, kwargs.get("out")):
+            known = self.data_of.get(id(given))
+            if known is not None and known[0]() is given:
+                return known[1]
+        return None
+
+    def _through_data(self, func: Any, args: tuple, kwargs: dict, out: Any, param: nn.Parameter) -> None:
+        """`func` ran on what `param.data` gave in this forward (or a view of it). One that wrote it in place
         (Gemma3n clamps its AltUp coefficients so, in every forward) moved no version counter, and chunkmem would lose
         the change where the chunk is on the device: it is kept as a write through `param` is
-        (Runtime.written_through_data). A view of it is known as `param`'s too."""
+        (Runtime.written_through_data). A view of it (or views, from `chunk` or `split`) is known as `param`'s too.
+        Not torch's foreach functions, nor a write after the chunk moved (the README's limits)."""
         name = getattr(func, "__name__", "")
-        if (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_CALLS:
+        if (name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY) or \
+                name in _IN_PLACE_CALLS or "out" in kwargs or kwargs.get("inplace") is True:
             self.runtime.written_through_data(param)
-        elif isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
-            self.data_of[id(out)] = (out, param)
+            return
+        given = args[0]
+        if not isinstance(given, torch.Tensor) or given.layout is not torch.strided:
+            return
+        for view in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(view, torch.Tensor) and view.layout is torch.strided and \
+                    view.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+                self.data_of[id(view)] = (weakref.ref(view), param)
 
 
 def _affine_like_statistics(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -318,12 +342,12 @@ class Hooks:
             except MemoryBudgetError as error:
                 if not _in_backward():
                     raise
-                raise MemoryBudgetError(
-                    f"{error}. This was backward re-computing {self.names[module]} under activation checkpointing: "
-                    "under torch's non-reentrant kind the chunks of the modules re-computed before it in the same "
-                    "checkpointed segment stay on the device until that segment's backward is done (what the "
-                    "re-computation saved views them: hooks' Note on re-computation), so checkpointing smaller "
-                    "segments also helps") from None
+                held = "under torch's non-reentrant kind the chunks of the modules re-computed before it in the " \
+                    "same checkpointed segment stay on the device until that segment's backward is done (what the " \
+                    "re-computation saved views them: hooks' Note on re-computation), so " if self.runtime.holding else ""
+                raise MemoryBudgetError(f"{error}. This was backward re-computing {self.names[module]} under "
+                                        f"activation checkpointing: {held}checkpointing smaller segments also helps"
+                                        ) from None
             if self.idle_off and not self.runtime.placer.steady:  # gave way: moments inside units make room again
                 self._idle_hooks(True)
 

@@ -403,8 +403,9 @@ def test_in_low_precision_a_change_made_before_the_first_forward_and_one_made_by
 
 
 class _ClampsThroughData(nn.Module):
-    """Weight constraints a forward makes through `p.data`, which moves no version counter: one on a module it calls
-    later, one on a view of a weight through Python's in-place operator."""
+    """Weight constraints a forward makes through `p.data`, which moves no version counter: on modules it calls
+    later, through an in-place method, Python's in-place operator on a view, `out=`, `inplace=True`, one of the
+    views `chunk` gives, and `.data` of a view; and a sparse copy of one, read."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -415,6 +416,11 @@ class _ClampsThroughData(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.mids[3].weight.data.clamp_(-0.05, 0.05)
         self.out.weight.data[:, :8] *= 0.9
+        torch.clamp(self.mids[0].weight.data, -0.1, 0.1, out=self.mids[0].weight.data)
+        nn.functional.hardtanh(self.mids[1].weight.data, -0.1, 0.1, inplace=True)
+        self.mids[4].weight.data.chunk(2)[1].mul_(0.9)
+        self.mids[5].weight[:, :4].data.mul_(0.9)
+        assert self.inp.weight.data.to_sparse()._nnz() > 0
         x = torch.tanh(self.inp(x))
         for mid in self.mids:
             x = torch.tanh(mid(x))
@@ -434,6 +440,33 @@ def test_a_forward_that_changes_parameters_in_place_through_data_trains_as_plain
             opt.step()
             opt.zero_grad()
     same_bits(loop, budget, _ClampsThroughData())
+
+
+def test_what_p_data_gave_in_a_forward_keeps_no_chunk_slot_from_the_next_chunk() -> None:
+    """Review: the mode kept every `p.data` it followed until the forward's end, and a view of a chunk's device
+    payload keeps its slot from being reused: each layer's clamp took a new slot, beyond the budget's count."""
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.fc.weight.data.clamp_(-0.2, 0.2)
+            return torch.tanh(self.fc(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), *[Clamped() for _ in range(8)], nn.Linear(64, 4))
+    cm, opt = prepared(model, ADAMW, chunk_size=64 * 65, device_memory=int(param_bytes(model) * 0.3))
+    generator = torch.Generator().manual_seed(1)
+    arena = cm.runtime.device.arena
+    for step in range(4):
+        if step == 2:
+            slots = arena.allocations
+        cm(torch.randn(4, 8, generator=generator)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert cm.memory_stats()["h2d_bytes"] > cm.memory_stats()["model_data_bytes"]
+    assert arena.allocations == slots, "steps on the plan took new slots"
 
 
 @pytest.mark.slow
