@@ -54,10 +54,10 @@ _DESCRIPTOR_CALL = type(torch.Tensor.data.__set__)  # type: ignore[attr-defined]
 # Attributes that give a view of the tensor's values (`h @ self.embed.weight.T`, an output layer tied to an embedding):
 # read from a parameter, it is used.
 _VIEWS = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
-# Python's in-place operators and item assignment on a tensor (torch's in-place methods end in "_"), and those of
-# torch's in-place methods that change only what a tensor says of itself, not its values.
+# Python's in-place operators and item assignment on a tensor (torch's in-place methods end in "_").
 _IN_PLACE_CALLS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+# Those of torch's in-place methods that change only what a tensor says of itself, not its values.
 _METADATA_ONLY = frozenset({"requires_grad_", "detach_", "share_memory_", "t_", "transpose_", "squeeze_",
                             "unsqueeze_", "as_strided_", "swapdims_", "swapaxes_", "rename_"})
 
@@ -450,8 +450,7 @@ class Hooks:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
                                "parameters itself; run it after the `with` block")
         runtime.adopt_data()
-        if runtime.held_back or runtime.held_params:  # a backward that raised, before it released them (the Note on
-            # re-computation)
+        if runtime.held_back or runtime.held_params:  # a backward that raised left them (the Note on re-computation)
             runtime.release_held_back()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks

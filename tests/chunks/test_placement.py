@@ -218,8 +218,8 @@ def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_t
     """BEiT's layer multiplies by its own parameters (layer scales) between its attention and its MLP, and
     transformers 5 checkpoints a layer's forward, not its call: re-computed in backward, the layer's hooks never run,
     so nothing brought those parameters' chunk back, and at a budget where it had left, the re-computation died of a
-    device mismatch (15 transformers layer classes read parameters of their own so). Now a re-computation brings the
-    parameters of the modules around the one it starts in, and holds them until that layer's backward is done."""
+    device mismatch. Now a re-computation brings the parameters of the modules around the one it starts in, and
+    holds them until that layer's backward is done."""
     import transformers
     config = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3,
                                      num_attention_heads=2, intermediate_size=64, num_labels=5,
