@@ -8,6 +8,8 @@ its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunk
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 from collections.abc import Callable, Hashable, Iterator
 from typing import TypeVar
 
@@ -118,6 +120,7 @@ class ParamStore:
                                                   for f in families if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
+                share_data_version(param)
                 record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group,
                                      version=param._version)
                 group.members.append(record)
@@ -193,22 +196,24 @@ class ParamStore:
                 own = torch.empty(0, dtype=view.dtype, device=view.device)
                 own.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
                 torch.utils.swap_tensors(record.param, nn.Parameter(own, record.param.requires_grad))
+                share_data_version(record.param)  # the swap gave it the new one's class
                 record.version = record.param._version
             else:
                 record.param.data = record.view(flat)
 
     def written(self, record: ParamRecord) -> None:
-        """`record`'s parameter was changed in place where its version counter did not move (through `p.data`): the
-        versions that find such changes see one, so the master takes its value (Runtime._adopt_edits) and a device
-        payload it views is dirty before it leaves (`note_writes`)."""
+        """`record`'s parameter was changed in place where its version counter did not move (through `.data` of a view
+        of it, in a forward: FetchMode._through_data): the versions that find such changes see one, so the master
+        takes its value (Runtime._adopt_edits) and a device payload it views is dirty before it leaves
+        (`note_writes`)."""
         record.version = -1
         if record.group.param in self.device_views:
             self.device_views[record.group.param] = []
 
     def note_writes(self, chunk: Chunk) -> None:
         """A clean device payload that parameters viewing it changed in place since they were pointed there (`with
-        torch.no_grad(): p.mul_(0.9)` after a step: a weight constraint, EMA weights swapped in) is dirty: the host
-        payload no longer holds its values. Not a write through `p.data`, which moves no version counter."""
+        torch.no_grad(): p.mul_(0.9)` after a step, or `p.data.clamp_(-c, c)`: a weight constraint, EMA weights swapped
+        in) is dirty: the host payload no longer holds its values (share_data_version)."""
         versions = self.device_views.get(chunk)
         if versions is None:
             return
@@ -229,6 +234,42 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
             pack([(n, p.numel()) for n, p in named if not p.requires_grad], chunk_size, multiple_of))
 
 
+# Note on writes through `p.data`
+#
+# PyTorch gives `p.data` a version counter of its own, so that autograd does not see a change made through it.
+# chunkmem finds the user's changes to a parameter by its version counter (ParamStore.note_writes: a device payload
+# they make dirty; Runtime._adopt_edits: a master that takes the new value), and lost those made through `p.data`
+# outside a forward: WGAN's `p.data.clamp_(-c, c)` after a step, hand-made weight decay, weights copied in. Each
+# parameter chunkmem manages is therefore given a subclass of its class whose `p.data` is `p.detach()`, which shares
+# the counter: the change is seen as one made through `p` is. The one difference from PyTorch: made between a forward
+# and its backward, such a change raises the error autograd gives for `p.detach().mul_(2)` there, rather than backward
+# silently reading the new values. `p.data = t` is PyTorch's (Runtime.adopt_data). A copy of the parameter
+# (copy.deepcopy) has its original class.
+
+_SHARING: dict[type, type] = {}  # a parameter class -> its subclass whose `data` shares the version counter
+SHARING_TYPES: set[type] = set()  # those subclasses
+
+
+def share_data_version(param: nn.Parameter) -> None:
+    """Give `param` the subclass of its class whose `p.data` shares its version counter (the Note above)."""
+    kind = type(param)
+    if kind in SHARING_TYPES:
+        return
+    sharing = _SHARING.get(kind)
+    if sharing is None:
+        def deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
+            copied = kind.__deepcopy__(self, memo)
+            copied.__class__ = kind
+            return copied
+        setter = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]  # PyTorch's `p.data = t`
+        data = property(lambda self: self.detach(), lambda self, value: setter(self, value),
+                        doc="The parameter detached: its version counter moves with a change made through it.")
+        sharing = _SHARING[kind] = type(kind.__name__, (kind,), {"data": data, "__deepcopy__": deepcopy,
+                                                                  "__module__": kind.__module__})
+        SHARING_TYPES.add(sharing)
+    param.__class__ = sharing
+
+
 def put_data(param: nn.Parameter, data: torch.Tensor) -> None:
     """`param.data = data`, also between the meta device and a real one (which `.data =` refuses)."""
     if param.device.type != data.device.type and "meta" in (param.device.type, data.device.type):
@@ -244,7 +285,20 @@ def pinned_chunks(module: nn.Module, chunk_size: int
     trainable, frozen = layouts(module, chunk_size)
     where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
     name_of = {p: n for n, p in module.named_parameters()}
-    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=False)})
+    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=recomputed_whole(m))})
+
+
+def recomputed_whole(module: nn.Module) -> bool:
+    """Whether `module` is a transformers layer checkpointed by torch's non-reentrant kind (transformers 5's default):
+    what its re-computation saves views the chunks of all its parameters until its backward is done, so they are
+    pinned together then (hooks.py's Note on re-computation), as a module's own are while it runs. Not the reentrant
+    kind, whose re-computation streams them module by module."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer = getattr(layers, "GradientCheckpointingLayer", None)
+    if layer is None or not isinstance(module, layer) or not getattr(module, "gradient_checkpointing", False):
+        return False
+    checkpoint = getattr(module, "_gradient_checkpointing_func", None)
+    return isinstance(checkpoint, functools.partial) and checkpoint.keywords.get("use_reentrant") is False
 
 
 def working_set_chunks(module: nn.Module, chunk_size: int) -> int:
