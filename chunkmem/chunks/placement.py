@@ -352,10 +352,12 @@ class Placer:
         fits there, else the chunks pinned now, those the access needs (`need` bytes) and one chunk: a budget that holds
         the working set only beside smaller activations trains (more moves). One chunk stays, as the next op of the
         module reads it again: evicted, its slot would go back to the allocator, activations would split it, and it
-        could not come back."""
+        could not come back. Never above the budget: pinned chunks beyond it (a segment's, held through its backward
+        under non-reentrant checkpointing) are refused by name, not kept over it (FocalNet and Zamba2 trained at a
+        tenth of their model data with their chunks alone at 3-5 times the budget, and were refused at more)."""
         if left >= self.working_set:
             return self.working_set
-        return max(need, sum(self.sizes[n] for n in self.pinned), self.one_chunk)
+        return min(self.limit, max(need, sum(self.sizes[n] for n in self.pinned), self.one_chunk))
 
     def _fetch(self, chunks: Sequence[Chunk]) -> None:
         if len(chunks) == 1:  # nothing else to keep while it comes (it cannot evict itself)

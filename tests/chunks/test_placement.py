@@ -296,16 +296,40 @@ def test_checkpointed_layers_with_scales_in_a_parameter_list_or_around_a_shared_
     assert stats["h2d_bytes"] > stats["model_data_bytes"], "chunks must move for this test to mean anything"
 
 
-def test_a_re_computation_with_no_room_for_its_next_chunk_says_checkpointing_holds_the_others():
-    """Non-reentrant checkpointing at a budget that holds a layer's chunks only one by one: backward refuses to
-    re-compute the layer's MLP beside the chunks of its attention, which its re-computation keeps, and the error said
-    only which chunks were in use (bug hunt): it names the re-computation and what holds them."""
-    model, batches = tiny_gpt2(), gpt2_batches(2)
+def test_a_budget_below_a_checkpointed_layers_chunks_is_refused_at_prepare_and_one_above_them_trains_within_it():
+    """Bug hunt: FocalNet re-computes a whole stage under non-reentrant checkpointing, and holds its 5 chunks through
+    that stage's backward. Below half of its model data, where activations left less than a module's working set, the
+    floor of the chunk budget was the chunks pinned, uncapped: at a tenth it trained with its chunks alone at 4.6 times
+    Config.device_memory (the simulation's `places` memory caps nothing; CUDA would have failed), and at 0.3 too,
+    while at half it was refused in backward. Now prepare counts a layer checkpointed so as pinned whole: it refuses
+    every budget below its chunks, and one above them trains within itself."""
+    import transformers
+    config = transformers.FocalNetConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], focal_levels=[2, 2],
+                                         focal_windows=[3, 3], num_labels=5, drop_path_rate=0.0, hidden_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.FocalNetForImageClassification(config).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cm, opt = prepared(model.train(), ADAMW, device_memory=int(param_bytes(model) * 0.3))
-    with pytest.raises(chunkmem.MemoryBudgetError, match=r"held by chunks in use .*\. This was backward re-computing "
-                       r"transformer\.h\.\d\.mlp\.\w+ under activation checkpointing: .*checkpointing smaller"):
-        train(cm, opt, batches, gpt2_loss)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 5, (2,), generator=generator))
+               for _ in range(3)]
+    loss = lambda m, batch: m(pixel_values=batch[0], labels=batch[1]).loss  # noqa: E731
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, loss)
+    gpt2 = tiny_gpt2()  # a layer spans 4 chunks
+    gpt2.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"GPT2Block \(transformer\.h\.0\) .* re-computed whole"):
+        prepared(gpt2, ADAMW, device_memory=int(param_bytes(gpt2) * 0.3))
+    gpt2.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})  # streams them
+    prepared(gpt2, ADAMW, device_memory=int(param_bytes(gpt2) * 0.3))
+    for share in (0.1, 0.3, 0.5):
+        with pytest.raises(chunkmem.MemoryBudgetError, match=r"FocalNetStage \(focalnet\.encoder\.stages\.1\) .* "
+                           r"re-computed whole by non-reentrant activation checkpointing.*: 5 chunks of 32768 bytes"):
+            prepared(model, ADAMW, chunk_size=8192, device_memory=int(param_bytes(model) * share) + 20_000)
+    budget = 5 * 32768 + 48_000
+    cm, opt = prepared(model, ADAMW, chunk_size=8192, device_memory=budget)
+    assert train(cm, opt, batches, loss) == expected
+    assert cm.memory_stats()["device_chunk_bytes_peak"] <= budget
+    assert cm.memory_stats()["h2d_bytes"] > cm.memory_stats()["model_data_bytes"], "chunks must move"
 
 
 class DeviceBytes:

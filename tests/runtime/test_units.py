@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import chunkmem
 from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
 from tests import zoo
 from tests.helpers import least_accepted, param_bytes, prepared, train
@@ -105,7 +106,9 @@ def test_modules_inside_a_unit_recomputed_in_backward_and_called_on_their_own_ho
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, loss)
     config = dict(chunk_size=2 * sum(p.numel() for p in model[1].parameters()))  # about two blocks a chunk
-    cm, opt = prepared(model, ADAMW, device_memory=least_accepted(model, ADAMW, **config), **config)
+    # Two chunks: an MLP across two is re-computed whole, and its backward holds both (the next test)
+    budget = least_accepted(model, ADAMW, **config) + 4 * config["chunk_size"]
+    cm, opt = prepared(model, ADAMW, device_memory=budget, **config)
     assert train(cm, opt, batches, loss) == expected
     runtime = cm.runtime
     inner = [b.mlp for b in cm.module[1:-1] if b.mlp in runtime.idle_modules]
@@ -122,6 +125,20 @@ def test_modules_inside_a_unit_recomputed_in_backward_and_called_on_their_own_ho
             assert torch.equal(mlp(x), plain(x))
             assert runtime.memory_stats()["h2d_bytes"] > uploaded
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_a_re_computation_with_no_room_for_its_next_chunk_says_checkpointing_holds_the_others():
+    """At the least budget prepare accepts, one chunk: an MLP checkpointed in a forward prepare cannot see, whose
+    parameters span two chunks, holds the first through its backward while its re-computation needs the second. It
+    trained with both on the device, over the budget (placement.py's `_floor`); the error said only which chunks were
+    in use (bug hunt): it names the re-computation and what holds them."""
+    model = _blocks()
+    batches = [torch.randn(4, 16, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    config = dict(chunk_size=2 * sum(p.numel() for p in model[1].parameters()))
+    cm, opt = prepared(model, ADAMW, device_memory=least_accepted(model, ADAMW, **config), **config)
+    with pytest.raises(chunkmem.MemoryBudgetError, match=r"held by chunks in use .*\. This was backward re-computing "
+                       r"\d\.mlp\.\d under activation checkpointing: .*checkpointing smaller"):
+        train(cm, opt, batches, lambda m, x: m(x).square().mean())
 
 
 class Moments:
@@ -143,7 +160,7 @@ def test_a_steady_step_has_moments_inside_units_for_a_trace_only_and_the_same_ac
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(4, 16, generator=gen) for _ in range(3)]
     config = dict(chunk_size=2 * sum(p.numel() for p in model[1].parameters()))
-    budget = least_accepted(model, ADAMW, **config)
+    budget = least_accepted(model, ADAMW, **config) + 4 * config["chunk_size"]  # as the test above's
     accesses, moments = [], []
     for traced in (False, True):
         cm, opt = prepared(model, ADAMW, device_memory=budget, **config)
