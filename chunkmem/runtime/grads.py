@@ -74,6 +74,7 @@ class ShownGrads:
         self.residency = residency
         self.shown: dict[ParamRecord, torch.Tensor] = {}  # record -> the tensor its p.grad was set to
         self.versions: dict[ParamRecord, int] = {}  # record -> that tensor's version counter then (`edited`)
+        self.addresses: dict[ParamRecord, int] = {}  # record -> that tensor's data_ptr then (`_taken`)
         # Parameter chunks on the device whose parameters view their host payload, with those parameters'
         # versions then (the Note).
         self.host_viewed: dict[ChunkGroup, list[int]] = {}
@@ -120,8 +121,7 @@ class ShownGrads:
             for record, grad in zip(held, grads):
                 if grad is not None and grad.device == record.param.device:
                     record.param.grad = grad
-                    self.shown[record] = grad
-                    self.versions[record] = grad._version
+                    self.showing(record, grad)
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
 
@@ -138,6 +138,12 @@ class ShownGrads:
             finally:
                 param.pins -= 1
         self.residency.claim_host(chunk)
+
+    def showing(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        """`record.param.grad` is `grad` from now on, chunk memory (or a tensor lent to the chunk)."""
+        self.shown[record] = grad
+        self.versions[record] = grad._version
+        self.addresses[record] = grad.data_ptr()
 
     def edited(self) -> bool:
         """Whether a shown gradient was changed in place since it was shown."""
@@ -234,6 +240,8 @@ class ShownGrads:
                 continue
             grad, shown = record.param.grad, self.shown[record]
             if grad is shown:
+                if record in self.addresses and grad.data_ptr() != self.addresses[record]:
+                    self._moved(record, grad)
                 continue
             if type(shown) is ShardedGrad:
                 raise RuntimeError(ZERO_GRADS)
@@ -245,6 +253,19 @@ class ShownGrads:
                 shown.copy_(grad)
                 record.param.grad = shown
         return gone
+
+    def _moved(self, record: ParamRecord, grad: torch.Tensor) -> None:
+        """The shown `p.grad` was given other storage (`p.grad.data = t`, older code's clipping): its values go into
+        the chunk's range, which it shows again, as a `p.grad` replaced whole does. A tensor lent to the chunk is the
+        chunk's range itself, wherever its storage is."""
+        chunk = record.group.grad
+        if chunk.state.on_device and chunk.lent_part(record.slot.offset) is grad:
+            self.addresses[record] = grad.data_ptr()
+            return
+        target = record.view(chunk.device if chunk.state.on_device else chunk.host)  # type: ignore[arg-type]
+        target.copy_(grad)
+        grad.data = target
+        self.addresses[record] = grad.data_ptr()
 
     def accumulated(self, record: ParamRecord, grad: torch.Tensor) -> bool:
         """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second

@@ -826,7 +826,7 @@ class Runtime:
                     chunk.write_device()
                     chunk.lend(record.slot.offset, grad)
                     record.move_grad("write")
-                    shown[record] = grad
+                    self.grads.showing(record, grad)
                 else:
                     record.param.grad = None
                     self._take_grad(record, grad)

@@ -69,6 +69,21 @@ def test_gradients_assigned_by_hand_are_stepped(budget) -> None:
     same_bits(loop, budget)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_gradients_given_other_storage_through_p_grad_data_are_stepped(budget) -> None:
+    """`p.grad.data = t` (older code's clipping) keeps the `p.grad` object and changes its storage: chunkmem, which
+    found a replaced gradient by the object, stepped the chunk's old values wherever chunks moved (bug hunt)."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for ids in gpt2_batches(3):
+            gpt2_loss(model, ids).backward()
+            for param in model.parameters():
+                param.grad.data = param.grad.data.clamp(-1e-3, 1e-3)
+            opt.step()
+            opt.zero_grad()
+
+    same_bits(loop, budget)
+
+
 def set_none(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     for param in model.parameters():
         param.grad = None  # the fast zero_grad of PyTorch's performance guide
