@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import ParamRecord, put_data
+from chunkmem.chunks.store import MANAGED, ParamRecord, put_data
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
@@ -549,14 +549,14 @@ class Snapshot:
     """What prepare changes in a module (parameter data, buffers), kept to put back if prepare fails."""
 
     data: dict[nn.Parameter, torch.Tensor]
-    classes: dict[nn.Parameter, type]  # put back over share_data_version's subclass (chunks/store.py)
+    managed: set[nn.Parameter]  # those of its parameters a prepared model managed already (store.MANAGED)
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
     requires_grad: dict[nn.Parameter, bool]
     reports: dict[nn.Module, Report]  # report_device's
 
     @classmethod
     def of(cls, module: nn.Module) -> Snapshot:
-        return cls({p: p.data for p in module.parameters()}, {p: type(p) for p in module.parameters()},
+        return cls({p: p.data for p in module.parameters()}, {p for p in module.parameters() if p in MANAGED},
                    {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
                    {p: p.requires_grad for p in module.parameters()},
                    {sub: report_of(sub) for sub in module.modules()})
@@ -567,6 +567,7 @@ class Snapshot:
         for param, data in self.data.items():
             param.requires_grad_(self.requires_grad[param])
             put_data(param, data)
-            param.__class__ = self.classes[param]
+            if param not in self.managed:
+                MANAGED.discard(param)
         for (sub, name), buffer in self.buffers.items():
             sub._buffers[name] = buffer

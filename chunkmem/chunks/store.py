@@ -7,11 +7,13 @@ its parameter chunk, gradient chunk, fp32 master chunk and optimizer-state chunk
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Hashable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -108,6 +110,7 @@ class ParamStore:
         for layout, is_trainable in zip(layouts(module, chunk_size, world), (True, False)):
             self._add_groups(layout, params, is_trainable, aliases)
         self._group_of_param_chunk = {g.param.name: g for g in self.owned_groups()}
+        MANAGED.add(self)
         # Parameter chunks whose parameters view the device payload -> their versions then (`note_writes`).
         self.device_views: dict[Chunk, list[int]] = {}
 
@@ -120,7 +123,6 @@ class ParamStore:
                                                   for f in families if owned})
             for slot in layout.members(index):
                 param = params[slot.name]
-                share_data_version(param)
                 record = ParamRecord(aliases[param][0], aliases[param], param, param.shape, slot, group,
                                      version=param._version)
                 group.members.append(record)
@@ -196,16 +198,14 @@ class ParamStore:
                 own = torch.empty(0, dtype=view.dtype, device=view.device)
                 own.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
                 torch.utils.swap_tensors(record.param, nn.Parameter(own, record.param.requires_grad))
-                share_data_version(record.param)  # the swap gave it the new one's class
                 record.version = record.param._version
             else:
                 record.param.data = record.view(flat)
 
     def written(self, record: ParamRecord) -> None:
-        """`record`'s parameter was changed in place where its version counter did not move (through `.data` of a view
-        of it, in a forward: FetchMode._through_data): the versions that find such changes see one, so the master
-        takes its value (Runtime._adopt_edits) and a device payload it views is dirty before it leaves
-        (`note_writes`)."""
+        """`record`'s parameter was changed in place where its version counter did not move (through `p.data` in a
+        forward: FetchMode._through_data): the versions that find such changes see one, so the master takes its value
+        (Runtime._adopt_edits) and a device payload it views is dirty before it leaves (`note_writes`)."""
         record.version = -1
         if record.group.param in self.device_views:
             self.device_views[record.group.param] = []
@@ -213,7 +213,7 @@ class ParamStore:
     def note_writes(self, chunk: Chunk) -> None:
         """A clean device payload that parameters viewing it changed in place since they were pointed there (`with
         torch.no_grad(): p.mul_(0.9)` after a step, or `p.data.clamp_(-c, c)`: a weight constraint, EMA weights swapped
-        in) is dirty: the host payload no longer holds its values (share_data_version)."""
+        in) is dirty: the host payload no longer holds its values (the Note on writes through `p.data`)."""
         versions = self.device_views.get(chunk)
         if versions is None:
             return
@@ -239,35 +239,66 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
 # PyTorch gives `p.data` a version counter of its own, so that autograd does not see a change made through it.
 # chunkmem finds the user's changes to a parameter by its version counter (ParamStore.note_writes: a device payload
 # they make dirty; Runtime._adopt_edits: a master that takes the new value), and lost those made through `p.data`
-# outside a forward: WGAN's `p.data.clamp_(-c, c)` after a step, hand-made weight decay, weights copied in. Each
-# parameter chunkmem manages is therefore given a subclass of its class whose `p.data` is `p.detach()`, which shares
-# the counter: the change is seen as one made through `p` is. The one difference from PyTorch: made between a forward
-# and its backward, such a change raises the error autograd gives for `p.detach().mul_(2)` there, rather than backward
-# silently reading the new values. `p.data = t` is PyTorch's (Runtime.adopt_data). A copy of the parameter
-# (copy.deepcopy) has its original class.
+# outside a forward: WGAN's `p.data.clamp_(-c, c)` after a step, hand-made weight decay, Lookahead, weights copied
+# in. So outside a forward, `p.data` of a parameter chunkmem manages is `p.detach()`, which shares the counter: the
+# change is seen as one made through `p` is (nn.Parameter's `data` property, set below; other parameters' `p.data`,
+# and `p.data = t`, are PyTorch's). The one difference from PyTorch: made between a forward and its backward, such a
+# change raises the error autograd gives for `p.detach().mul_(2)` there, rather than backward silently reading the
+# new values. Inside a forward (and under any torch-function mode) `p.data` is PyTorch's, and the torch-function mode
+# follows what is written through it (FetchMode._through_data): a module called several times in one forward whose
+# pre-hook prunes its weight through `p.data`, or Gemma3n clamping its AltUp coefficients in each of two forwards
+# before one backward, would otherwise raise where PyTorch trains. The class of a parameter is left as it is: a
+# subclass with its own `data` broke `nn.Parameter(p)` and `torch.utils.swap_tensors`.
 
-_SHARING: dict[type, type] = {}  # a parameter class -> its subclass whose `data` shares the version counter
-SHARING_TYPES: set[type] = set()  # those subclasses
+
+class _Managed:
+    """The parameters of every live ParamStore, by identity. Not held weakly themselves: torch.utils.swap_tensors
+    refuses a tensor with a weak reference (and a WeakSet compares tensors with `==`, elementwise)."""
+
+    def __init__(self) -> None:
+        self._stores: dict[int, weakref.ref[ParamStore]] = {}  # id(param) -> the store that manages it
+
+    def add(self, store: ParamStore) -> None:
+        def forget(ref: weakref.ref[ParamStore]) -> None:  # that store is gone: so are its entries
+            for key in keys:
+                if self._stores.get(key) is ref:
+                    del self._stores[key]
+        keys = [id(p) for p in store.records]
+        ref = weakref.ref(store, forget)
+        self._stores.update(dict.fromkeys(keys, ref))
+
+    def discard(self, param: nn.Parameter) -> None:
+        self._stores.pop(id(param), None)
+
+    def __contains__(self, param: object) -> bool:
+        ref = self._stores.get(id(param))
+        store = ref() if ref is not None else None
+        return store is not None and param in store.records  # a live store keeps its parameters, and so their ids
 
 
-def share_data_version(param: nn.Parameter) -> None:
-    """Give `param` the subclass of its class whose `p.data` shares its version counter (the Note above)."""
-    kind = type(param)
-    if kind in SHARING_TYPES:
-        return
-    sharing = _SHARING.get(kind)
-    if sharing is None:
-        def deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
-            copied = kind.__deepcopy__(self, memo)
-            copied.__class__ = kind
-            return copied
-        setter = torch._C.TensorBase.data.__set__  # type: ignore[attr-defined]  # PyTorch's `p.data = t`
-        data = property(lambda self: self.detach(), lambda self, value: setter(self, value),
-                        doc="The parameter detached: its version counter moves with a change made through it.")
-        sharing = _SHARING[kind] = type(kind.__name__, (kind,), {"data": data, "__deepcopy__": deepcopy,
-                                                                  "__module__": kind.__module__})
-        SHARING_TYPES.add(sharing)
-    param.__class__ = sharing
+MANAGED = _Managed()
+_DATA: Any = vars(torch._C.TensorBase)["data"]  # PyTorch's `p.data` and `p.data = t`
+_forwards = 0  # forwards of prepared models running (`forward_running`)
+
+
+def _data(param: nn.Parameter) -> torch.Tensor:
+    if _forwards or param not in MANAGED or torch._C._is_torch_function_mode_enabled():
+        return _DATA.__get__(param)
+    return param.detach()
+
+
+nn.Parameter.data = property(_data, _DATA.__set__, doc=_DATA.__doc__)  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def forward_running() -> Iterator[None]:
+    """The context of a prepared model's forward: `p.data` is PyTorch's inside it (the Note above)."""
+    global _forwards
+    _forwards += 1
+    try:
+        yield
+    finally:
+        _forwards -= 1
 
 
 def put_data(param: nn.Parameter, data: torch.Tensor) -> None:
@@ -292,10 +323,12 @@ def recomputed_whole(module: nn.Module) -> bool:
     """Whether `module` is a transformers layer checkpointed by torch's non-reentrant kind (transformers 5's default):
     what its re-computation saves views the chunks of all its parameters until its backward is done, so they are
     pinned together then (hooks.py's Note on re-computation), as a module's own are while it runs. Not the reentrant
-    kind, whose re-computation streams them module by module."""
+    kind, whose re-computation streams them module by module, nor a layer with nothing to train (a frozen reference
+    model's, which no backward re-computes)."""
     layers = sys.modules.get("transformers.modeling_layers")
     layer = getattr(layers, "GradientCheckpointingLayer", None)
-    if layer is None or not isinstance(module, layer) or not getattr(module, "gradient_checkpointing", False):
+    if layer is None or not isinstance(module, layer) or not getattr(module, "gradient_checkpointing", False) or \
+            not any(p.requires_grad for p in module.parameters()):
         return False
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     return isinstance(checkpoint, functools.partial) and checkpoint.keywords.get("use_reentrant") is False

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.chunks.store import SHARING_TYPES, ParamRecord
+from chunkmem.chunks.store import ParamRecord, forward_running
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.runtime.runtime import Runtime
 
@@ -69,8 +69,8 @@ class FetchMode(TorchFunctionMode):
     def __init__(self, runtime: Runtime) -> None:
         super().__init__()
         self.runtime = runtime
-        # What `.data` of a view of a parameter `p` of the model gave in this forward, and views of it: id -> (it, p).
-        # Held weakly: a view of a chunk's device payload kept here would keep its slot from the next chunk.
+        # What `p.data` gave for a parameter `p` of the model in this forward, and views of it: id -> (it, p). Held
+        # weakly: a view of a chunk's device payload kept here would keep its slot from the next chunk.
         self.data_of: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -121,12 +121,12 @@ class FetchMode(TorchFunctionMode):
         return None
 
     def _through_data(self, func: Any, args: tuple, kwargs: dict, out: Any, param: nn.Parameter) -> None:
-        """`func` ran on what `.data` of a view of `param` gave in this forward (or a view of it): `param.data` itself
-        shares the parameter's version counter (chunks/store.py's Note on writes through `p.data`). One that wrote it
-        in place moved no version counter, and chunkmem would lose the change where the chunk is on the device: it is
-        kept as a write through `param` is (Runtime.written_through_data). A view of it (or views, from `chunk` or
-        `split`) is known as `param`'s too. Not torch's foreach functions, nor a write after the chunk moved (the
-        README's limits)."""
+        """`func` ran on what `param.data` gave in this forward (or a view of it). One that wrote it in place
+        (Gemma3n clamps its AltUp coefficients so, in every forward) moved no version counter, and chunkmem would lose
+        the change where the chunk is on the device: it is kept as a write through `param` is
+        (Runtime.written_through_data). A view of it (or views, from `chunk` or `split`) is known as `param`'s too.
+        Not torch's foreach functions, nor a write after the chunk moved (the README's limits). Outside a forward,
+        `param.data` shares the parameter's version counter (chunks/store.py's Note on writes through `p.data`)."""
         name = getattr(func, "__name__", "")
         if (name.endswith("_") and not name.startswith("__") and name not in _METADATA_ONLY) or \
                 name in _IN_PLACE_CALLS or "out" in kwargs or kwargs.get("inplace") is True:
@@ -183,8 +183,8 @@ def _parameters(args: tuple, kwargs: dict) -> list[nn.Parameter]:
 
 def _is_parameter(arg: Any, kind: type) -> bool:
     """isinstance(arg, nn.Parameter), answered by `kind`, its type, for plain tensors and non-tensors."""
-    return kind is nn.Parameter or kind in SHARING_TYPES or (
-        kind is not torch.Tensor and isinstance(arg, torch.Tensor) and isinstance(arg, nn.Parameter))
+    return kind is nn.Parameter or (kind is not torch.Tensor and isinstance(arg, torch.Tensor)
+                                     and isinstance(arg, nn.Parameter))
 
 
 _LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()  # every prepared model's hooks (already_hooked)
@@ -474,7 +474,8 @@ class Hooks:
             unmetered = resident and runtime.device.reads_memory  # runtime's Note on resident steps
             with contextlib.nullcontext() if unmetered else torch.autograd.graph.saved_tensors_hooks(
                     runtime.pack, runtime.unpack), \
-                    contextlib.nullcontext() if modeless else FetchMode(runtime), set_checkpoint_early_stop(False):
+                    contextlib.nullcontext() if modeless else FetchMode(runtime), set_checkpoint_early_stop(False), \
+                    forward_running():
                 yield modeless
             if resident and training:
                 runtime.end_resident_forward(inputs)

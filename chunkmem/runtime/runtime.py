@@ -39,11 +39,11 @@ training forward, while a plan is followed, whose inputs have the shapes of one 
 a plan runs lean: without the mode, everything else as on the full path (moments follow the plan and make room
 as ever, so the plan that inputs ran under does not matter). Unless the mode was ever needed: a model whose
 forward used a parameter outside its module (`lean_allowed`, cleared by FetchMode) or needed BatchNorm's cast
-or changed a parameter in place through `.data` of a view of it (`resident_allowed`) never runs lean. An
-out-of-memory error in a lean forward is retried as in a resident one: the plan is dropped, chunks not in use
-leave, and the forward runs again under the mode from the same random state. Where the device reads its
-allocator, a lean forward also keeps the activations autograd saves as they are, unmetered: its non-model bytes
-are the allocator's, so the meter (a Python object and its books per saved tensor) served nothing, and cost the
+or changed a parameter in place through `p.data` (`resident_allowed`) never runs lean. An out-of-memory error
+in a lean forward is retried as in a resident one: the plan is dropped, chunks not in use leave, and the
+forward runs again under the mode from the same random state. Where the device reads its allocator, a lean
+forward also keeps the activations autograd saves as they are, unmetered: its non-model bytes are the
+allocator's, so the meter (a Python object and its books per saved tensor) served nothing, and cost the
 launch-bound LLaMA of benchmarks/overhead.py about a third of the host time a streaming forward adds (the
 saved parameters are still packed by address, so that their chunks may leave before backward). The limit: a
 parameter used outside its module for the first time in a lean forward (a branch that only some batches of the
@@ -747,9 +747,9 @@ class Runtime:
                 self.grads.host_viewed[group] = versions
 
     def written_through_data(self, param: nn.Parameter) -> None:
-        """A forward changed `param` in place through `.data` of a view of it (FetchMode._through_data), which moves no
-        version counter: the change is kept as one through the parameter is (ParamStore.written), and forwards keep the
-        mode that sees it, none lean or resident."""
+        """A forward changed `param` in place through `param.data` (FetchMode._through_data), which moves no version
+        counter: the change is kept as one through the parameter is (ParamStore.written), and forwards keep the mode
+        that sees it, none lean or resident."""
         record = self.store.records.get(param)
         if record is not None:
             self.lean_allowed = self.resident_allowed = False

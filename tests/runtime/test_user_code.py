@@ -543,24 +543,65 @@ def test_a_parameter_changed_in_place_between_forward_and_backward_is_an_error_a
     assert "transformer.h.1.mlp.c_fc.weight" in got[0] or budget is None  # resident: autograd's own check
 
 
-def test_p_data_of_a_managed_parameter_moves_its_version_and_copies_of_it_are_plain_parameters() -> None:
-    """The one way `p.data` differs from PyTorch's under chunkmem (chunks/store.py's Note): a change through it between
-    a forward and its backward is the error a change through `p` is. A deep copy of the model, an EMA model say, gets
-    parameters of PyTorch's class, whose `p.data` is PyTorch's."""
+def test_p_data_of_a_managed_parameter_outside_a_forward_moves_its_version_and_is_otherwise_pytorchs() -> None:
+    """The one way `p.data` differs from PyTorch's under chunkmem (chunks/store.py's Note): outside a forward it shares
+    the parameter's version counter, so a change through it between a forward and its backward is the error a change
+    through `p` is. The parameter stays PyTorch's class: `nn.Parameter(p)` and copies work as in PyTorch, and `p.data`
+    of a parameter chunkmem does not manage is PyTorch's."""
     cm, opt = prepared(tiny_gpt2(), ADAMW)
     weight = unwrapped(cm).transformer.h[1].mlp.c_fc.weight
-    assert isinstance(weight, nn.Parameter) and type(weight) is not nn.Parameter
+    assert type(weight) is nn.Parameter and type(nn.Parameter(weight)) is nn.Parameter
     version = weight._version
     with torch.no_grad():
         weight.data.mul_(1.0)
     assert weight._version == version + 1
+    other = nn.Parameter(torch.ones(2))
+    other.data.mul_(2.0)
+    assert other._version == 0
     loss = gpt2_loss(cm, gpt2_batches(1)[0])
     with torch.no_grad():
         weight.data.mul_(0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     assert type(copy.deepcopy(weight)) is nn.Parameter and torch.equal(copy.deepcopy(weight), weight)
-    assert all(type(p) is nn.Parameter for p in copy.deepcopy(cm).parameters())
+
+
+class _PrunedCell(nn.Module):
+    """A cell called three times in one forward, whose pre-hook prunes its weight through `p.data` at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.cell, self.out = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        self.mids = nn.ModuleList(nn.Linear(32, 32) for _ in range(5))
+        self.register_buffer("mask", (torch.rand(32, 32) > 0.3).float())
+        self.cell.register_forward_pre_hook(self._prune)
+
+    def _prune(self, cell: nn.Module, _inputs: tuple) -> None:
+        cell.weight.data.mul_(self.mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for _ in range(3):
+            h = torch.tanh(self.cell(h))
+        for mid in self.mids:
+            h = torch.tanh(mid(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_a_weight_pruned_through_p_data_at_each_of_several_calls_in_one_forward_trains_as_plain_pytorch(budget):
+    """Review: `p.data` sharing the version counter inside a forward too, the second call's pruning changed a weight
+    the first call had saved, and backward raised where PyTorch trains: inside a forward `p.data` is PyTorch's."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(STEPS)]
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        for x, y in batches:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    same_bits(loop, budget, _PrunedCell())
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
