@@ -549,14 +549,14 @@ class Snapshot:
     """What prepare changes in a module (parameter data, buffers), kept to put back if prepare fails."""
 
     data: dict[nn.Parameter, torch.Tensor]
-    managed: set[nn.Parameter]  # those of its parameters a prepared model managed already (store.MANAGED)
+    managed: dict[int, Any]  # the store that managed each parameter (store.MANAGED), if one did
     buffers: dict[tuple[nn.Module, str], torch.Tensor | None]
     requires_grad: dict[nn.Parameter, bool]
     reports: dict[nn.Module, Report]  # report_device's
 
     @classmethod
     def of(cls, module: nn.Module) -> Snapshot:
-        return cls({p: p.data for p in module.parameters()}, {p for p in module.parameters() if p in MANAGED},
+        return cls({p: p.data for p in module.parameters()}, MANAGED.entries(module.parameters()),
                    {(sub, name): b for sub in module.modules() for name, b in sub._buffers.items()},
                    {p: p.requires_grad for p in module.parameters()},
                    {sub: report_of(sub) for sub in module.modules()})
@@ -567,7 +567,6 @@ class Snapshot:
         for param, data in self.data.items():
             param.requires_grad_(self.requires_grad[param])
             put_data(param, data)
-            if param not in self.managed:
-                MANAGED.discard(param)
+        MANAGED.put_back(self.managed)
         for (sub, name), buffer in self.buffers.items():
             sub._buffers[name] = buffer

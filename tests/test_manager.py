@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -324,6 +325,11 @@ def test_an_optimizer_holding_another_managed_models_parameter_is_refused_changi
     with pytest.raises(ValueError, match="parameter lm_head.weight of another model"):
         manager.prepare(critic, torch.optim.AdamW([*critic.parameters(), taken], lr=1e-3))
     assert manager.models == [policy, reference] and critic.model.layers[0].mlp.up_proj.weight.requires_grad
+    gc.collect()  # the runtime the refused prepare made, gone: the earlier models' `p.data` is still chunkmem's
+    torch.autograd.graph.increment_version(taken)
+    assert taken.data._version == taken._version > 0, "outside a forward it shares the version (store.py's Note)"
+    torch.autograd.graph.increment_version(critic.score.weight)
+    assert critic.score.weight.data._version == 0  # PyTorch's: the refused model's parameters are not managed
     critic, critic_optimizer = manager.prepare(critic, adamw(critic))
     groups = [len(o.param_groups) for o in (optimizer, critic_optimizer)]
     with pytest.raises(ValueError, match="another model this chunkmem.Manager prepared"):

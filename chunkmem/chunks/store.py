@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import sys
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -267,8 +267,16 @@ class _Managed:
         ref = weakref.ref(store, forget)
         self._stores.update(dict.fromkeys(keys, ref))
 
-    def discard(self, param: nn.Parameter) -> None:
-        self._stores.pop(id(param), None)
+    def entries(self, params: Iterable[nn.Parameter]) -> dict[int, weakref.ref[ParamStore] | None]:
+        """What these parameters' entries are now, for `put_back` (a prepare that raises changes nothing)."""
+        return {id(p): self._stores.get(id(p)) for p in params}
+
+    def put_back(self, entries: dict[int, weakref.ref[ParamStore] | None]) -> None:
+        for key, ref in entries.items():
+            if ref is None:
+                self._stores.pop(key, None)
+            else:
+                self._stores[key] = ref
 
     def __contains__(self, param: object) -> bool:
         ref = self._stores.get(id(param))
