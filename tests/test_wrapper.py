@@ -51,7 +51,6 @@ def test_a_failed_prepare_leaves_the_model_as_it_was(failure: str) -> None:
         assert param.dtype == torch.float32 and torch.equal(param, original.get_parameter(name)), name
     assert all(model.get_buffer(name) is buffer for name, buffer in buffers.items())
     assert hook_count(model) == 0
-    assert all(type(p) is nn.Parameter for p in model.parameters())  # not the class whose `p.data` shares a version
     assert [type(m) for m in model.modules()] == [type(m) for m in original.modules()]  # `device` as it was
     torch.testing.assert_close(model(**batch).logits, original(**batch).logits, rtol=0, atol=0)
     # and a second try trains as PyTorch does

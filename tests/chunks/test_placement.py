@@ -213,6 +213,17 @@ def test_activation_checkpointing_with_chunks_moving_matches_plain_pytorch(offlo
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+def image_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of two 32x32 images and their labels among 5, for the image classifiers of transformers below."""
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 5, (2,), generator=generator))
+            for _ in range(steps)]
+
+
+def image_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return model(pixel_values=batch[0], labels=batch[1]).loss
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_trains_as_plain_pytorch(reentrant):
     """BEiT's layer multiplies by its own parameters (layer scales) between its attention and its MLP, and
@@ -227,10 +238,7 @@ def test_a_checkpointed_layer_that_uses_its_own_parameters_between_its_modules_t
     torch.manual_seed(0)
     model = transformers.BeitForImageClassification(config).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 5, (2,), generator=generator))
-               for _ in range(4)]
-    loss = lambda m, batch: m(pixel_values=batch[0], labels=batch[1]).loss  # noqa: E731
+    batches, loss = image_batches(4), image_loss
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, loss)
     cm, opt = prepared(model, ADAMW, chunk_size=8192, device_memory=int(param_bytes(model) * 0.3) + 100_000)
@@ -309,10 +317,7 @@ def test_a_budget_below_a_checkpointed_layers_chunks_is_refused_at_prepare_and_o
     torch.manual_seed(0)
     model = transformers.FocalNetForImageClassification(config).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(2, 3, 32, 32, generator=generator), torch.randint(0, 5, (2,), generator=generator))
-               for _ in range(3)]
-    loss = lambda m, batch: m(pixel_values=batch[0], labels=batch[1]).loss  # noqa: E731
+    batches, loss = image_batches(3), image_loss
     ref = copy.deepcopy(model)
     expected = train(ref, ADAMW(ref.parameters()), batches, loss)
     gpt2 = tiny_gpt2()  # a layer spans 4 chunks
