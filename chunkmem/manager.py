@@ -94,6 +94,8 @@ class Manager:
                 done.hooks.remove()
             before.restore()
             views.restore()
+            if self.runtime is not None:  # their parameters view host payloads again, which uploads may still read
+                self.runtime.fence_params()
             raise
         wrapped = hooked[0]
         if self.runtime is not None and self.runtime.scaler is not None and runtime.scaler is not None:

@@ -330,6 +330,11 @@ def test_an_optimizer_holding_another_managed_models_parameter_is_refused_changi
     assert taken.data._version == taken._version > 0, "outside a forward it shares the version (store.py's Note)"
     torch.autograd.graph.increment_version(critic.score.weight)
     assert critic.score.weight.data._version == 0  # PyTorch's: the refused model's parameters are not managed
+    name, first = next(policy.module.named_parameters())
+    halved = first.detach().clone() * 0.5
+    with torch.no_grad():  # its host payload, which an upload of the first prepare read: the host must know it landed
+        first.mul_(0.5)
+    assert torch.equal(policy.state_dict()[name], halved)
     critic, critic_optimizer = manager.prepare(critic, adamw(critic))
     groups = [len(o.param_groups) for o in (optimizer, critic_optimizer)]
     with pytest.raises(ValueError, match="another model this chunkmem.Manager prepared"):
