@@ -188,6 +188,14 @@ class ParamStore:
             self.device_views.pop(chunk, None)
         elif chunk not in self.device_views:
             self.device_views[chunk] = group.versions()
+        # Already there (the step's host update claims a chunk whose parameters the backward's end pointed at the host):
+        # a view set again costs as much as a new one, twice a group a step.
+        # Read without torch-function modes: FetchMode would take these reads for uses of the parameters.
+        base, size = flat.data_ptr(), flat.element_size()
+        with torch._C.DisableTorchFunction():
+            if all(r.param.data_ptr() == base + r.slot.offset * size and r.param.dtype is flat.dtype and
+                   r.param.stride() == r.strides and r.param.shape == r.shape for r in group.members):
+                return
         for record in group.members:
             if record.param.device.type == "meta":
                 # `.data =` cannot move a meta tensor to a real device; swapping keeps the Parameter
