@@ -28,6 +28,21 @@ def tiny_gpt2(seed: int = 0, layers: int = 4, width: int = 64) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def tiny_gemma3n(**overrides) -> nn.Module:
+    """Transformers' Gemma3n text model, three layers: AltUp, per-layer inputs and Laurel around each layer."""
+    import transformers
+    layers = 3
+    config = transformers.Gemma3nTextConfig(
+        hidden_size=32, intermediate_size=[64] * layers, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=128, vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=8, laurel_rank=8, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0] * layers,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=8,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=2, eos_token_id=1, **overrides)
+    torch.manual_seed(0)
+    return transformers.Gemma3nForCausalLM(config).train()
+
+
 def param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

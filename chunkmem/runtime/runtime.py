@@ -473,6 +473,12 @@ class Runtime:
                 "(changed in place between forward and backward, as an optimizer step, a load_state_dict, a weight "
                 "constraint or an EMA swap there would: make that change after backward, or before the forward)")
         if isinstance(saved.source, Chunk):
+            if (self.held_back or self.held_params) and not self.holding and \
+                    torch._C._current_graph_task_id() == self.held_task and \
+                    torch._C._current_autograd_node() is not self.held_for:
+                # What chunkmem's own hooks saved is read in the backward that re-computed: it has left the re-computed
+                # modules (hooks' Note). Not in the backward the reentrant kind runs inside a node of it.
+                self.release_held_back()
             nonmodel = self.emit("backward", "bwd", saved.source.name)
             self.placer.access([saved.source], nonmodel=nonmodel)
             if nonmodel is not None:

@@ -17,7 +17,8 @@ from benchmarks.record import Recorded, record
 from chunkmem.chunks.placement import Phase
 from chunkmem.chunks.planning import SAFETY_FRACTION
 from tests import zoo
-from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gpt2, train
+from tests.helpers import (gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, prepared, tiny_gemma3n,
+                           tiny_gpt2, train)
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-3)
 
@@ -334,6 +335,31 @@ def test_a_budget_below_a_checkpointed_layers_chunks_is_refused_at_prepare_and_o
     cm, opt = prepared(model, ADAMW, chunk_size=8192, device_memory=budget)
     assert train(cm, opt, batches, loss) == expected
     assert cm.memory_stats()["device_chunk_bytes_peak"] <= budget
+    assert cm.memory_stats()["h2d_bytes"] > cm.memory_stats()["model_data_bytes"], "chunks must move"
+
+
+def test_modules_run_before_a_checkpointed_first_layer_read_their_weights_in_backward_within_the_least_budget():
+    """Bug hunt: Gemma3n's model-level AltUp and per-layer projections run before its first decoder layer, so their
+    backward reads their weights' chunk after that layer's re-computation, which under the non-reentrant kind held the
+    layer's chunks to the backward's end: at the least budget prepare accepts (the layer's two chunks, re-computed
+    whole) the first backward was refused for want of room for a third. Now backward lets the re-computed modules go
+    once it reads what chunkmem's own hooks saved (hooks' Note on re-computation)."""
+    model = tiny_gemma3n()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, 128, (1, 8), generator=generator) for _ in range(3)]
+
+    def loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
+    ref = copy.deepcopy(model)
+    expected = train(ref, ADAMW(ref.parameters()), batches, loss)
+    least = 2 * 32768
+    with pytest.raises(chunkmem.MemoryBudgetError, match="re-computed whole"):
+        prepared(model, ADAMW, chunk_size=8192, device_memory=least - 4096)
+    cm, opt = prepared(model, ADAMW, chunk_size=8192, device_memory=least)
+    assert train(cm, opt, batches, loss) == expected
+    assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
+    assert cm.memory_stats()["device_chunk_bytes_peak"] <= least
     assert cm.memory_stats()["h2d_bytes"] > cm.memory_stats()["model_data_bytes"], "chunks must move"
 
 

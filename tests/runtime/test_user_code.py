@@ -19,7 +19,7 @@ from torch import nn
 import chunkmem
 from chunkmem.runtime import grads
 
-from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gpt2
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gemma3n, tiny_gpt2
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 BUDGETS = [None, 0.3, 1.5]  # of the parameter bytes: all on the device, streaming, streaming with some kept
@@ -498,17 +498,7 @@ def test_what_p_data_gave_in_a_forward_keeps_no_chunk_slot_from_the_next_chunk()
 @pytest.mark.slow
 def test_gemma3n_whose_forward_clamps_its_altup_coefficients_through_data_trains_as_plain_pytorch() -> None:
     """The bug hunt's model: its clip made small enough to bind, at a budget where chunks stream."""
-    import transformers
-    layers = 3
-    config = transformers.Gemma3nTextConfig(
-        hidden_size=32, intermediate_size=[64] * layers, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, vocab_size=128, vocab_size_per_layer_input=128,
-        hidden_size_per_layer_input=8, laurel_rank=8, num_kv_shared_layers=0,
-        activation_sparsity_pattern=[0.0] * layers,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=8,
-        max_position_embeddings=64, altup_coef_clip=0.01, pad_token_id=0, bos_token_id=2, eos_token_id=1)
-    torch.manual_seed(0)
-    model = transformers.Gemma3nForCausalLM(config).train()
+    model = tiny_gemma3n(altup_coef_clip=0.01)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(3, 128, (2, 16), generator=generator) for _ in range(STEPS)]
 
