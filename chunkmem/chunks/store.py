@@ -332,7 +332,27 @@ def pinned_chunks(module: nn.Module, chunk_size: int
     trainable, frozen = layouts(module, chunk_size)
     where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
     name_of = {p: n for n, p in module.named_parameters()}
-    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in m.parameters(recurse=recomputed_whole(m))})
+
+    def params(m: nn.Module) -> Iterable[nn.Parameter]:
+        if recomputed_whole(m):
+            return m.parameters()
+        if checkpointed(m):  # the parameters of modules around others, held through its re-computation
+            return [p for sub in m.modules() if next(sub.children(), None) is not None
+                    for p in sub.parameters(recurse=False)]
+        return m.parameters(recurse=False)
+    return pinned_at_once(module, lambda m: {where[name_of[p]] for p in params(m)})
+
+
+def checkpointed(module: nn.Module) -> bool:
+    """Whether `module` is a transformers layer that backward re-computes (activation checkpointing on, something to
+    train). Its own modules run there without their hooks, so the parameters of those around others come to the device
+    when its re-computation begins and stay until it is done (hooks.py's Note on re-computation): pinned beside every
+    module of it then (Gemma3n's AltUp owns its output scale and calls its router, and the layer's attention found no
+    room beside them at the least budget prepare accepted, under the reentrant kind)."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer = getattr(layers, "GradientCheckpointingLayer", None)
+    return layer is not None and isinstance(module, layer) and getattr(module, "gradient_checkpointing", False) and \
+        any(p.requires_grad for p in module.parameters())
 
 
 def recomputed_whole(module: nn.Module) -> bool:
@@ -341,10 +361,7 @@ def recomputed_whole(module: nn.Module) -> bool:
     pinned together then (hooks.py's Note on re-computation), as a module's own are while it runs. Not the reentrant
     kind, whose re-computation streams them module by module, nor a layer with nothing to train (a frozen reference
     model's, which no backward re-computes)."""
-    layers = sys.modules.get("transformers.modeling_layers")
-    layer = getattr(layers, "GradientCheckpointingLayer", None)
-    if layer is None or not isinstance(module, layer) or not getattr(module, "gradient_checkpointing", False) or \
-            not any(p.requires_grad for p in module.parameters()):
+    if not checkpointed(module):
         return False
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     return isinstance(checkpoint, functools.partial) and checkpoint.keywords.get("use_reentrant") is False

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import layouts, pinned_chunks, planned_model_data_bytes, recomputed_whole
+from chunkmem.chunks.store import checkpointed, layouts, pinned_chunks, planned_model_data_bytes, recomputed_whole
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.hostpool import reserve_bytes
@@ -116,7 +116,9 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
                                                          "parameter's elements: chunks can be no smaller)")
         whole = ", its own modules' too: it is re-computed whole by non-reentrant activation checkpointing, whose " \
             "backward holds them all (checkpointing with use_reentrant=True streams them)" \
-            if recomputed_whole(chain[-1][1]) else ""
+            if recomputed_whole(chain[-1][1]) else \
+            ", and those of the modules that call others in the layer around it: backward re-computes that layer under " \
+            "activation checkpointing, holding them meanwhile" if any(checkpointed(m) for _, m in chain) else ""
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
             f"it runs inside on the device at once{whole}: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
