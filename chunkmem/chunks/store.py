@@ -332,23 +332,38 @@ def pinned_chunks(module: nn.Module, chunk_size: int
     trainable, frozen = layouts(module, chunk_size)
     where = {s.name: (True, s.chunk) for s in trainable.slots} | {s.name: (False, s.chunk) for s in frozen.slots}
     name_of = {p: n for n, p in module.named_parameters()}
+    # Around a checkpointed layer (it too), a module's parameters in a ParameterList or ParameterDict of its own are
+    # held through the layer's re-computation as its direct ones are (Hooks._enclosing)
+    around_layers = {m for m in module.modules() if any(checkpointed(sub) for sub in m.modules())}
 
-    def params(m: nn.Module) -> Iterable[nn.Parameter]:
+    def params(m: nn.Module) -> list[nn.Parameter]:
         if recomputed_whole(m):
-            return m.parameters()
-        if checkpointed(m):  # the parameters of modules around others, held through its re-computation
-            return [p for sub in m.modules() if next(sub.children(), None) is not None
-                    for p in sub.parameters(recurse=False)]
-        return m.parameters(recurse=False)
+            return list(m.parameters())
+        own = list(m.parameters(recurse=False))
+        if m in around_layers:
+            own += _listed(m)
+        if checkpointed(m):  # those of its modules around others, held through its re-computation
+            own += [p for sub in m.modules() if sub is not m and next(sub.children(), None) is not None
+                    for p in (*sub.parameters(recurse=False), *_listed(sub))]
+        return own
     return pinned_at_once(module, lambda m: {where[name_of[p]] for p in params(m)})
+
+
+def _listed(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters in `module`'s ParameterList and ParameterDict children."""
+    return [p for child in module.children() if isinstance(child, (nn.ParameterList, nn.ParameterDict))
+            for p in child.parameters()]
 
 
 def checkpointed(module: nn.Module) -> bool:
     """Whether `module` is a transformers layer that backward re-computes (activation checkpointing on, something to
-    train). Its own modules run there without their hooks, so the parameters of those around others come to the device
-    when its re-computation begins and stay until it is done (hooks.py's Note on re-computation): pinned beside every
-    module of it then (Gemma3n's AltUp owns its output scale and calls its router, and the layer's attention found no
-    room beside them at the least budget prepare accepted, under the reentrant kind)."""
+    train). Transformers checkpoints its forward, so it and the modules whose methods it calls directly (Gemma3n's
+    AltUp: predict, correct) run there without their hooks, and the parameters of every module around the one a
+    re-computation starts in come to the device then and stay until it is done (hooks.py's Note on re-computation):
+    those of its modules that call others are pinned beside every module of it (Gemma3n's AltUp owns its output scale
+    and calls its router, and the layer's attention found no room beside it at the least budget prepare accepted,
+    under the reentrant kind). Counted so for modules called through their hooks too, which hold nothing then: a
+    budget a little above what the layer needs."""
     layers = sys.modules.get("transformers.modeling_layers")
     layer = getattr(layers, "GradientCheckpointingLayer", None)
     return layer is not None and isinstance(module, layer) and getattr(module, "gradient_checkpointing", False) and \

@@ -10,27 +10,29 @@ no access says that backward still reads the chunks. Released at the re-computat
 them, they left the device without a byte freed (the arena reuses no slot something else still views) and the next
 chunk took a new slot: a tiny GPT-2 checkpointed per layer died of CUDA's error inside a layer's backward at budgets
 prepare accepted. So the modules a re-computation under hooks not chunkmem's releases are held back (Runtime.holding)
-until a re-computation begins for another node of backward, an op of that backward reads a tensor chunkmem's own hooks
-saved (Runtime.unpack: none of a checkpointed segment's ops did, so backward has left it; autograd runs a device's nodes
-latest first, so every node of the segment that runs has run; the backward the reentrant kind runs inside one of its
-nodes is another), or the backward's graph task ends (whether or not a
-parameter's gradient comes: torch.autograd.grad of the inputs), when that module's backward is done, or, after a
-backward that raised, the next forward begins: the warm-up records its chunks as held there, and the plan keeps them.
-Not to the backward's end once the first layer is re-computed: Gemma3n's model-level AltUp and per-layer projections,
-which run before that layer, read their weights' chunks in backward after it, and beside its chunks found no room at
-budgets prepare accepted, which counts a layer's chunks alone. Not at the next re-computation for the same node: a checkpointed
-function may call several modules in turn (transformers 5 checkpoints a decoder layer's forward, not its call, so its
-norms, attention and MLP are re-computed one after the other, its own hooks never running), and all of them are
-re-computed for the node that first reads what they saved. Chunkmem's own hooks re-compute under the reentrant kind,
-whose unpacks access the chunks as a forward's do. Not under ZeRO, where parameters view gathered copies, not chunks.
+until a re-computation begins for another node of backward, an op of that backward reads a tensor chunkmem's own
+hooks saved (Runtime.unpack: none of a checkpointed segment's ops did, so backward has left it; autograd runs the
+nodes of one ready queue latest first, so every node of the segment that runs has run: not a node on the host, which
+CUDA's backward runs on another thread, in its own order; nor the backward the reentrant kind runs inside one of its
+nodes, another), or the backward's graph task ends (whether or not a parameter's gradient comes: torch.autograd.grad
+of the inputs), when that module's backward is done, or, after a backward that raised, the next forward begins: the
+warm-up records its chunks as held there, and the plan keeps them. Not to the backward's end once the first layer is
+re-computed: Gemma3n's model-level AltUp and per-layer projections, which run before that layer, read their weights'
+chunks in backward after it, and beside its chunks found no room at budgets prepare accepted, which counts a layer's
+chunks alone. Not at the next re-computation for the same node: a checkpointed function may call several modules in
+turn (transformers 5 checkpoints a decoder layer's forward, not its call, so its norms, attention and MLP are
+re-computed one after the other, its own hooks never running), and all of them are re-computed for the node that
+first reads what they saved. Chunkmem's own hooks re-compute under the reentrant kind, whose unpacks access the
+chunks as a forward's do. Not under ZeRO, where parameters view gathered copies, not chunks.
 
 The modules around the first one re-computed run their forwards there without their hooks, under either kind, and
 some read parameters of their own between their modules (BEiT's layer scales, between its attention and its MLP): with
 no hook to bring them, a re-computation whose chunk had left died of a device mismatch. So those parameters come to
 the device when the re-computation begins and stay until the modules held back are released (Runtime.hold_enclosing):
 theirs directly or in a ParameterList, of every module around it (a module shared by several layers has several),
-under ZeRO too (their groups stay gathered meanwhile). Not one read before the first module runs: nothing of
-chunkmem's runs there (the README's limit).
+under ZeRO too (their groups stay gathered meanwhile). Prepare counts those of a transformers layer's modules that
+call others as pinned beside each of its modules (store.checkpointed). Not one read before the first module runs:
+nothing of chunkmem's runs there (the README's limit).
 """
 
 from __future__ import annotations

@@ -114,16 +114,22 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
             fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
                     f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the largest "
                                                          "parameter's elements: chunks can be no smaller)")
-        whole = ", its own modules' too: it is re-computed whole by non-reentrant activation checkpointing, whose " \
-            "backward holds them all (checkpointing with use_reentrant=True streams them)" \
-            if recomputed_whole(chain[-1][1]) else \
-            ", and those of the modules that call others in the layer around it: backward re-computes that layer under " \
-            "activation checkpointing, holding them meanwhile" if any(checkpointed(m) for _, m in chain) else ""
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
-            f"it runs inside on the device at once{whole}: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
+            f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
             f"{_limit_source(config)} allows {limit}: {fix}")
     return need
+
+
+def _recomputed(chain: list[tuple[str, nn.Module]]) -> str:
+    """What activation checkpointing adds to the chunks pinned at once by the modules of `chain` (outermost first)."""
+    if recomputed_whole(chain[-1][1]):
+        return (", its own modules' too: it is re-computed whole by non-reentrant activation checkpointing, whose "
+                "backward holds them all (checkpointing with use_reentrant=True streams them)")
+    if any(checkpointed(module) for _, module in chain):
+        return (", and those of the modules that call others in the layer around it: backward re-computes that layer "
+                "under activation checkpointing, holding them meanwhile")
+    return ""
 
 
 def _check_host(config: Config, need: int, size: int) -> None:

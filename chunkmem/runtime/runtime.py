@@ -454,6 +454,8 @@ class Runtime:
         return ChunkRef(source, int(tensor.storage_offset()), tensor.size(), tensor.stride(), param, param._version)
 
     def unpack(self, saved: Kept) -> torch.Tensor:
+        if self.held_back or self.held_params:
+            self._left_recomputed(saved)
         if type(saved) is tuple:  # kept as it is, unmetered (the Note on lean forwards)
             return unchanged(*saved)
         if isinstance(saved, torch.Tensor):  # one without storage
@@ -473,12 +475,6 @@ class Runtime:
                 "(changed in place between forward and backward, as an optimizer step, a load_state_dict, a weight "
                 "constraint or an EMA swap there would: make that change after backward, or before the forward)")
         if isinstance(saved.source, Chunk):
-            if (self.held_back or self.held_params) and not self.holding and \
-                    torch._C._current_graph_task_id() == self.held_task and \
-                    torch._C._current_autograd_node() is not self.held_for:
-                # What chunkmem's own hooks saved is read in the backward that re-computed: it has left the re-computed
-                # modules (hooks' Note). Not in the backward the reentrant kind runs inside a node of it.
-                self.release_held_back()
             nonmodel = self.emit("backward", "bwd", saved.source.name)
             self.placer.access([saved.source], nonmodel=nonmodel)
             if nonmodel is not None:
@@ -488,6 +484,20 @@ class Runtime:
             self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
             flat = self.shards.unpacked(saved.source)  # type: ignore[union-attr]
         return flat.as_strided(saved.size, saved.stride, saved.offset)  # type: ignore[union-attr]
+
+    def _left_recomputed(self, saved: Kept) -> None:
+        """What chunkmem's own hooks saved is read in the backward that re-computed modules, by a node of the device's
+        ready queue: that backward has left them (hooks' Note on re-computation). Not in the backward the reentrant kind
+        runs inside a node of it, nor by a node on the host, which CUDA's backward runs on another thread."""
+        tensor: torch.Tensor | None = None  # None: on the device
+        if type(saved) is tuple:  # an activation kept as it is
+            tensor = saved[0]  # type: ignore[assignment]
+        elif isinstance(saved, torch.Tensor) or (isinstance(saved, Saved) and saved.device is None):
+            tensor = saved if isinstance(saved, torch.Tensor) else saved.tensor
+        if not self.holding and torch._C._current_graph_task_id() == self.held_task and \
+                torch._C._current_autograd_node() is not self.held_for and \
+                (tensor is None or tensor.device == self.device.torch_device):
+            self.release_held_back()
 
     def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
         """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates the gradients of its
