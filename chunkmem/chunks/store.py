@@ -341,15 +341,15 @@ def pinned_chunks(module: nn.Module, chunk_size: int
             return list(m.parameters())
         own = list(m.parameters(recurse=False))
         if m in around_layers:
-            own += _listed(m)
+            own += listed_parameters(m)
         if checkpointed(m):  # those of its modules around others, held through its re-computation
             own += [p for sub in m.modules() if sub is not m and next(sub.children(), None) is not None
-                    for p in (*sub.parameters(recurse=False), *_listed(sub))]
+                    for p in (*sub.parameters(recurse=False), *listed_parameters(sub))]
         return own
     return pinned_at_once(module, lambda m: {where[name_of[p]] for p in params(m)})
 
 
-def _listed(module: nn.Module) -> list[nn.Parameter]:
+def listed_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters in `module`'s ParameterList and ParameterDict children."""
     return [p for child in module.children() if isinstance(child, (nn.ParameterList, nn.ParameterDict))
             for p in child.parameters()]

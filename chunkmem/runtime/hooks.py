@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.hooks import RemovableHandle
 
-from chunkmem.chunks.store import ParamRecord, forward_running
+from chunkmem.chunks.store import ParamRecord, forward_running, listed_parameters
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.runtime.runtime import Runtime
 
@@ -425,9 +425,7 @@ class Hooks:
                 if parent not in around:
                     around[parent] = None
                     parents += self.parents.get(parent, ())
-            params = {p: None for sub in around for p in sub.parameters(recurse=False)}
-            params |= {p: None for sub in around for child in sub.children()
-                       if isinstance(child, (nn.ParameterList, nn.ParameterDict)) for p in child.parameters()}
+            params = {p: None for sub in around for p in (*sub.parameters(recurse=False), *listed_parameters(sub))}
             records = self.runtime.store.records
             found = self.enclosing[module] = [records[p] for p in params if p in records]
         return found

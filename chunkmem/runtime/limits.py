@@ -116,8 +116,8 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
                                                          "parameter's elements: chunks can be no smaller)")
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
-            f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} bytes, but "
-            f"{_limit_source(config)} allows {limit}: {fix}")
+            f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} "
+            f"bytes, but {_limit_source(config)} allows {limit}: {fix}")
     return need
 
 
