@@ -252,10 +252,12 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
 # change is seen as one made through `p` is (nn.Parameter's `data` property, set below; other parameters' `p.data`,
 # and `p.data = t`, are PyTorch's). The one difference from PyTorch: made between a forward and its backward, such a
 # change raises the error autograd gives for `p.detach().mul_(2)` there, rather than backward silently reading the
-# new values. Inside a forward (and under any torch-function mode) `p.data` is PyTorch's, and the torch-function mode
-# follows what is written through it (FetchMode._through_data): a module called several times in one forward whose
-# pre-hook prunes its weight through `p.data`, or Gemma3n clamping its AltUp coefficients in each of two forwards
-# before one backward, would otherwise raise where PyTorch trains. The class of a parameter is left as it is: a
+# new values. Inside a forward (and inside a module run on its own or re-computed in backward, where chunkmem's
+# torch-function mode runs too) `p.data` is PyTorch's, and that mode follows what is written through it
+# (FetchMode._through_data): a module called several times in one forward whose pre-hook prunes its weight through
+# `p.data`, or Gemma3n clamping its AltUp coefficients in each of two forwards before one backward, would otherwise
+# raise where PyTorch trains. A torch-function mode of the user's changes nothing: `torch.set_default_device` keeps
+# one on for good, and under it every change through `p.data` was lost where the chunk was on the device. The class of a parameter is left as it is: a
 # subclass with its own `data` broke `nn.Parameter(p)` and `torch.utils.swap_tensors`.
 
 
@@ -294,11 +296,11 @@ class _Managed:
 
 MANAGED = _Managed()
 _DATA: Any = vars(torch._C.TensorBase)["data"]  # PyTorch's `p.data` and `p.data = t`
-_forwards = 0  # forwards of prepared models running (`forward_running`)
+_forwards = 0  # forwards of prepared models running, and modules run outside them (`forward_running`)
 
 
 def _data(param: nn.Parameter) -> torch.Tensor:
-    if _forwards or param not in MANAGED or torch._C._is_torch_function_mode_enabled():
+    if _forwards or param not in MANAGED:
         return _DATA.__get__(param)
     return param.detach()
 

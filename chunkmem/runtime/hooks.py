@@ -406,6 +406,7 @@ class Hooks:
                              self.runtime.scaler.scale)
         with contextlib.ExitStack() as contexts:  # closed if entering raises (torch.func refuses saved-tensor hooks)
             contexts.enter_context(FetchMode(self.runtime))
+            contexts.enter_context(forward_running())  # `p.data` PyTorch's, for the mode to follow (store.py's Note)
             if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
                 contexts.enter_context(torch.autograd.graph.saved_tensors_hooks(
                     functools.partial(self.runtime.pack, metered=False), self.runtime.unpack))

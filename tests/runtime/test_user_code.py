@@ -367,26 +367,32 @@ def test_parameters_changed_in_place_after_a_step_keep_the_change(budget, throug
     same_bits(steps(constrain), budget)
 
 
-@pytest.mark.parametrize("through", ["p", "p.data"])
+@pytest.mark.parametrize("through", ["p", "p.data", "p.data, default device set"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("budget", [None, 0.3])
 def test_in_low_precision_parameters_changed_in_place_keep_the_change(budget, dtype, through) -> None:
     # The fp32 master weights are what the step updates and state_dict() reads: a weight clipped in place (WGAN), or EMA
     # weights copied in before a save, was overwritten from the master at the next step and missing from state_dict().
-    # Through `p.data` at every budget, until its version counter was the parameter's.
+    # Through `p.data` at every budget, until its version counter was the parameter's; and then still under a
+    # torch-function mode of the user's (torch.set_default_device keeps one on, as `with torch.device` does here).
     cm, opt = prepared(tiny_gpt2(), functools.partial(torch.optim.SGD, lr=1e-6), dtype=dtype,
                        device_memory=gpt2_budget(budget))
+    with torch.device("cpu") if "default device" in through else contextlib.nullcontext():
+        _clamped_then_filled(cm, opt, through.startswith("p.data"))
+
+
+def _clamped_then_filled(cm: nn.Module, opt: torch.optim.Optimizer, data: bool) -> None:
     for ids in gpt2_batches(2):
         gpt2_loss(cm, ids).backward()
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
             for param in cm.parameters():
-                (param.data if through == "p.data" else param).clamp_(-0.01, 0.01)
+                (param.data if data else param).clamp_(-0.01, 0.01)
         assert all(v.abs().max() <= 0.0101 for k, v in cm.state_dict().items() if "attn.bias" not in k)  # 0.01, rounded
     with torch.no_grad():
         for param in cm.parameters():
-            (param.data if through == "p.data" else param).fill_(0.5)  # EMA weights swapped in, then saved
+            (param.data if data else param).fill_(0.5)  # EMA weights swapped in, then saved
     assert all(torch.all(v == 0.5) for k, v in cm.state_dict().items() if "attn.bias" not in k)
 
 
