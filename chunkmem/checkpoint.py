@@ -101,7 +101,7 @@ def attempt(write: Callable[[], Any]) -> Exception | None:
 def all_written(group: Any, ok: bool) -> bool:
     """Whether every rank of `group` wrote its part of a checkpoint (`ok`, its own): a collective that waits however
     long the slowest writes, up to CHECKPOINT_TIMEOUT_S."""
-    flag = torch.tensor([ok], dtype=torch.int64)
+    flag = torch.tensor([ok], dtype=torch.int64, device="cpu")  # gloo's
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_checkpoint_group(group))
     return bool(flag.item())
 
@@ -546,7 +546,8 @@ def optimizer_states(optimizer: ChunkOptimizer, root: int | None = None) -> dict
 def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:
     """Step counts by parameter name; under ZeRO only a parameter's owner counts its steps."""
     records = list(optimizer.steps)
-    steps = torch.stack([optimizer.steps[r] if r.group.owned else torch.zeros(()) for r in records]).double()
+    none = torch.zeros((), device="cpu")
+    steps = torch.stack([optimizer.steps[r] if r.group.owned else none for r in records]).double()
     shards = optimizer.runtime.shards
     if shards is not None:
         shards.all_reduce(steps)

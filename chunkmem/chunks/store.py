@@ -257,8 +257,9 @@ def layouts(module: nn.Module, chunk_size: int, multiple_of: int = 1) -> tuple[L
 # (FetchMode._through_data): a module called several times in one forward whose pre-hook prunes its weight through
 # `p.data`, or Gemma3n clamping its AltUp coefficients in each of two forwards before one backward, would otherwise
 # raise where PyTorch trains. A torch-function mode of the user's changes nothing: `torch.set_default_device` keeps
-# one on for good, and under it every change through `p.data` was lost where the chunk was on the device. The class of a parameter is left as it is: a
-# subclass with its own `data` broke `nn.Parameter(p)` and `torch.utils.swap_tensors`.
+# one on for good, and under it every change through `p.data` was lost where the chunk was on the device. The class
+# of a parameter is left as it is: a subclass with its own `data` broke `nn.Parameter(p)` and
+# `torch.utils.swap_tensors`.
 
 
 class _Managed:

@@ -90,7 +90,7 @@ class PlainAllocator:
         self.pinned = pinned
 
     def alloc(self, nbytes: int) -> Block:
-        base = torch.empty(nbytes + PAGE - 1, dtype=torch.uint8)  # [nbytes + PAGE - 1] bytes on CPU
+        base = torch.empty(nbytes + PAGE - 1, dtype=torch.uint8, device="cpu")  # [nbytes + PAGE - 1] bytes
         ptr = -(-base.data_ptr() // PAGE) * PAGE
         return Block(ptr, nbytes, self.pinned, base)
 
@@ -238,7 +238,7 @@ class HostPool:
         """
         nbytes = numel * dtype.itemsize
         if nbytes == 0:
-            return torch.empty(numel, dtype=dtype)
+            return torch.empty(numel, dtype=dtype, device="cpu")
         block = self._take(nbytes, tag)
         view = (ctypes.c_ubyte * nbytes).from_address(block.ptr)
         weakref.finalize(view, self._give_back, block, tag).atexit = False

@@ -177,7 +177,7 @@ class SimulatedDevice:
         if self.fail_allocations > 0:
             self.fail_allocations -= 1
             raise torch.OutOfMemoryError(f"simulated: no device memory for {numel} x {dtype}")
-        tensor = torch.empty(numel, dtype=dtype)
+        tensor = torch.empty(numel, dtype=dtype, device="cpu")
         if self.memory is not None:
             self.memory.charge(tensor)
         return undefined(tensor)

@@ -428,7 +428,7 @@ class ChunkOptimizer(Optimizer):
         records = self.runtime.store.records
         for param in group["params"]:
             if records[param] not in self.steps:
-                self.steps[records[param]] = torch.tensor(0.0)
+                self.steps[records[param]] = torch.tensor(0.0, device="cpu")
 
     def _check_own(self, param: Any) -> None:
         """`param` is one of the model's this optimizer was prepared with; under a manager, not another model's
@@ -490,7 +490,7 @@ class ChunkOptimizer(Optimizer):
                 self._check_own(param)
                 out[records[param]] = group
                 if records[param] not in self.steps:
-                    self.steps[records[param]] = torch.tensor(0.0)
+                    self.steps[records[param]] = torch.tensor(0.0, device="cpu")
         return out
 
     @torch.no_grad()

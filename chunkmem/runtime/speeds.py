@@ -42,8 +42,9 @@ def host_weight(config: Config, device: Device) -> float:
 def update_speed(threads: int = 0, elements: int = ELEMENTS) -> float:
     """Bytes of chunk data (UPDATE_BYTES an element) the native Adam kernel updates a second on `threads` (0:
     torch's), best of TRIES."""
-    master, exp_avg, exp_avg_sq = (torch.zeros(elements) for _ in range(3))
-    grad, param = torch.ones(elements, dtype=torch.bfloat16), torch.empty(elements, dtype=torch.bfloat16)
+    master, exp_avg, exp_avg_sq = (torch.zeros(elements, device="cpu") for _ in range(3))
+    grad = torch.ones(elements, dtype=torch.bfloat16, device="cpu")
+    param = torch.empty(elements, dtype=torch.bfloat16, device="cpu")
     return elements * UPDATE_BYTES / _best(lambda step: native.adam_step(
         master, grad, exp_avg, exp_avg_sq, param, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
         decoupled=True, step=step, threads=threads))

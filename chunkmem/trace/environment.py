@@ -23,7 +23,7 @@ def pinned_bandwidth(mib: int) -> str:
     """Host-to-device and device-to-host GB/s of one pinned copy of `mib` MiB (after one warm-up copy)."""
     if not torch.cuda.is_available():
         return "skipped: no CUDA device (the CPU simulation copies within host memory)"
-    host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(mib * 2**20, dtype=torch.uint8, device="cpu", pin_memory=True)
     device = torch.empty_like(host, device="cuda")
     rates = []
     for src, dst in ((host, device), (device, host)):

@@ -57,7 +57,8 @@ def first_ranks_values(tensors: list[torch.Tensor], deliver: Callable[[int, torc
     bucket: list[tuple[int, torch.Tensor, bool]] = []  # (tensor index, a byte view of its value, its last piece)
     size = 0
     for index, tensor in enumerate(tensors):
-        value = tensor.detach().cpu().contiguous() if sending else torch.empty(tensor.shape, dtype=tensor.dtype)
+        value = tensor.detach().cpu().contiguous() if sending else \
+            torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         staged[index] = value
         pieces = value.view(-1).view(torch.uint8).split(BROADCAST_BUCKET) if value.numel() else ()
         if not pieces and not sending:

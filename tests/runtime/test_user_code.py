@@ -397,6 +397,37 @@ def _clamped_then_filled(cm: nn.Module, opt: torch.optim.Optimizer, data: bool) 
 
 
 @pytest.mark.parametrize("budget", [None, 0.3])
+def test_a_default_device_set_elsewhere_leaves_chunkmems_host_memory_on_the_host(budget) -> None:
+    # torch.set_default_device("cuda") before a run sends every allocation that names no device to the GPU: chunkmem's
+    # pinned pool, its step counters and its host kernels' buffers went there. The meta device stands for it here,
+    # where an allocation that lands on it fails the first time its bytes are read.
+    model, plain, batches = tiny_gpt2(), tiny_gpt2(), gpt2_batches(STEPS)
+    plain_opt = ADAMW(plain.parameters())
+    expected = []
+    for ids in batches:
+        loss = gpt2_loss(plain, ids)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        expected.append(loss.item())
+    torch.set_default_device("meta")
+    try:
+        cm, opt = prepared(model, ADAMW, device_memory=gpt2_budget(budget))
+        got = []
+        for ids in batches:
+            loss = gpt2_loss(cm, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.item())
+        state = cm.state_dict()
+    finally:
+        torch.set_default_device(None)
+    assert got == expected
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
 def test_in_low_precision_a_model_built_on_the_meta_device_keeps_fp32_masters(budget) -> None:
     # Its parameters took their chunk views by a swap that shared the chunk's version counter, which chunkmem's own
     # writes into the chunk move: every step read as a change made in place, and rounded the masters to bf16.
