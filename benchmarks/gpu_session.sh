@@ -12,7 +12,8 @@
 # and JSON, packed again after every part: a lent machine gives back 8 files at most, and a killed call keeps the
 # parts done) go to $OUT.
 # Usage: bash benchmarks/gpu_session.sh. Limits (seconds): BUILD_S, OFFLOAD_S, TESTS_S, THREADS_S, SELFTEST_S,
-# TINY_S; at most 520 s in all with the machine's 30; a limit of 0 skips the part. Rows and checks: SHARES
+# TINY_S; at most 460 s in all with the machine's 30, so that a call of 8 minutes ends with every part's time limit
+# and the packing between them; a limit of 0 skips the part. Rows and checks: SHARES
 # (gpu_offload's --shares), SELFTEST_ONLY (check names, comma-separated; empty: every check).
 # Don't carry a build cache (~/.cache/chunkmem) between machines: a fresh build takes about 75 s. The lent H200's
 # image has pytest-timeout (2026-12); where a machine has none, unpack its wheel into build/gpu-pkgs here (pip
@@ -46,23 +47,30 @@ part build "${BUILD_S:-90}" python3 -c 'from chunkmem.memory import native
 print("cpu kernel:", native.load() is not None, "copy engine:", native.load_copy_engine() is not None,
       "missing:", native.missing())'
 
-part offload "${OFFLOAD_S:-190}" python3 -m benchmarks.gpu_offload --steps 4 \
+part offload "${OFFLOAD_S:-160}" python3 -m benchmarks.gpu_offload --steps 4 \
   --shares "${SHARES:-1.0,0.5+ahead,0.5,0.25,0.1,none}" --json "$logs/gpu_offload.json"
 
 # The gpu tests, in as many pytest runs as crashes need: -v names each test before it runs, so the one a crash
-# stopped is the last named without a result; it is deselected with those that ran, and the rest go on.
-deadline=$(($(date +%s) + ${TESTS_S:-110}))
+# stopped is the last named without a result; it is deselected with those that ran, and the rest go on. Those of the
+# code no GPU has run yet first (the host update made ahead, the default setup, the sanitizer), then the others.
+deadline=$(($(date +%s) + ${TESTS_S:-100}))
+first="made_ahead or default_cuda_setup or sanitizer"
+groups=("$first" "not ($first)")
+group=0
 deselect=()
 # Each failure's reason printed as it happens (pytest prints them at the end, which a time limit cuts off), and no
 # test longer than 100 s (the sanitizer's runs take longest) where pytest-timeout is installed.
 per_test=(--tb=short)
 python3 -c "import pytest_timeout" 2>/dev/null && per_test+=(--timeout 100)
-for round in 1 2 3 4; do
+for round in 1 2 3 4 5; do
   left=$((deadline - $(date +%s)))
   [ "$left" -gt 10 ] || break
   part "gpu_tests_$round" "$left" python3 -m pytest -v -rfE -p no:cacheprovider -p no:randomly -m gpu \
-    "${per_test[@]}" -p tests.report_early tests/memory/test_cuda.py "${deselect[@]}"
-  tail -n 1 "$out/status.txt" | grep -qE " (0|1|5)$" && break  # finished: passed, failed or nothing left
+    "${per_test[@]}" -p tests.report_early -k "${groups[$group]}" tests/memory/test_cuda.py "${deselect[@]}"
+  if tail -n 1 "$out/status.txt" | grep -qE " (0|1|5)$"; then  # the group finished: passed, failed or none left
+    group=$((group + 1))
+    [ "$group" -lt "${#groups[@]}" ] && continue || break
+  fi
   named=$(grep -oE "^tests/[^ ]+::[^ []+(\[[^]]*\])?" "$logs/gpu_tests_$round.log")  # ids may hold spaces
   while read -r test; do deselect+=(--deselect "$test"); done <<<"$named"
   echo "crashed in: $(tail -n 1 <<<"$named")" | tee -a "$out/status.txt"
@@ -74,8 +82,8 @@ part host_threads "${THREADS_S:-0}" python3 -m benchmarks.host_threads --json "$
 # Check names, comma-separated (empty: every check); by default those the last run did not see pass.
 unseen="cuda vs plain and simulation,reserved memory vs budget,nccl,copy/compute overlap"
 IFS=, read -ra only <<<"${SELFTEST_ONLY-$unseen}"
-part selftest "${SELFTEST_S:-60}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \
+part selftest "${SELFTEST_S:-50}" python3 -m chunkmem.cli selftest --json "$logs/selftest.json" \
   ${only[@]:+--only "${only[@]}"}
-part offload_tiny "${TINY_S:-40}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
+part offload_tiny "${TINY_S:-30}" python3 -m benchmarks.gpu_offload --shape tiny --steps 8 --shares none,0.5 \
   --json "$logs/gpu_offload_tiny.json"
 echo "done in $(($(date +%s) - start)) s" | tee -a "$out/status.txt"

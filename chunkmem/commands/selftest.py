@@ -34,19 +34,20 @@ def run(args: argparse.Namespace) -> int:
     where = Path(args.json or ".").parent
     if args.json and not (where.is_dir() and os.access(where, os.W_OK) and not Path(args.json).is_dir()):
         print(f"chunkmem selftest: --json {args.json}: expected a file path in an existing folder (the report is "
-              "written there once every check has run)", file=sys.stderr)
+              "written there as each check ends)", file=sys.stderr)
         return 2
+    command = ["chunkmem", "selftest", *(["--only", *args.only] if args.only else []),
+               *(["--json", args.json] if args.json else []), *(["--require-gpu"] if args.require_gpu else [])]
+    report = {"machine": selftest.describe_machine(), "commit": _commit(), "command": " ".join(command), "checks": []}
     rows = []
     print(f"{'check':30} {'result':8} detail")
     for row in selftest.run_checks(args.only):
         rows.append(row)
         print(f"{row.check:30} {row.status:8} {row.detail}", flush=True)
-    command = ["chunkmem", "selftest", *(["--only", *args.only] if args.only else []),
-               *(["--json", args.json] if args.json else []), *(["--require-gpu"] if args.require_gpu else [])]
-    report = {"machine": selftest.describe_machine(), "commit": _commit(), "command": " ".join(command),
-              "checks": [dataclasses.asdict(r) for r in rows]}
+        report["checks"] = [dataclasses.asdict(r) for r in rows]
+        if args.json:  # after every check: a run cut short by a time limit keeps the checks it finished
+            Path(args.json).write_text(json.dumps(report, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"report written to {args.json}")
     failed = [r.check for r in rows if r.status == "fail"]
     skipped_gpu = [r.check for r in rows if r.detail == selftest.NEEDS_GPU]

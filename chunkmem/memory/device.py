@@ -272,10 +272,17 @@ class CudaDevice:
         until `owner` is gone."""
         index = self.torch_device.index
         budgets = _BUDGETS.setdefault(index, weakref.WeakKeyDictionary())
-        known = owner in budgets
+        before = budgets.get(owner)
         budgets[owner] = (limit, outside)
-        _apply_cap(index, self.total_bytes())
-        if not known:
+        try:
+            _apply_cap(index, self.total_bytes())
+        except BaseException:  # refused (no room beside what the process holds outside the allocator): not counted
+            if before is None:
+                del budgets[owner]
+            else:
+                budgets[owner] = before
+            raise
+        if before is None:
             weakref.finalize(owner, _apply_cap, index, self.total_bytes())
 
     def capped(self) -> bool:
@@ -347,10 +354,11 @@ def peak_reading(stats: dict[str, int], last_peak: int) -> tuple[int, int]:
     """Without the engine's tracker: what the caching allocator holds (held_bytes, by its statistics `stats`) and,
     where its peak of live bytes rose above `last_peak` (the peak at the last reading), the most they rose above
     what it holds now: a temporary an op made and freed since (a backward op's input gradients), which before went
-    unseen, and the plan gave its room to chunks. Where the peak did not rise, nothing more is known (its statistics
-    are not reset: torch.cuda.max_memory_allocated stays the user's). Gives the reading and the peak for the next."""
+    unseen, and the plan gave its room to chunks. Where the peak did not move, nothing more is known (chunkmem does not
+    reset the statistics: torch.cuda.max_memory_allocated stays the user's); where it fell, the user reset them
+    (torch.cuda.reset_peak_memory_stats), and the peak since is new. Gives the reading and the peak for the next."""
     peak, live = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
-    return held_in(stats) + (max(peak - live, 0) if peak > last_peak else 0), peak
+    return held_in(stats) + (max(peak - live, 0) if peak != last_peak else 0), peak
 
 
 def check_allocator(backend: str, conf: str = "") -> None:

@@ -71,3 +71,27 @@ def test_without_the_copy_engine_a_reading_sees_a_new_peak_since_the_last_one():
              "allocated_bytes.all.peak": 150}
     assert device.peak_reading(stats, last_peak=0) == (170, 150)
     assert device.peak_reading(stats, last_peak=150) == (120, 150)
+    # The user reset the peak (torch.cuda.reset_peak_memory_stats, as the GPU benchmarks do after prepare): the peak
+    # since is below the last one read, and its rise above what is held now is still a temporary's.
+    assert device.peak_reading(stats, last_peak=500) == (170, 150)
+
+
+def test_a_budget_the_cap_refuses_is_not_counted_for_the_next_models(monkeypatch):
+    # CudaDevice.limit_memory: a prepare whose budget was refused while capping the allocator (no room beside what the
+    # process holds outside it) left its budget among the live ones, and the next model's cap counted it.
+    def refuse(index: int, total: int) -> None:
+        raise ValueError("no room")
+
+    class Owner:
+        pass
+
+    owner, other = Owner(), Owner()
+    fake = type("Fake", (), {"torch_device": torch.device("cuda", 7), "total_bytes": lambda self: 1000})()
+    monkeypatch.setattr(device, "_BUDGETS", {7: {other: (400, 0)}})
+    monkeypatch.setattr(device, "_apply_cap", refuse)
+    with pytest.raises(ValueError, match="no room"):
+        device.CudaDevice.limit_memory(fake, owner, 900, 0)  # type: ignore[arg-type]
+    assert device._BUDGETS[7] == {other: (400, 0)}
+    with pytest.raises(ValueError, match="no room"):  # a budget changed and refused: the one before stays
+        device.CudaDevice.limit_memory(fake, other, 900, 0)  # type: ignore[arg-type]
+    assert device._BUDGETS[7] == {other: (400, 0)}
