@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HELP = "check the CUDA path on this GPU: copy bandwidth, the CUDA sanitizer, CUDA vs simulation, memory budget, NCCL"
 
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     command = ["chunkmem", "selftest", *(["--only", *args.only] if args.only else []),
                *(["--json", args.json] if args.json else []), *(["--require-gpu"] if args.require_gpu else [])]
-    report = {"machine": selftest.describe_machine(), "commit": _commit(), "command": " ".join(command), "checks": []}
+    report: dict[str, Any] = {"machine": selftest.describe_machine(), "commit": _commit(), "command": " ".join(command),
+                              "checks": []}
     rows = []
     print(f"{'check':30} {'result':8} detail")
     for row in selftest.run_checks(args.only):
