@@ -546,7 +546,7 @@ def optimizer_states(optimizer: ChunkOptimizer, root: int | None = None) -> dict
 def steps_by_name(optimizer: ChunkOptimizer) -> dict[str, float]:
     """Step counts by parameter name; under ZeRO only a parameter's owner counts its steps."""
     records = list(optimizer.steps)
-    none = torch.zeros((), device="cpu")
+    none = torch.zeros((), dtype=torch.float64, device="cpu")
     steps = torch.stack([optimizer.steps[r] if r.group.owned else none for r in records]).double()
     shards = optimizer.runtime.shards
     if shards is not None:

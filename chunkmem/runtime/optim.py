@@ -41,7 +41,7 @@ from typing import Any, TypeGuard
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as adam_update
-from torch.optim.optimizer import _default_to_fused_or_foreach
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
 from torch.optim.sgd import sgd as sgd_update
 
 from chunkmem.chunks.chunk import Chunk
@@ -125,6 +125,13 @@ def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
     if counted is not steps:
         torch._foreach_add_(steps, 1.0)  # the kernel counted the step on the device copies
+
+
+def _zero_steps() -> torch.Tensor:
+    """A parameter's step count before its first step, as torch.optim keeps it: in fp32 (fp64 where that is the default
+    dtype), on the host, whatever the default dtype and device (`torch.set_default_dtype(torch.bfloat16)` made it
+    bf16, which counts no further than 256)."""
+    return torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
 
 
 def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -428,7 +435,7 @@ class ChunkOptimizer(Optimizer):
         records = self.runtime.store.records
         for param in group["params"]:
             if records[param] not in self.steps:
-                self.steps[records[param]] = torch.tensor(0.0, device="cpu")
+                self.steps[records[param]] = _zero_steps()
 
     def _check_own(self, param: Any) -> None:
         """`param` is one of the model's this optimizer was prepared with; under a manager, not another model's
@@ -490,7 +497,7 @@ class ChunkOptimizer(Optimizer):
                 self._check_own(param)
                 out[records[param]] = group
                 if records[param] not in self.steps:
-                    self.steps[records[param]] = torch.tensor(0.0, device="cpu")
+                    self.steps[records[param]] = _zero_steps()
         return out
 
     @torch.no_grad()

@@ -42,7 +42,7 @@ def host_weight(config: Config, device: Device) -> float:
 def update_speed(threads: int = 0, elements: int = ELEMENTS) -> float:
     """Bytes of chunk data (UPDATE_BYTES an element) the native Adam kernel updates a second on `threads` (0:
     torch's), best of TRIES."""
-    master, exp_avg, exp_avg_sq = (torch.zeros(elements, device="cpu") for _ in range(3))
+    master, exp_avg, exp_avg_sq = (torch.zeros(elements, dtype=torch.float32, device="cpu") for _ in range(3))
     grad = torch.ones(elements, dtype=torch.bfloat16, device="cpu")
     param = torch.empty(elements, dtype=torch.bfloat16, device="cpu")
     return elements * UPDATE_BYTES / _best(lambda step: native.adam_step(
