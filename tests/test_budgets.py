@@ -589,6 +589,26 @@ def test_a_budget_prepare_accepts_trains_or_names_the_bytes_backward_needs(sim_m
     assert got == "backward"
 
 
+def test_a_loss_computed_in_fp32_from_low_precision_logits_is_counted_as_backward_begins(sim_memory):
+    """An 8-layer LLaMA in bf16 at half its activation peak and a quarter of its model data (H100 sizes / 256): its
+    first backward died of the allocator's error from inside autograd. Hugging Face's loss upcasts the logits, so
+    backward's first gradients are fp32, and the check as backward begins counted the bf16 logits' bytes, half of
+    them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sim_memory(DIVISOR)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=8,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=2000,
+                                         max_position_embeddings=128))
+    cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                             chunkmem.Config(device="cpu", dtype="bf16", device_memory=17_736_708, chunk_size=256000))
+    ids = batch()
+    loss = cm(ids, labels=ids).loss
+    with pytest.raises(chunkmem.MemoryBudgetError, match="backward needs two blocks of 2048000 bytes"):
+        loss.backward()
+
+
 def test_an_evaluation_under_inference_mode_at_a_larger_batch_and_a_state_dict_leave_the_budget_alone(sim_memory):
     """After training steps under a budget, a forward under torch.inference_mode() at a batch that outgrows the plan
     evicts chunks to go on, pointing parameters at their host payloads: that `param.data = t` checks the two tensors'

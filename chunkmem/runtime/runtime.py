@@ -904,7 +904,11 @@ class Runtime:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         for tensor in tensors:
             tensor.grad_fn.register_prehook(self.backward_begins)  # type: ignore[union-attr]  # (not None: above)
-        self.output_bytes = max([t.nbytes for t in tensors], default=0)
+        # A loss computes in fp32 from low-precision outputs (Hugging Face's upcasts its logits, as most do): its first
+        # gradients are the fp32 copy's, twice the bf16 logits' bytes (a tiny bf16 LLaMA at a budget prepare accepted
+        # met the allocator's error in its first backward where `_certain_room` counted the logits' own).
+        self.output_bytes = max([t.numel() * max(t.element_size(), 4) if t.is_floating_point() else t.nbytes
+                                 for t in tensors], default=0)
 
     def backward_begins(self, grads: Any) -> None:
         """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient), or a
