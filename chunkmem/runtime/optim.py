@@ -127,6 +127,9 @@ def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         torch._foreach_add_(steps, 1.0)  # the kernel counted the step on the device copies
 
 
+Run = tuple[dict, list[ParamRecord]]  # parameters of a chunk group in one param group, end to end (`_runs`)
+
+
 def _zero_steps() -> torch.Tensor:
     """A parameter's step count before its first step, as torch.optim keeps it: in fp32 (fp64 where that is the default
     dtype), on the host, whatever the default dtype and device (`torch.set_default_dtype(torch.bfloat16)` made it
@@ -647,8 +650,9 @@ class ChunkOptimizer(Optimizer):
             # No room (0): this step on the host, as a streamed group's; its chunks come back when next needed.
             on_device, part = room > 0, room or numel
             host_native = self.native is not None and not on_device
-        if host_native and uniform is not None:
-            self._native_step(chunk_group, members, uniform, inv_scale)
+        if host_native:
+            runs = [(uniform, members)] if uniform is not None else self._runs(members, group_of)
+            self._native_step(chunk_group, runs, inv_scale)
             return False
         grads = runtime.data.grads(members, on_device)
         master = runtime.data.writable(chunk_group.master, on_device)
@@ -774,6 +778,23 @@ class ChunkOptimizer(Optimizer):
             return None
         return group_of[members[0]]
 
+    def _runs(self, members: list[ParamRecord], group_of: dict[ParamRecord, dict]) -> list[Run]:
+        """A chunk group's `members` (in chunk order) as runs of parameters that lie end to end in the chunk, in one
+        param group at one step count, for the native kernel, which updates a range: Hugging Face's decay and no-decay
+        param groups (chunkmem finetune's too) alternate within a chunk, weight and bias, and such a chunk updated
+        through torch.optim instead, a few passes over its bytes rather than one."""
+        runs: list[Run] = []
+        for record in members:
+            if runs:
+                group, run = runs[-1]
+                last = run[-1]
+                if group_of[record] is group and last.slot.offset + last.slot.numel == record.slot.offset and \
+                        self.steps[record].item() == self.steps[last].item():
+                    run.append(record)
+                    continue
+            runs.append((group_of[record], [record]))
+        return runs
+
     def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
         """What the native Adam kernel is given for a chunk group whose `members` all step in param group `group`."""
         beta1, beta2 = group["betas"]
@@ -781,32 +802,44 @@ class ChunkOptimizer(Optimizer):
                     grad_scale_inv=inv_scale, beta1=beta1, beta2=beta2, eps=group["eps"],
                     decoupled=group.get("decoupled_weight_decay", False), step=int(self.steps[members[0]].item()) + 1)
 
-    def _native_step(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict,
-                     inv_scale: float) -> None:
-        """The whole chunk in one pass of the native kernel: fp32 master, states and the cast copy (or the update
-        made ahead of the step, adopted: ahead.py)."""
+    def _native_step(self, chunk_group: ChunkGroup, runs: list[Run], inv_scale: float) -> None:
+        """The chunk in one pass of the native kernel a run (`_runs`; the whole chunk where its parameters all step in
+        one param group): fp32 master, states and the cast copy (or the update made ahead of the step, adopted:
+        ahead.py). The update is elementwise, so a range gives the bits of the whole."""
         runtime = self.runtime
-        grad = runtime.residency.to_host(chunk_group.grad)
-        master = runtime.data.writable(chunk_group.master, False)
-        states = {k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}
-        param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
+        flats = {"grad": runtime.residency.to_host(chunk_group.grad),
+                 "master": runtime.data.writable(chunk_group.master, False),
+                 **{k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}}
+        if "master" in chunk_group.chunks:
+            flats["param"] = runtime.data.writable(chunk_group.param, False)
+        whole = len(runs) == 1 and len(runs[0][1]) == len(chunk_group.members)
+        for group, members in runs:
+            start = members[0].slot.offset
+            end = members[-1].slot.offset + members[-1].slot.numel
+            part = flats if whole else {k: flat[start:end] for k, flat in flats.items()}
+            self._native_run(chunk_group, members, group, inv_scale, part, ahead=whole)
+        self.native_steps += 1
+
+    def _native_run(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict, inv_scale: float,
+                    flats: dict[str, torch.Tensor], ahead: bool) -> None:
+        """One pass of the native kernel over `flats`, the range of `members` in each chunk of their group."""
+        grad, master, param_out = flats["grad"], flats["master"], flats.get("param")
         if self.rule.update is _adam:
             args = self.adam_args(members, group, inv_scale)
-            ahead = runtime.ahead
-            if ahead is None or param_out is None or not ahead.adopt(chunk_group, args, grad, param_out):
-                native.adam_step(master, grad, states["exp_avg"], states["exp_avg_sq"], param_out, **args)
+            made = self.runtime.ahead if ahead else None
+            if made is None or param_out is None or not made.adopt(chunk_group, args, grad, param_out):
+                native.adam_step(master, grad, flats["exp_avg"], flats["exp_avg_sq"], param_out, **args)
         else:
             step = int(self.steps[members[0]].item()) + 1
             common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
                           grad_scale_inv=inv_scale)
             # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
-            buffer = states.get("momentum_buffer") if group["momentum"] else None
+            buffer = flats.get("momentum_buffer") if group["momentum"] else None
             native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
                             dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
                             **common)
         if self.rule.update is _adam or group["momentum"]:  # SGD counts its steps with momentum (_sgd)
             torch._foreach_add_([self.steps[r] for r in members], 1)
-        self.native_steps += 1
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled or deep-copied, it kept the parameters its model lends, its states in that model's chunks: the copy
