@@ -72,7 +72,7 @@ from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
 
 if TYPE_CHECKING:
-    from chunkmem.runtime.optim import ChunkOptimizer
+    from chunkmem.runtime.optim import ChunkOptimizer, Range, Span
     from chunkmem.runtime.runtime import Runtime
 
 _log = logging.getLogger("chunkmem")
@@ -95,7 +95,7 @@ class Spares:
 @dataclasses.dataclass
 class Job:
     group: ChunkGroup
-    args: dict[str, Any]  # what native.adam_step was given
+    ranges: list[Range]  # the ranges of the chunks native.adam_step updated, and what it was given for each
     spares: Spares
     done: Future
     kept: bool  # the worker kept a copy of the gradients (spares.grad) and updated from it
@@ -163,10 +163,15 @@ class Ahead:
             self.group_of = optimizer.group_of()
         if any(r not in self.group_of for r in group.members):  # some parameters are not the optimizer's
             return
-        param_group = optimizer.uniform(group, group.members, self.group_of)
-        if param_group is None or not optimizer.steps_adam:
+        if not optimizer.steps_adam:
             return
-        args = optimizer.adam_args(group.members, param_group, self.inv_scale())
+        uniform = optimizer.uniform(group, group.members, self.group_of)
+        spans = [(0, group.master.numel, uniform, group.members)] if uniform is not None else \
+            optimizer.spans(group, group.members, self.group_of)
+        if not _tiles(spans, group.master.numel):  # the spares, swapped in whole, must all be written
+            return
+        ranges = [(start, end, optimizer.adam_args(members, param_group, self.inv_scale()))
+                  for start, end, param_group, members in spans]
         chunks = [group.master, *(group.chunks[k] for k in STATES)]
         if not all(_settled(c) for c in chunks):
             return
@@ -176,8 +181,8 @@ class Ahead:
         token = group.grad.read_ahead()
         inputs = [c.host_unfenced for c in chunks]
         grad = group.grad.host_unfenced
-        done = self.worker.submit(self._update, token, grad, inputs, spares, args, self.keep)
-        self.jobs[group.index] = Job(group, args, spares, done, self.keep, [(t, t._version) for t in inputs])
+        done = self.worker.submit(self._update, token, grad, inputs, spares, ranges, self.keep)
+        self.jobs[group.index] = Job(group, ranges, spares, done, self.keep, [(t, t._version) for t in inputs])
 
     def _allowed(self, group: ChunkGroup) -> bool:
         runtime = self.runtime
@@ -213,7 +218,7 @@ class Ahead:
         return spares
 
     def _update(self, token: object | None, grad: torch.Tensor, inputs: list[torch.Tensor], spares: Spares,
-                args: dict[str, Any], keep: bool) -> tuple[float, float]:
+                ranges: list[Range], keep: bool) -> tuple[float, float]:
         """On the worker: wait for the gradients to land, copy them if `keep`, update into the spares, on half of
         torch's threads while backward runs and all of them once the host waits for the worker (the Note on the
         worker's threads). Returns when it started and ended (time.perf_counter)."""
@@ -227,8 +232,10 @@ class Ahead:
         if keep:
             grad = spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
-        native.adam_step(master, grad, exp_avg, exp_avg_sq, spares.param,
-                         into=(spares.master, spares.exp_avg, spares.exp_avg_sq), threads=threads, **args)
+        for begin, end, args in ranges:
+            into = (spares.master[begin:end], spares.exp_avg[begin:end], spares.exp_avg_sq[begin:end])
+            native.adam_step(master[begin:end], grad[begin:end], exp_avg[begin:end], exp_avg_sq[begin:end],
+                             spares.param[begin:end], into=into, threads=threads, **args)
         return start, time.perf_counter()
 
     def backward_done(self) -> BaseException | None:
@@ -271,9 +278,10 @@ class Ahead:
             _log.warning("chunkmem: Config.overlap_update: an update made ahead of step() failed: %r", error)
         self.jobs.clear()
 
-    def adopt(self, group: ChunkGroup, args: dict[str, Any], grad: torch.Tensor, param_out: torch.Tensor) -> bool:
-        """step(): make the update made ahead for `group` its update, if nothing it read changed (True); `grad` is
-        the gradient chunk's host payload, `param_out` the parameter chunk's, about to be written."""
+    def adopt(self, group: ChunkGroup, ranges: list[Range], grad: torch.Tensor, param_out: torch.Tensor) -> bool:
+        """step(): make the update made ahead for `group` its update, if nothing it read changed (True); `ranges` what
+        step() would give the kernel, `grad` the gradient chunk's host payload, `param_out` the parameter chunk's,
+        about to be written."""
         job = self.jobs.pop(group.index, None)
         if job is None:
             return False
@@ -285,7 +293,7 @@ class Ahead:
         self.written_after = bool(self.written_after) or written
         changed = any(c.host_unfenced is not t or t._version != v
                       for c, (t, v) in zip((group.master, *(group.chunks[k] for k in STATES)), job.inputs))
-        if not ended or job.void or changed or job.args != args or \
+        if not ended or job.void or changed or job.ranges != ranges or \
                 (written and not (job.kept and torch.equal(grad, spares.grad))):
             self.redone += 1
             if written and not job.kept:
@@ -315,6 +323,11 @@ class Ahead:
             self.resting, self.rest = self.rest, min(2 * self.rest, MAX_REST)
         elif adopted:
             self.rest = 1
+
+
+def _tiles(spans: list[Span], numel: int) -> bool:
+    """Whether `spans` cover a chunk of `numel` elements end to end."""
+    return spans[0][0] == 0 and spans[-1][1] == numel and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 def _settled(chunk: Chunk) -> bool:

@@ -127,7 +127,10 @@ def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
         torch._foreach_add_(steps, 1.0)  # the kernel counted the step on the device copies
 
 
-Run = tuple[dict, list[ParamRecord]]  # parameters of a chunk group in one param group, end to end (`_runs`)
+# A range of a chunk group's chunks (start, end) the native kernel updates in one pass, with the param group and the
+# parameters in it (`ChunkOptimizer._spans`).
+Span = tuple[int, int, dict, list[ParamRecord]]
+Range = tuple[int, int, dict[str, Any]]  # a span's range, and what the native Adam kernel is given for it
 
 
 def _zero_steps() -> torch.Tensor:
@@ -651,8 +654,9 @@ class ChunkOptimizer(Optimizer):
             on_device, part = room > 0, room or numel
             host_native = self.native is not None and not on_device
         if host_native:
-            runs = [(uniform, members)] if uniform is not None else self._runs(members, group_of)
-            self._native_step(chunk_group, runs, inv_scale)
+            spans = [(0, chunk_group.master.numel, uniform, members)] if uniform is not None else \
+                self.spans(chunk_group, members, group_of)
+            self._native_step(chunk_group, spans, inv_scale)
             return False
         grads = runtime.data.grads(members, on_device)
         master = runtime.data.writable(chunk_group.master, on_device)
@@ -778,22 +782,27 @@ class ChunkOptimizer(Optimizer):
             return None
         return group_of[members[0]]
 
-    def _runs(self, members: list[ParamRecord], group_of: dict[ParamRecord, dict]) -> list[Run]:
-        """A chunk group's `members` (in chunk order) as runs of parameters that lie end to end in the chunk, in one
-        param group at one step count, for the native kernel, which updates a range: Hugging Face's decay and no-decay
-        param groups (chunkmem finetune's too) alternate within a chunk, weight and bias, and such a chunk updated
-        through torch.optim instead, a few passes over its bytes rather than one."""
-        runs: list[Run] = []
+    def spans(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict]
+              ) -> list[Span]:
+        """A chunk group's stepping `members` (in chunk order) as runs of parameters that lie end to end in the chunk, in
+        one param group at one step count, for the native kernel, which updates a range: Hugging Face's decay and
+        no-decay param groups (chunkmem finetune's too) alternate within a chunk, weight and bias, and such a chunk
+        updated through torch.optim instead, a few passes over its bytes rather than one. Where every parameter steps,
+        the last run takes the chunk's tail too, as one pass over the whole chunk does (`tiles`)."""
+        spans: list[Span] = []
         for record in members:
-            if runs:
-                group, run = runs[-1]
-                last = run[-1]
-                if group_of[record] is group and last.slot.offset + last.slot.numel == record.slot.offset and \
-                        self.steps[record].item() == self.steps[last].item():
-                    run.append(record)
+            end = record.slot.offset + record.slot.numel
+            if spans:
+                start, last_end, group, run = spans[-1]
+                if group_of[record] is group and last_end == record.slot.offset and \
+                        self.steps[record].item() == self.steps[run[-1]].item():
+                    spans[-1] = (start, end, group, [*run, record])
                     continue
-            runs.append((group_of[record], [record]))
-        return runs
+            spans.append((record.slot.offset, end, group_of[record], [record]))
+        if len(members) == len(chunk_group.members):
+            start, _, group, run = spans[-1]
+            spans[-1] = (start, chunk_group.master.numel, group, run)
+        return spans
 
     def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
         """What the native Adam kernel is given for a chunk group whose `members` all step in param group `group`."""
@@ -802,44 +811,41 @@ class ChunkOptimizer(Optimizer):
                     grad_scale_inv=inv_scale, beta1=beta1, beta2=beta2, eps=group["eps"],
                     decoupled=group.get("decoupled_weight_decay", False), step=int(self.steps[members[0]].item()) + 1)
 
-    def _native_step(self, chunk_group: ChunkGroup, runs: list[Run], inv_scale: float) -> None:
-        """The chunk in one pass of the native kernel a run (`_runs`; the whole chunk where its parameters all step in
-        one param group): fp32 master, states and the cast copy (or the update made ahead of the step, adopted:
-        ahead.py). The update is elementwise, so a range gives the bits of the whole."""
+    def _native_step(self, chunk_group: ChunkGroup, spans: list[Span], inv_scale: float) -> None:
+        """The chunk in one pass of the native kernel a span (`spans`; one over the whole chunk where its parameters all
+        step in one param group): fp32 master, states and the cast copy, or the update made ahead of the step, adopted
+        (ahead.py). The update is elementwise, so a range gives the bits of the whole."""
         runtime = self.runtime
         flats = {"grad": runtime.residency.to_host(chunk_group.grad),
                  "master": runtime.data.writable(chunk_group.master, False),
                  **{k: runtime.data.writable(chunk_group.chunks[k], False) for k in self.rule.states}}
-        if "master" in chunk_group.chunks:
-            flats["param"] = runtime.data.writable(chunk_group.param, False)
-        whole = len(runs) == 1 and len(runs[0][1]) == len(chunk_group.members)
-        for group, members in runs:
-            start = members[0].slot.offset
-            end = members[-1].slot.offset + members[-1].slot.numel
-            part = flats if whole else {k: flat[start:end] for k, flat in flats.items()}
-            self._native_run(chunk_group, members, group, inv_scale, part, ahead=whole)
-        self.native_steps += 1
-
-    def _native_run(self, chunk_group: ChunkGroup, members: list[ParamRecord], group: dict, inv_scale: float,
-                    flats: dict[str, torch.Tensor], ahead: bool) -> None:
-        """One pass of the native kernel over `flats`, the range of `members` in each chunk of their group."""
-        grad, master, param_out = flats["grad"], flats["master"], flats.get("param")
+        param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
+        if param_out is not None:
+            flats["param"] = param_out
         if self.rule.update is _adam:
-            args = self.adam_args(members, group, inv_scale)
-            made = self.runtime.ahead if ahead else None
-            if made is None or param_out is None or not made.adopt(chunk_group, args, grad, param_out):
-                native.adam_step(master, grad, flats["exp_avg"], flats["exp_avg_sq"], param_out, **args)
+            ranges: list[Range] = [(start, end, self.adam_args(members, group, inv_scale))
+                                   for start, end, group, members in spans]
+            ahead = runtime.ahead
+            if ahead is None or param_out is None or not ahead.adopt(chunk_group, ranges, flats["grad"], param_out):
+                for start, end, args in ranges:
+                    part = {k: flat[start:end] for k, flat in flats.items()}
+                    native.adam_step(part["master"], part["grad"], part["exp_avg"], part["exp_avg_sq"],
+                                     part.get("param"), **args)
         else:
-            step = int(self.steps[members[0]].item()) + 1
-            common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
-                          grad_scale_inv=inv_scale)
-            # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
-            buffer = flats.get("momentum_buffer") if group["momentum"] else None
-            native.sgd_step(master, grad, buffer, param_out, momentum=group["momentum"],
-                            dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
-                            **common)
-        if self.rule.update is _adam or group["momentum"]:  # SGD counts its steps with momentum (_sgd)
-            torch._foreach_add_([self.steps[r] for r in members], 1)
+            for start, end, group, members in spans:
+                part = {k: flat[start:end] for k, flat in flats.items()}
+                step = int(self.steps[members[0]].item()) + 1
+                common = dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
+                              grad_scale_inv=inv_scale)
+                # Groups share one layout of state chunks: a group without momentum leaves its buffer unused.
+                buffer = part.get("momentum_buffer") if group["momentum"] else None
+                native.sgd_step(part["master"], part["grad"], buffer, part.get("param"), momentum=group["momentum"],
+                                dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
+                                **common)
+        for _, _, group, members in spans:
+            if self.rule.update is _adam or group["momentum"]:  # SGD counts its steps with momentum (_sgd)
+                torch._foreach_add_([self.steps[r] for r in members], 1)
+        self.native_steps += 1
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled or deep-copied, it kept the parameters its model lends, its states in that model's chunks: the copy

@@ -64,6 +64,23 @@ def gpt2() -> tuple[nn.Module, list, int]:
     return model, gpt2_batches(STEPS), streaming(model)
 
 
+def test_decay_and_no_decay_param_groups_sharing_chunks_are_updated_ahead_too(gpt2) -> None:
+    # chunkmem finetune's param groups (Hugging Face's): weights with decay, biases and norms without, alternating in
+    # every chunk. Such chunks were never updated ahead, nor by the native kernel: now a pass a run of one group's.
+    def split(params) -> torch.optim.Optimizer:
+        params = list(params)
+        return ADAMW([{"params": [p for p in params if p.dim() >= 2]},
+                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
+
+    model, batches, budget = gpt2
+    results = []
+    for overlap in (False, True):
+        cm, opt = prepared(model, split, device_memory=budget, overlap_update=overlap, **NATIVE)
+        results.append((train(cm, opt, batches, gpt2_loss), {k: v.clone() for k, v in cm.state_dict().items()}, cm))
+    assert_same(results[1], results[0])
+    assert results[1][2].runtime.ahead.adopted > 0 and results[1][2].runtime.ahead.redone == 0
+
+
 @pytest.mark.parametrize("clip,adopted", [(1e9, True), (0.05, False)], ids=["clip-changes-nothing", "clip-scales"])
 def test_clipping_is_exact_adopted_where_it_changed_no_byte_redone_where_it_did(gpt2, clip: float,
                                                                                   adopted: bool) -> None:
