@@ -200,6 +200,7 @@ def meta_checksum(meta: dict[str, Any]) -> str:
     return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
+@torch.inference_mode(False)  # as ChunkedModel.load_state_dict (runtime/loading.py)
 def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer) -> dict[str, Any]:
     """Restore what `save_checkpoint` wrote; returns its metadata. Training continues bit-identically.
 

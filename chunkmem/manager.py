@@ -65,6 +65,7 @@ class Manager:
     @overload
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[ChunkedModel, ChunkOptimizer]: ...
 
+    @torch.inference_mode(False)  # as chunkmem.prepare
     def prepare(self, model: nn.Module, optimizer: Optimizer | None = None
                 ) -> ChunkedModel | tuple[ChunkedModel, ChunkOptimizer]:
         check_fresh(model, optimizer)

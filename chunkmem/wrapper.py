@@ -498,6 +498,7 @@ def shard_group(group: Any, config: Config) -> Any:
     return None if group is None or dist.get_world_size(group) == 1 else group
 
 
+@torch.inference_mode(False)  # chunks and views made under a caller's would be inference tensors: no training
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
             group: Any = None, *, versions: tuple[str, ...] = ()) -> tuple[ChunkedModel, ChunkOptimizer]:
     """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.

@@ -397,6 +397,49 @@ def _clamped_then_filled(cm: nn.Module, opt: torch.optim.Optimizer, data: bool) 
 
 
 @pytest.mark.parametrize("budget", [None, 0.3])
+def test_prepare_and_loads_under_inference_mode_train_as_plain_pytorch(budget) -> None:
+    # A setup helper or an evaluation script under torch.inference_mode: prepare made inference tensors of the chunks
+    # and views (GPT-2's prepare raised "Inference tensors do not track version counter"; an MLP's first step raised),
+    # and load_state_dict and load_checkpoint raised that too, where PyTorch's train and load.
+    model, plain, batches = tiny_gpt2(), tiny_gpt2(), gpt2_batches(STEPS)
+    plain_opt = ADAMW(plain.parameters())
+    with torch.inference_mode():
+        cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
+                                   chunkmem.Config(device="cpu", device_memory=gpt2_budget(budget)))
+    for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        for ids in batches[:2]:
+            gpt2_loss(net, ids).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    saved = copy.deepcopy(plain.state_dict()), copy.deepcopy(plain_opt.state_dict())
+    for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        gpt2_loss(net, batches[2]).backward()  # a step taken, then undone by the loads
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.inference_mode():
+            net.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+    for net, optimizer in ((plain, plain_opt), (cm, opt)):
+        gpt2_loss(net, batches[2]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in cm.state_dict().items())
+
+
+def test_load_checkpoint_under_inference_mode_restores_what_was_saved(tmp_path) -> None:
+    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(0.3))
+    gpt2_loss(cm, gpt2_batches(1)[0]).backward()
+    opt.step()
+    chunkmem.save_checkpoint(tmp_path / "ckpt", cm, opt)
+    expected = copy.deepcopy(cm.state_dict())
+    gpt2_loss(cm, gpt2_batches(1)[0]).backward()
+    opt.step()
+    with torch.inference_mode():
+        chunkmem.load_checkpoint(tmp_path / "ckpt", cm, opt)
+    assert all(torch.equal(v, expected[k]) for k, v in cm.state_dict().items())
+
+
+@pytest.mark.parametrize("budget", [None, 0.3])
 def test_a_default_device_set_elsewhere_leaves_chunkmems_host_memory_on_the_host(budget) -> None:
     # torch.set_default_device("cuda") before a run sends every allocation that names no device to the GPU: chunkmem's
     # pinned pool, its step counters and its host kernels' buffers went there. The meta device stands for it here,
