@@ -19,7 +19,7 @@ from torch import nn
 import chunkmem
 from chunkmem.runtime import grads
 
-from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gemma3n, tiny_gpt2
+from tests.helpers import gpt2_batches, gpt2_loss, param_bytes, prepared, tiny_gemma3n, tiny_gpt2, train
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 BUDGETS = [None, 0.3, 1.5]  # of the parameter bytes: all on the device, streaming, streaming with some kept
@@ -407,22 +407,16 @@ def test_prepare_and_loads_under_inference_mode_train_as_plain_pytorch(budget) -
         cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()),
                                    chunkmem.Config(device="cpu", device_memory=gpt2_budget(budget)))
     for net, optimizer in ((plain, plain_opt), (cm, opt)):
-        for ids in batches[:2]:
-            gpt2_loss(net, ids).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train(net, optimizer, batches[:2], gpt2_loss)
     saved = copy.deepcopy(plain.state_dict()), copy.deepcopy(plain_opt.state_dict())
     for net, optimizer in ((plain, plain_opt), (cm, opt)):
-        gpt2_loss(net, batches[2]).backward()  # a step taken, then undone by the loads
-        optimizer.step()
-        optimizer.zero_grad()
+        train(net, optimizer, batches[2:], gpt2_loss)  # a step taken, then undone by the loads
+    for net, optimizer in ((plain, plain_opt), (cm, opt)):  # (plain's optimizer adopts the saved tensors themselves)
         with torch.inference_mode():
             net.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
     for net, optimizer in ((plain, plain_opt), (cm, opt)):
-        gpt2_loss(net, batches[2]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train(net, optimizer, batches[2:], gpt2_loss)
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in cm.state_dict().items())
 
 
@@ -445,24 +439,11 @@ def test_a_default_device_set_elsewhere_leaves_chunkmems_host_memory_on_the_host
     # pinned pool, its step counters and its host kernels' buffers went there. The meta device stands for it here,
     # where an allocation that lands on it fails the first time its bytes are read.
     model, plain, batches = tiny_gpt2(), tiny_gpt2(), gpt2_batches(STEPS)
-    plain_opt = ADAMW(plain.parameters())
-    expected = []
-    for ids in batches:
-        loss = gpt2_loss(plain, ids)
-        loss.backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        expected.append(loss.item())
+    expected = train(plain, ADAMW(plain.parameters()), batches, gpt2_loss)
     torch.set_default_device("meta")
     try:
         cm, opt = prepared(model, ADAMW, device_memory=gpt2_budget(budget))
-        got = []
-        for ids in batches:
-            loss = gpt2_loss(cm, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.item())
+        got = train(cm, opt, batches, gpt2_loss)
         state = cm.state_dict()
     finally:
         torch.set_default_device(None)
