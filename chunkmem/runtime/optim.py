@@ -128,7 +128,7 @@ def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
 
 
 # A range of a chunk group's chunks (start, end) the native kernel updates in one pass, with the param group and the
-# parameters in it (`ChunkOptimizer._spans`).
+# parameters in it (`ChunkOptimizer.spans`).
 Span = tuple[int, int, dict, list[ParamRecord]]
 Range = tuple[int, int, dict[str, Any]]  # a span's range, and what the native Adam kernel is given for it
 
