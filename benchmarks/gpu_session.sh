@@ -75,6 +75,8 @@ for round in 1 2 3 4 5; do
   while read -r test; do deselect+=(--deselect "$test"); done <<<"$named"
   echo "crashed in: $(tail -n 1 <<<"$named")" | tee -a "$out/status.txt"
 done
+[ "$group" -lt "${#groups[@]}" ] &&
+  echo "not finished (TESTS_S spent, or crashes): $(printf -- "-k '%s' " "${groups[@]:$group}")" | tee -a "$out/status.txt"
 
 # Issue 36's host threads: the native update's speed by OpenMP team size, alone and beside a launching thread.
 part host_threads "${THREADS_S:-0}" python3 -m benchmarks.host_threads --json "$logs/host_threads.json"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from chunkmem.chunks.store import ParamRecord
+from chunkmem.chunks.store import ParamRecord, outside_inference_mode
 from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.files import fsync_dir, fsync_file, share_like_others
 from chunkmem.runtime.optim import ChunkOptimizer, is_step_count
@@ -200,7 +200,7 @@ def meta_checksum(meta: dict[str, Any]) -> str:
     return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
-@torch.inference_mode(False)  # as ChunkedModel.load_state_dict (runtime/loading.py)
+@outside_inference_mode
 def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer) -> dict[str, Any]:
     """Restore what `save_checkpoint` wrote; returns its metadata. Training continues bit-identically.
 

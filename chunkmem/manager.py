@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from chunkmem.checkpoint import optimizer_states, steps_by_name
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import ModelSet, put_data
+from chunkmem.chunks.store import ModelSet, outside_inference_mode, put_data
 from chunkmem.config import Config
 from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
@@ -65,7 +65,7 @@ class Manager:
     @overload
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[ChunkedModel, ChunkOptimizer]: ...
 
-    @torch.inference_mode(False)  # as chunkmem.prepare
+    @outside_inference_mode
     def prepare(self, model: nn.Module, optimizer: Optimizer | None = None
                 ) -> ChunkedModel | tuple[ChunkedModel, ChunkOptimizer]:
         check_fresh(model, optimizer)

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from chunkmem.chunks.family import Families
-from chunkmem.chunks.store import MANAGED, ParamRecord, put_data
+from chunkmem.chunks.store import MANAGED, ParamRecord, outside_inference_mode, put_data
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
@@ -498,7 +498,7 @@ def shard_group(group: Any, config: Config) -> Any:
     return None if group is None or dist.get_world_size(group) == 1 else group
 
 
-@torch.inference_mode(False)  # chunks and views made under a caller's would be inference tensors: no training
+@outside_inference_mode
 def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None,
             group: Any = None, *, versions: tuple[str, ...] = ()) -> tuple[ChunkedModel, ChunkOptimizer]:
     """Put `model`'s parameters, gradients and `optimizer`'s states into chunks. See SPEC section 3.

@@ -13,7 +13,7 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from chunkmem.chunks.family import Families, Family
 from chunkmem.chunks.layout import Layout, Slot, pack
 from chunkmem.chunks.state import TENSOR_MOVES, ChunkState, TensorState, next_tensor_state
 from chunkmem.memory.device import Device
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(eq=False)
@@ -318,6 +321,21 @@ def forward_running() -> Iterator[None]:
         yield
     finally:
         _forwards -= 1
+
+
+def outside_inference_mode(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn` run outside torch.inference_mode, where it makes chunkmem's tensors (chunks, views, a load's stand-ins):
+    made inside, they would be inference tensors, which no training step can use. Grad mode stays the caller's (leaving
+    inference mode alone turns gradients on: a module's own loading that writes a parameter in place under the caller's
+    torch.no_grad would raise)."""
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        grads = torch.is_grad_enabled()
+        with torch.inference_mode(False), torch.set_grad_enabled(grads):
+            return fn(*args, **kwargs)
+    return run
 
 
 def put_data(param: nn.Parameter, data: torch.Tensor) -> None:

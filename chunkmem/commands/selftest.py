@@ -42,13 +42,13 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"machine": selftest.describe_machine(), "commit": _commit(), "command": " ".join(command),
                               "checks": []}
     rows = []
+    _write(args.json, report)  # at once, and after every check: a run cut short keeps the checks it finished
     print(f"{'check':30} {'result':8} detail")
     for row in selftest.run_checks(args.only):
         rows.append(row)
         print(f"{row.check:30} {row.status:8} {row.detail}", flush=True)
         report["checks"] = [dataclasses.asdict(r) for r in rows]
-        if args.json:  # after every check: a run cut short by a time limit keeps the checks it finished
-            Path(args.json).write_text(json.dumps(report, indent=1))
+        _write(args.json, report)
     if args.json:
         print(f"report written to {args.json}")
     failed = [r.check for r in rows if r.status == "fail"]
@@ -56,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
     if skipped_gpu:
         print(f"no CUDA GPU here: {len(skipped_gpu)} checks need one ({', '.join(skipped_gpu)})")
     return 1 if failed or (args.require_gpu and skipped_gpu) else 0
+
+
+def _write(path: str | None, report: dict[str, Any]) -> None:
+    """The report at `path` (if given), whole or not at all: a time limit may end the run mid-write."""
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        os.replace(tmp, path)
 
 
 def _commit() -> str | None:

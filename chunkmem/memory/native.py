@@ -51,6 +51,7 @@ CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 
 _LOWP = (torch.bfloat16, torch.float16)
+Range = tuple[int, int, dict[str, Any]]  # a range of a chunk group's flat chunks, and what adam_step is given for it
 _GRAD_DTYPES = (torch.float32, *_LOWP)
 _missing: dict[str, str] = {}  # part -> why it is unavailable, once a loader has found out
 _reported: set[str] = set()  # parts whose absence has been logged
@@ -363,6 +364,17 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     return bool(_module().adam_step(master, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps,
                                     weight_decay, decoupled, step, grad_scale_inv, maximize, _isa(isa),
                                     *(into or (None, None, None)), threads))
+
+
+def adam_ranges(ranges: list[Range], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, param_out: torch.Tensor | None,
+                into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, threads: int = 0) -> None:
+    """adam_step over each of `ranges` of a chunk group's flat chunks, each with what it is given."""
+    for start, end, args in ranges:
+        cut = slice(start, end)
+        out = param_out[cut] if param_out is not None else None
+        adam_step(master[cut], grad[cut], exp_avg[cut], exp_avg_sq[cut], out, threads=threads,
+                  into=(into[0][cut], into[1][cut], into[2][cut]) if into is not None else None, **args)
 
 
 def sgd_step(master: torch.Tensor, grad: torch.Tensor, momentum_buf: torch.Tensor | None,

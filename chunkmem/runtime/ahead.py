@@ -72,7 +72,8 @@ from chunkmem.chunks.store import ChunkGroup, ParamRecord
 from chunkmem.memory import native
 
 if TYPE_CHECKING:
-    from chunkmem.runtime.optim import ChunkOptimizer, Range, Span
+    from chunkmem.memory.native import Range
+    from chunkmem.runtime.optim import ChunkOptimizer, Span
     from chunkmem.runtime.runtime import Runtime
 
 _log = logging.getLogger("chunkmem")
@@ -166,8 +167,7 @@ class Ahead:
         if not optimizer.steps_adam:
             return
         uniform = optimizer.uniform(group, group.members, self.group_of)
-        spans = [(0, group.master.numel, uniform, group.members)] if uniform is not None else \
-            optimizer.spans(group, group.members, self.group_of)
+        spans = optimizer.spans(group, group.members, self.group_of, uniform)
         if not _tiles(spans, group.master.numel):  # the spares, swapped in whole, must all be written
             return
         ranges = [(start, end, optimizer.adam_args(members, param_group, self.inv_scale()))
@@ -232,10 +232,8 @@ class Ahead:
         if keep:
             grad = spares.grad.copy_(grad)
         master, exp_avg, exp_avg_sq = inputs
-        for begin, end, args in ranges:
-            into = (spares.master[begin:end], spares.exp_avg[begin:end], spares.exp_avg_sq[begin:end])
-            native.adam_step(master[begin:end], grad[begin:end], exp_avg[begin:end], exp_avg_sq[begin:end],
-                             spares.param[begin:end], into=into, threads=threads, **args)
+        native.adam_ranges(ranges, master, grad, exp_avg, exp_avg_sq, spares.param,
+                    into=(spares.master, spares.exp_avg, spares.exp_avg_sq), threads=threads)
         return start, time.perf_counter()
 
     def backward_done(self) -> BaseException | None:

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX, _IncompatibleKeys
 
-from chunkmem.chunks.store import ParamRecord
+from chunkmem.chunks.store import ParamRecord, outside_inference_mode
 from chunkmem.runtime.runtime import Runtime
 
 
-@torch.inference_mode(False)  # an evaluation script's load: stand-ins made under it would have no version counter
+@outside_inference_mode
 def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, Any], strict: bool) -> _IncompatibleKeys:
     """Load `state_dict` into prepared `module` (ChunkedModel.load_state_dict): torch's loader assigns what it loads
     to stand-ins (meta ones, no copy of the model, but for modules with a loading of their own, which may write in

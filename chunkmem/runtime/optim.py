@@ -130,7 +130,6 @@ def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
 # A range of a chunk group's chunks (start, end) the native kernel updates in one pass, with the param group and the
 # parameters in it (`ChunkOptimizer.spans`).
 Span = tuple[int, int, dict, list[ParamRecord]]
-Range = tuple[int, int, dict[str, Any]]  # a span's range, and what the native Adam kernel is given for it
 
 
 def _zero_steps() -> torch.Tensor:
@@ -146,7 +145,7 @@ def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tenso
     group updates); else `steps` themselves."""
     if not group.get("fused") or not params or params[0].device.type == "cpu":
         return steps
-    return list(torch.stack(steps).to(params[0].device, non_blocking=True).unbind(0))
+    return list(torch.stack(steps).to(params[0].device, torch.float32, non_blocking=True).unbind(0))  # as torch's
 
 
 def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -531,7 +530,7 @@ class ChunkOptimizer(Optimizer):
             found_inf = not all(torch.isfinite(runtime.data.read(g.grad)).all().item()
                                 for g in runtime.groups() if g.grad.state is not ChunkState.FREE)
             if runtime.shards is not None:  # every rank must skip the same steps
-                found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf))).item())
+                found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf), device="cpu")).item())
             if runtime.grads_scaled and runtime.shards is None and not self.warned_scaled and runtime.grads.edited():
                 self.warned_scaled = True
                 _log.warning("chunkmem: p.grad was changed in place since backward, and under dtype='fp16' it holds "
@@ -654,9 +653,7 @@ class ChunkOptimizer(Optimizer):
             on_device, part = room > 0, room or numel
             host_native = self.native is not None and not on_device
         if host_native:
-            spans = [(0, chunk_group.master.numel, uniform, members)] if uniform is not None else \
-                self.spans(chunk_group, members, group_of)
-            self._native_step(chunk_group, spans, inv_scale)
+            self._native_step(chunk_group, self.spans(chunk_group, members, group_of, uniform), inv_scale)
             return False
         grads = runtime.data.grads(members, on_device)
         master = runtime.data.writable(chunk_group.master, on_device)
@@ -782,13 +779,16 @@ class ChunkOptimizer(Optimizer):
             return None
         return group_of[members[0]]
 
-    def spans(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict]
-              ) -> list[Span]:
-        """A chunk group's stepping `members` (in chunk order) as runs of parameters that lie end to end in the chunk, in
-        one param group at one step count, for the native kernel, which updates a range: Hugging Face's decay and
+    def spans(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
+              uniform: dict | None) -> list[Span]:
+        """A chunk group's stepping `members` (in chunk order, as layouts pack them) as runs of parameters that lie end
+        to end in the chunk, in one param group at one step count, for the native kernel, which updates a range: the
+        whole chunk where they all step in param group `uniform` (`self.uniform`); else Hugging Face's decay and
         no-decay param groups (chunkmem finetune's too) alternate within a chunk, weight and bias, and such a chunk
         updated through torch.optim instead, a few passes over its bytes rather than one. Where every parameter steps,
-        the last run takes the chunk's tail too, as one pass over the whole chunk does (`tiles`)."""
+        the last run takes the chunk's tail too, as one pass over the whole chunk does."""
+        if uniform is not None:
+            return [(0, chunk_group.master.numel, uniform, members)]
         spans: list[Span] = []
         for record in members:
             end = record.slot.offset + record.slot.numel
@@ -805,16 +805,16 @@ class ChunkOptimizer(Optimizer):
         return spans
 
     def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
-        """What the native Adam kernel is given for a chunk group whose `members` all step in param group `group`."""
+        """What the native Adam kernel is given for `members`, a span's, which all step in param group `group`."""
         beta1, beta2 = group["betas"]
         return dict(lr=float(group["lr"]), weight_decay=group["weight_decay"], maximize=group["maximize"],
                     grad_scale_inv=inv_scale, beta1=beta1, beta2=beta2, eps=group["eps"],
                     decoupled=group.get("decoupled_weight_decay", False), step=int(self.steps[members[0]].item()) + 1)
 
     def _native_step(self, chunk_group: ChunkGroup, spans: list[Span], inv_scale: float) -> None:
-        """The chunk in one pass of the native kernel a span (`spans`; one over the whole chunk where its parameters all
-        step in one param group): fp32 master, states and the cast copy, or the update made ahead of the step, adopted
-        (ahead.py). The update is elementwise, so a range gives the bits of the whole."""
+        """One pass of the native kernel for each of the chunk's `spans` (one over the whole chunk where its parameters
+        all step in one param group): fp32 master, states and the cast copy; or the update made ahead of the step,
+        adopted (ahead.py). The update is elementwise, so a range gives the bits of the whole."""
         runtime = self.runtime
         flats = {"grad": runtime.residency.to_host(chunk_group.grad),
                  "master": runtime.data.writable(chunk_group.master, False),
@@ -823,14 +823,12 @@ class ChunkOptimizer(Optimizer):
         if param_out is not None:
             flats["param"] = param_out
         if self.rule.update is _adam:
-            ranges: list[Range] = [(start, end, self.adam_args(members, group, inv_scale))
+            ranges: list[native.Range] = [(start, end, self.adam_args(members, group, inv_scale))
                                    for start, end, group, members in spans]
             ahead = runtime.ahead
             if ahead is None or param_out is None or not ahead.adopt(chunk_group, ranges, flats["grad"], param_out):
-                for start, end, args in ranges:
-                    part = {k: flat[start:end] for k, flat in flats.items()}
-                    native.adam_step(part["master"], part["grad"], part["exp_avg"], part["exp_avg_sq"],
-                                     part.get("param"), **args)
+                native.adam_ranges(ranges, flats["master"], flats["grad"], flats["exp_avg"], flats["exp_avg_sq"],
+                                   param_out)
         else:
             for start, end, group, members in spans:
                 part = {k: flat[start:end] for k, flat in flats.items()}

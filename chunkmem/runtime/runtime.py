@@ -205,6 +205,7 @@ class Runtime:
         # Parameters of the modules around a re-computed one, whose forward runs without their hooks (`hold_enclosing`).
         self.held_params: list[ParamRecord] = []
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
+        self.upcast_bytes = 0  # its fp32 copy's, where it is of lower precision
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
@@ -902,20 +903,24 @@ class Runtime:
         any of its tensors begins with `backward_begins`, and the largest of them is the first gradient that backward
         makes."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        largest = max(tensors, key=lambda t: t.nbytes, default=None)
         for tensor in tensors:
-            tensor.grad_fn.register_prehook(self.backward_begins)  # type: ignore[union-attr]  # (not None: above)
-        # A loss computes in fp32 from low-precision outputs (Hugging Face's upcasts its logits, as most do): its first
+            inside = functools.partial(self.backward_begins, loss_inside=tensor is not largest)
+            tensor.grad_fn.register_prehook(inside)  # type: ignore[union-attr]  # (not None: above)
+        self.output_bytes = largest.nbytes if largest is not None else 0
+        # A loss the forward computed from low-precision outputs upcasts them (Hugging Face's, given labels): its first
         # gradients are the fp32 copy's, twice the bf16 logits' bytes (a tiny bf16 LLaMA at a budget prepare accepted
         # met the allocator's error in its first backward where `_certain_room` counted the logits' own).
-        self.output_bytes = max([t.numel() * max(t.element_size(), 4) if t.is_floating_point() else t.nbytes
-                                 for t in tensors], default=0)
+        self.upcast_bytes = largest.numel() * 4 if largest is not None and largest.is_floating_point() and \
+            largest.element_size() < 4 else self.output_bytes
 
-    def backward_begins(self, grads: Any) -> None:
+    def backward_begins(self, grads: Any, loss_inside: bool = False) -> None:
         """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient), or a
         pipeline's micro-batch backward begins (`grads` None): gradients shown since the last backward are hidden, so
         that this one adds into their chunks rather than into `p.grad` (grads.py's Note). A second backward of a
         retained graph, with no forward between, added a gradient made on the device into a streamed group's, shown on
-        the host."""
+        the host. `loss_inside`: it reached an output other than the largest first, a loss the forward computed from
+        it (`mark_outputs`)."""
         if self.grads.shown:
             self.grads.hide()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
@@ -931,12 +936,13 @@ class Runtime:
         if task == self.room_task:  # another output of this backward's (a loss, then its logits)
             return
         self.room_task = task
+        first = self.upcast_bytes if loss_inside else self.output_bytes
         if self.warmup:
-            self._certain_room(self._room_for_activations(), chunks=0)  # those that may leave, left
+            self._certain_room(self._room_for_activations(), 0, first)  # those that may leave, left
         elif not self.placer.steady and self.shards is None:  # a step that outgrew its plan's record or left it
             room = self.device.allocation_room()
             chunks = sum(c.nbytes for c in self.residency.resident.values() if not c.pins)
-            self._certain_room(room, chunks)
+            self._certain_room(room, chunks, first)
 
     def recomputed(self, name: str) -> None:
         """Backward re-computed module `name` (activation checkpointing) for the node running now, whose gradients
@@ -960,19 +966,19 @@ class Runtime:
                 f"({self.limit / 2**20:.1f} MiB), or no blocks of those sizes: {ACTIVATION_FIXES}, or lower "
                 "Config.chunk_size")
 
-    def _certain_room(self, room: Room | None, chunks: int) -> None:
+    def _certain_room(self, room: Room | None, chunks: int, nbytes: int) -> None:
         """A loss's first backward ops make two gradients the size of the output it is computed from (the
-        log-softmax's and the logits', or the squared difference's and the difference's) while every activation is
-        alive. With too little `room` for two of the model's largest output, even once the `chunks` bytes of chunks
-        that may leave have left (or no blocks of that size, with none left), backward is certain to fail where
-        nothing can be retried: a MemoryBudgetError names the bytes, as `_room_for_grad`'s does, rather than the
-        allocator's error from inside autograd (activations that took all but a few bytes of the budget, their
-        forward's ops kept going by evicting every chunk)."""
-        sizes = [self.output_bytes] * 2
+        log-softmax's and the logits', or the squared difference's and the difference's: `nbytes` each, the fp32 copy's
+        where the forward computed the loss from low-precision logits) while every activation is alive. With too little
+        `room` for two, even once the `chunks` bytes of chunks that may leave have left (or no blocks of that size,
+        with none left), backward is certain to fail where nothing can be retried: a MemoryBudgetError names the bytes,
+        as `_room_for_grad`'s does, rather than the allocator's error from inside autograd (activations that took all
+        but a few bytes of the budget, their forward's ops kept going by evicting every chunk)."""
+        sizes = [nbytes] * 2
         if room is None or (room.most + chunks >= sum(sizes) and (chunks > 0 or self._allocates(sizes))):
             return
         raise MemoryBudgetError(
-            f"backward needs two blocks of {self.output_bytes} bytes on the device for the first gradients of the "
+            f"backward needs two blocks of {nbytes} bytes on the device for the first gradients of the "
             f"model's output, but the activations leave the allocator {room.most} bytes of Config.device_memory="
             f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB) beside {chunks} bytes of chunks that could leave, or "
             f"no blocks of that size: {ACTIVATION_FIXES}")

@@ -100,7 +100,7 @@ class Reducer:
         them, as PyTorch leaves a parameter without gradient untouched)."""
         if not records:
             return
-        got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32)
+        got = torch.tensor([r.grad_state is TensorState.HOLD for r in records], dtype=torch.float32, device="cpu")
         for record, anywhere in zip(records, self.shards.all_reduce(got, dist.ReduceOp.MAX).tolist()):
             if anywhere and record.grad_state is TensorState.FREE:
                 record.move_grad("write")

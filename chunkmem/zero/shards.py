@@ -357,7 +357,7 @@ class Shards:
         error, nothing updated."""
         issued, self.issued = self.issued, []  # checked: the next step's are checked afresh
         digest = zlib.crc32(repr(issued).encode())
-        extremes = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64), dist.ReduceOp.MAX)
+        extremes = self.all_reduce(torch.tensor([digest, -digest], dtype=torch.int64, device="cpu"), dist.ReduceOp.MAX)
         if extremes[0] != -extremes[1]:
             gathers = sum(op == "gather" for op, _ in issued)
             raise RuntimeError(

@@ -700,7 +700,7 @@ def test_step_counts_are_kept_as_torch_keeps_them_whatever_the_default_dtype(nat
     # torch.set_default_dtype(torch.bfloat16), set before a run, made chunkmem's step counts bf16: from 256 on they
     # no longer counted, and Adam's bias correction (and a checkpoint's step) went wrong with no error.
     model, batches = mlp(), mlp_batches(3)
-    ref, ref_opt = copy.deepcopy(model), ADAMW(model.parameters())
+    ref = copy.deepcopy(model)
     torch.set_default_dtype(torch.bfloat16)
     try:
         ref_opt = ADAMW(ref.parameters())

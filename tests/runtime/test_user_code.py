@@ -420,6 +420,31 @@ def test_prepare_and_loads_under_inference_mode_train_as_plain_pytorch(budget) -
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in cm.state_dict().items())
 
 
+class _LoadsInPlace(nn.Linear):
+    """Its own loading writes its weight in place, counting on the caller's torch.no_grad."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        self.weight.copy_(state_dict[prefix + "weight"])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_load_keeps_the_callers_grad_mode(mode) -> None:
+    # Leaving inference mode around a load (above) turned gradients on under a caller's torch.no_grad too, and a module
+    # whose own loading writes a parameter in place raised where PyTorch loads.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(_LoadsInPlace(8, 8), nn.Linear(8, 2))
+
+    plain, model = build(), build()
+    values = {k: v + 1 for k, v in plain.state_dict().items()}
+    cm, _ = prepared(model, ADAMW)
+    for net in (plain, cm):
+        with getattr(torch, mode)():
+            net.load_state_dict(values)
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in cm.state_dict().items())
+
+
 def test_load_checkpoint_under_inference_mode_restores_what_was_saved(tmp_path) -> None:
     cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(0.3))
     gpt2_loss(cm, gpt2_batches(1)[0]).backward()
