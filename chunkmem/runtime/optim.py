@@ -527,8 +527,7 @@ class ChunkOptimizer(Optimizer):
         inv_scale = 1.0
         if runtime.scaler is not None:
             scale = runtime.scaler.scale  # the factor backward put into the gradients
-            found_inf = not all(torch.isfinite(runtime.data.read(g.grad)).all().item()
-                                for g in runtime.groups() if g.grad.state is not ChunkState.FREE)
+            found_inf = self._found_inf(group_of)
             if runtime.shards is not None:  # every rank must skip the same steps
                 found_inf = bool(runtime.shards.all_reduce(torch.tensor(float(found_inf), device="cpu")).item())
             if runtime.grads_scaled and runtime.shards is None and not self.warned_scaled and runtime.grads.edited():
@@ -803,6 +802,22 @@ class ChunkOptimizer(Optimizer):
             start, _, group, run = spans[-1]
             spans[-1] = (start, chunk_group.master.numel, group, run)
         return spans
+
+    def _found_inf(self, group_of: dict[ParamRecord, dict]) -> bool:
+        """Whether a gradient of this optimizer's parameters is inf or nan, as torch's GradScaler.unscale_(optimizer)
+        looks at its own alone: a gradient outside it, which its zero_grad leaves, once overflowed skipped every step
+        after (fp16 BERT with some biases left out of the optimizer never stepped), as did another model's under a
+        manager."""
+        data = self.runtime.data
+        for group in self.runtime.groups():
+            mine = [r for r in group.members if r in group_of and r.grad_state is TensorState.HOLD]
+            if not mine or group.grad.state is ChunkState.FREE:
+                continue
+            flat = data.read(group.grad)
+            parts = [flat] if all(r in group_of for r in group.members) else [r.view(flat) for r in mine]
+            if not all(torch.isfinite(part).all().item() for part in parts):
+                return True
+        return False
 
     def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
         """What the native Adam kernel is given for `members`, a span's, which all step in param group `group`."""

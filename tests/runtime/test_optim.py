@@ -722,3 +722,32 @@ def test_step_counts_are_kept_as_torch_keeps_them_whatever_the_default_dtype(nat
     assert got == expected or native  # the native kernel is not bit for bit torch's (within 1e-6)
     assert all(torch.allclose(got_state[i]["exp_avg_sq"], s["exp_avg_sq"], rtol=1e-5, atol=0)
                for i, s in expected_state.items())
+
+
+def test_in_fp16_a_gradient_outside_the_optimizer_does_not_skip_its_steps() -> None:
+    # torch's GradScaler.unscale_(optimizer) looks for inf in the optimizer's own gradients. chunkmem looked in every
+    # gradient: one of a parameter left out of the optimizer, which its zero_grad leaves to accumulate, overflowed, and
+    # from then on every step was skipped, with no word (fp16 BERT with some biases left out never stepped). The
+    # optimizer must step as where those parameters are frozen.
+    from tests import zoo
+
+    arch = zoo.by_name("bert")
+    batches = arch.batches(8)
+    results = []
+    for frozen in (False, True):
+        model = arch.build()
+        outside = [p for i, p in enumerate(model.parameters()) if p.dim() < 2 and i % 3 == 0]
+        for param in outside:
+            param.requires_grad_(not frozen)
+        inside = [p for p in model.parameters() if all(p is not q for q in outside)]
+        cm, opt = chunkmem.prepare(model, torch.optim.AdamW(inside, lr=1e-2),
+                                   chunkmem.Config(device="cpu", dtype="fp16"))
+        for batch in batches:
+            zoo.loss(cm, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        results.append((opt.state_dict()["state"], cm.state_dict()))
+    (got, values), (expected, expected_values) = results
+    assert [s["step"].item() for s in got.values()] == [s["step"].item() for s in expected.values()]
+    assert max(s["step"].item() for s in got.values()) > 4
+    assert all(torch.equal(v, expected_values[k]) for k, v in values.items())
