@@ -11,8 +11,9 @@ The Trainer builds its optimizer as usual; `create_optimizer` then hands model a
   (that would pull every parameter onto the device at once): device placement is turned off, and
   the prepared model moves each batch to its device.
 - Gradients live in chunks (`p.grad` is None), so clipping calls `model.clip_grad_norm_`.
-- Saving writes a Hugging Face directory parameter by parameter (chunkmem.finetune.hf), and the optimizer
-  state goes into a chunkmem checkpoint inside the Trainer's checkpoint folder.
+- Saving writes a Hugging Face directory parameter by parameter (chunkmem.finetune.hf), a PEFT model's adapter
+  through its own save_pretrained, and the optimizer state goes into a chunkmem checkpoint inside the Trainer's
+  checkpoint folder.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ class ChunkmemTrainer(Trainer):
             return
         if output_dir is None:
             raise ValueError("ChunkmemTrainer: nowhere to save: set TrainingArguments.output_dir")
-        hf.save_pretrained(self.model, output_dir)  # fp32, from the master weights, as the plain Trainer's in bf16
+        if getattr(self.model.module, "peft_config", None) is not None and self.model.runtime.shards is None:
+            self.model.save_pretrained(output_dir)  # a PEFT model's adapter alone, as the plain Trainer saves it
+        else:
+            hf.save_pretrained(self.model, output_dir)  # fp32, from the master weights, as the plain Trainer's in bf16
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
 

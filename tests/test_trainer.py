@@ -113,3 +113,33 @@ def test_label_smoothing_and_a_model_prepared_before_the_trainer_train_and_evalu
             copied, torch.optim.AdamW(copied.parameters(), lr=3e-3, weight_decay=0.0), config)
         assert run(trainer_cls, prepared, trainer_cls.__name__, optimizers=(optimizer, None)) == pytest.approx(plain)
     assert repr(prepared).startswith("ChunkedModel(\n  (module): GPT2LMHeadModel(")
+
+
+class _AdapterModel(transformers.GPT2LMHeadModel):
+    """A stand-in for a PEFT model (peft is not among the test requirements): a `peft_config`, and a save_pretrained
+    that, as PEFT's, writes the adapter's values alone from the `state_dict` it is given."""
+
+    peft_config = {"default": "lora"}
+
+    def save_pretrained(self, save_directory, state_dict=None, **kwargs) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(save_directory, exist_ok=True)
+        adapter = {k: v.contiguous() for k, v in state_dict.items() if ".ln_" in k}  # (the adapter, here)
+        save_file(adapter, os.path.join(save_directory, "adapter_model.safetensors"))
+
+
+def test_save_model_of_a_peft_model_writes_its_adapter_as_the_plain_trainer(tmp_path: Path) -> None:
+    # ChunkmemTrainer wrote a PEFT model whole, in a Hugging Face model's layout under PEFT's names: PeftModel could not
+    # load it, nor could the Trainer resume from its checkpoints (helper-68, with peft 0.21). The model's own
+    # save_pretrained writes the adapter, from chunkmem's values.
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = _AdapterModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                                  bos_token_id=0, eos_token_id=0))
+    chunked = fit(ChunkmemTrainer, model, tmp_path / "run", chunkmem_config=chunkmem.Config(device="cpu", dtype="bf16"))
+    chunked.save_model(str(tmp_path / "final"))
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == ["adapter_model.safetensors"]
+    saved, want = load_file(tmp_path / "final" / "adapter_model.safetensors"), chunked.model.state_dict()
+    assert saved and all(torch.equal(v, want[k]) and v.dtype == torch.float32 for k, v in saved.items())

@@ -206,6 +206,7 @@ class Runtime:
         self.held_params: list[ParamRecord] = []
         self.output_bytes = 0  # the largest output of the model's last forward (`mark_outputs`)
         self.upcast_bytes = 0  # its fp32 copy's, where it is of lower precision
+        self.largest_output = -1  # which of those outputs it is
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
@@ -903,24 +904,28 @@ class Runtime:
         any of its tensors begins with `backward_begins`, and the largest of them is the first gradient that backward
         makes."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        largest = max(tensors, key=lambda t: t.nbytes, default=None)
-        for tensor in tensors:
-            inside = functools.partial(self.backward_begins, loss_inside=tensor is not largest)
-            tensor.grad_fn.register_prehook(inside)  # type: ignore[union-attr]  # (not None: above)
-        self.output_bytes = largest.nbytes if largest is not None else 0
+        for index, tensor in enumerate(tensors):
+            reached = functools.partial(self.backward_begins, output=index)
+            tensor.grad_fn.register_prehook(reached)  # type: ignore[union-attr]  # (not None: above)
+        # Sizes after the hooks: a compiled forward's Dynamo traces up to them, and a tensor of symbolic sizes it traces
+        # has no nbytes.
+        sizes = [t.nbytes for t in tensors]
+        self.output_bytes = max(sizes, default=0)
+        self.largest_output = sizes.index(self.output_bytes) if sizes else -1
         # A loss the forward computed from low-precision outputs upcasts them (Hugging Face's, given labels): its first
         # gradients are the fp32 copy's, twice the bf16 logits' bytes (a tiny bf16 LLaMA at a budget prepare accepted
         # met the allocator's error in its first backward where `_certain_room` counted the logits' own).
-        self.upcast_bytes = largest.numel() * 4 if largest is not None and largest.is_floating_point() and \
-            largest.element_size() < 4 else self.output_bytes
+        largest = tensors[self.largest_output] if sizes else None
+        self.upcast_bytes = self.output_bytes * 4 // largest.element_size() if largest is not None and \
+            largest.is_floating_point() and largest.element_size() < 4 else self.output_bytes
 
-    def backward_begins(self, grads: Any, loss_inside: bool = False) -> None:
+    def backward_begins(self, grads: Any, output: int = -1) -> None:
         """A backward reaches the model's outputs (a pre-hook of their grad_fn, before any parameter's gradient), or a
         pipeline's micro-batch backward begins (`grads` None): gradients shown since the last backward are hidden, so
         that this one adds into their chunks rather than into `p.grad` (grads.py's Note). A second backward of a
         retained graph, with no forward between, added a gradient made on the device into a streamed group's, shown on
-        the host. `loss_inside`: it reached an output other than the largest first, a loss the forward computed from
-        it (`mark_outputs`)."""
+        the host. `output`: which of the model's outputs it reached (`mark_outputs`); another than the largest first, a
+        loss the forward computed from that."""
         if self.grads.shown:
             self.grads.hide()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
@@ -936,7 +941,7 @@ class Runtime:
         if task == self.room_task:  # another output of this backward's (a loss, then its logits)
             return
         self.room_task = task
-        first = self.upcast_bytes if loss_inside else self.output_bytes
+        first = self.upcast_bytes if output not in (-1, self.largest_output) else self.output_bytes
         if self.warmup:
             self._certain_room(self._room_for_activations(), 0, first)  # those that may leave, left
         elif not self.placer.steady and self.shards is None:  # a step that outgrew its plan's record or left it
