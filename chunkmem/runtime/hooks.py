@@ -452,6 +452,11 @@ class Hooks:
             with torch.inference_mode(False), torch.no_grad(), self.forward(inputs, in_step) as modeless:
                 yield modeless
             return
+        if self.outside is not None and not _in_backward():
+            # A module run on its own was interrupted (torch runs no always_call hook after a KeyboardInterrupt): what it
+            # entered ends here, or the modules run on their own after it would run without (`_pre_forward`).
+            contexts, self.outside = self.outside[1], None
+            contexts.close()
         runtime = self.runtime
         if runtime.shards is not None and runtime.shards.summoned:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "

@@ -62,3 +62,29 @@ def test_a_device_op_on_a_parameter_whose_chunk_is_off_the_device_fails_as_on_a_
         uploaded = host[0].to("cpu", copy=True)
         assert torch.equal(device[0] + host[0].sum(), device[0] + host[0].sum().item())  # a 0-dim host scalar
     assert torch.equal(uploaded, host[0])
+
+
+def test_a_module_run_on_its_own_and_interrupted_leaves_nothing_entered_after_the_next_forward() -> None:
+    # torch runs no always_call forward hook after a KeyboardInterrupt (Ctrl-C in a notebook), so what a module run on
+    # its own had entered stayed: chunkmem's torch-function mode, and `p.data` as PyTorch's (a change through it then
+    # lost where the chunk is on the device), and no module run on its own entered again.
+    from chunkmem.chunks import store
+
+    cm, opt = prepared(mlp(), functools.partial(torch.optim.SGD, lr=0.1), dtype="bf16")
+    batches = mlp_batches(3)
+    mlp_loss(cm, batches[0]).backward()
+    opt.step()
+    layer = cm.module[2]
+
+    def interrupt(*_) -> None:
+        raise KeyboardInterrupt
+
+    handle = layer.register_forward_pre_hook(interrupt)  # after ours, which entered
+    with pytest.raises(KeyboardInterrupt):
+        layer(torch.randn(2, 32, dtype=torch.bfloat16))
+    handle.remove()
+    mlp_loss(cm, batches[1]).backward()
+    assert store._forwards == 0 and not torch._C._is_torch_function_mode_enabled()
+    with torch.no_grad():
+        layer.weight.data.fill_(0.5)  # outside a forward: seen, as a change through the parameter
+    assert torch.all(cm.state_dict()["2.weight"] == 0.5)
