@@ -1078,8 +1078,9 @@ class Runtime:
                 if only is None or record in only:
                     record.move_grad("free")
         if kept and self.scaler is not None and not self.grads_scaled:
-            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones.
-            torch._foreach_mul_(self.data.grad_views(), self.scaler.scale)
+            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones. The scale
+            # as an fp32 tensor: CPU's foreach ops cast a number to the fp16 tensors' dtype, and 65536 is inf there.
+            torch._foreach_mul_(self.data.grad_views(), torch.tensor(self.scaler.scale, dtype=torch.float32))
         self.grads_scaled = self.scaler is not None
         if shown:
             self.grads.show(zeroed)

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import math
 import weakref
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from torch import nn
 import chunkmem
 from chunkmem.runtime import optim
 from chunkmem.runtime.optim import ChunkOptimizer
-from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
+from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
 
@@ -751,3 +752,20 @@ def test_in_fp16_a_gradient_outside_the_optimizer_does_not_skip_its_steps() -> N
     assert [s["step"].item() for s in got.values()] == [s["step"].item() for s in expected.values()]
     assert max(s["step"].item() for s in got.values()) > 4
     assert all(torch.equal(v, expected_values[k]) for k, v in values.items())
+
+
+def test_in_fp16_gradients_kept_across_a_clipped_step_stay_finite() -> None:
+    # Gradients outside the optimizer (its zero_grad leaves them) are kept across a step that clipping unscaled, and
+    # zero_grad scales them back for the next backward. CPU's torch._foreach_mul_ casts the number 65536 to the fp16
+    # gradients' dtype, inf: they became inf (nan where 0), and every step from the second on was skipped (helper-69).
+    model = tiny_gpt2(layers=2, width=32)
+    inside = [p for n, p in model.named_parameters() if not (p.dim() == 1 and ".0." in n)]
+    cm, opt = chunkmem.prepare(model, torch.optim.AdamW(inside, lr=1e-2), chunkmem.Config(device="cpu", dtype="fp16"))
+    norms = []
+    for ids in gpt2_batches(4):
+        gpt2_loss(cm, ids).backward()
+        norms.append(cm.clip_grad_norm_(1.0).item())
+        opt.step()
+        opt.zero_grad()
+    assert all(math.isfinite(n) for n in norms), norms
+    assert {s["step"].item() for s in opt.state_dict()["state"].values()} == {4.0}
