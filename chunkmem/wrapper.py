@@ -258,7 +258,7 @@ class ChunkedModel(nn.Module):
         grads = runtime.data.grad_views(self.own_records)
         if runtime.scaler is not None and runtime.grads_scaled:
             # (an fp32 tensor: CPU's foreach ops cast a number to fp16, where 1 / 2**25 is 0: Runtime.zero_grad)
-            torch._foreach_mul_(grads, torch.tensor(1.0 / runtime.scaler.scale, dtype=torch.float32))
+            torch._foreach_mul_(grads, torch.tensor(1.0 / runtime.scaler.scale, dtype=torch.float32, device="cpu"))
             runtime.grads_scaled = False
         total = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach) if grads \
             else torch.zeros((), device=runtime.device.torch_device)

@@ -1080,7 +1080,8 @@ class Runtime:
         if kept and self.scaler is not None and not self.grads_scaled:
             # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones. The scale
             # as an fp32 tensor: CPU's foreach ops cast a number to the fp16 tensors' dtype, and 65536 is inf there.
-            torch._foreach_mul_(self.data.grad_views(), torch.tensor(self.scaler.scale, dtype=torch.float32))
+            scale = torch.tensor(self.scaler.scale, dtype=torch.float32, device="cpu")  # (CUDA's lists take it too)
+            torch._foreach_mul_(self.data.grad_views(), scale)
         self.grads_scaled = self.scaler is not None
         if shown:
             self.grads.show(zeroed)
