@@ -371,8 +371,7 @@ class Hooks:
         elif self._moment_inside():
             self.runtime.emit("post_forward", "fwd", self.names[module])
         if self.outside is not None and self.outside[0] is module:
-            contexts, self.outside = self.outside[1], None
-            contexts.close()
+            self._leave_outside()
             held, self.runtime.holding = self.runtime.holding, False
             if held:
                 self.runtime.recomputed(self.names[module])
@@ -413,6 +412,11 @@ class Hooks:
             elif backward and self.runtime.shards is None:
                 self.runtime.holding = True
             self.outside = (module, contexts.pop_all())
+
+    def _leave_outside(self) -> None:
+        """Exit what `_enter_outside` entered."""
+        contexts, self.outside = self.outside[1], None  # type: ignore[index]  # (set: the callers check)
+        contexts.close()
 
     def _enclosing(self, module: nn.Module) -> list[ParamRecord]:
         """The parameters of the modules around `module` that are theirs, not a child's that runs (BEiT's layer scales;
@@ -455,8 +459,7 @@ class Hooks:
         if self.outside is not None and not _in_backward():
             # A module run on its own was interrupted (torch runs no always_call hook after a KeyboardInterrupt): what it
             # entered ends here, or the modules run on their own after it would run without (`_pre_forward`).
-            contexts, self.outside = self.outside[1], None
-            contexts.close()
+            self._leave_outside()
         runtime = self.runtime
         if runtime.shards is not None and runtime.shards.summoned:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "

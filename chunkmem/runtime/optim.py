@@ -839,7 +839,7 @@ class ChunkOptimizer(Optimizer):
             flats["param"] = param_out
         if self.rule.update is _adam:
             ranges: list[native.Range] = [(start, end, self.adam_args(members, group, inv_scale))
-                                   for start, end, group, members in spans]
+                                          for start, end, group, members in spans]
             ahead = runtime.ahead
             if ahead is None or param_out is None or not ahead.adopt(chunk_group, ranges, flats["grad"], param_out):
                 native.adam_ranges(ranges, flats["master"], flats["grad"], flats["exp_avg"], flats["exp_avg_sq"],
