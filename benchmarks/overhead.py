@@ -83,6 +83,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
@@ -98,12 +99,18 @@ SHARES = {"fits": 1.0, "50%": 0.5, "25%": 0.25}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CLOCK = [time.perf_counter]  # what timed_phases reads: wall time, or with --cpu-time this thread's CPU time
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4)
+CONFIG: dict[str, Any] = {}  # chunkmem.Config's other fields, as the command line sets them
 
 
 def use_fused() -> None:
     """--fused: AdamW(fused=True) on both sides, torch's one-pass kernel, as the GPU speed issue's plain PyTorch."""
     global ADAMW
     ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)
+
+
+def use_chunk_size(size: int) -> None:
+    """--chunk-size: chunkmem's Config.chunk_size, elements a chunk (the default: the size that wastes least)."""
+    CONFIG["chunk_size"] = size
 
 
 def use_cpu_time() -> None:
@@ -176,7 +183,7 @@ def chunk_step(model: torch.nn.Module, loss: Callable[[torch.nn.Module], torch.T
     the full path (no resident steps nor lean forwards: runtime's Notes on them), as before they were built;
     `native` is Config.native_optimizer; `landing` the simulation's CHUNKMEM_SIM_LANDING (None: as the
     environment says); `as_cuda`: resident steps run without saved-tensor hooks, as where the allocator is read."""
-    config = chunkmem.Config(dtype=dtype, device_memory=memory, native_optimizer=native)
+    config = chunkmem.Config(dtype=dtype, device_memory=memory, native_optimizer=native, **CONFIG)
     with mock.patch.dict(os.environ, {"CHUNKMEM_SIM_LANDING": landing} if landing else {}):
         wrapped, optimizer = chunkmem.prepare(model, ADAMW(list(model.parameters())), config)
     wrapped.runtime.resident_allowed = resident

@@ -38,9 +38,13 @@ variant cannot train once chunks move (a saved parameter keeps its evicted slot,
 nothing back and the device holds more than its budget), so what it saves is an upper bound on what a design without
 those hooks could give back: one whose parameter chunks keep one storage on the device whose memory comes and goes
 (FSDP's resize of its storage), fetched by a hook before each unit's backward rather than at each saved parameter.
+"lean, units of one chunk" makes no unit of a module over two chunks (units.py's Note): its "saves" column is
+negative by what such units give back. They are made only where two chunks are a small share of the budget, as a
+1.16B LLaMA's 250 MiB chunks are of its GPU budget; this tiny model's default chunks are twice that share, and
+`--chunk-size 65536` (its largest parameter) brings them to it.
 
     CHUNKMEM_SIM_CHECK=0 CHUNKMEM_SIM_MEMORY=0 python -m benchmarks.overhead_parts --layers 20 --vocab 1024 \
-        --models llama --dtypes bf16 --as-cuda --cpu-time --share 0.5 --rounds 30 [--fused]
+        --models llama --dtypes bf16 --as-cuda --cpu-time --share 0.5 --rounds 30 [--fused] [--chunk-size 65536]
 
 The models are tiny by default, so that compute costs next to nothing and the figures are chunkmem's own
 work in absolute terms: what each mechanism costs does not grow with the model's width, only with its
@@ -66,8 +70,9 @@ import torch
 
 from benchmarks.common import table, timed, write_json
 from benchmarks.overhead import (CLOCK, DTYPES, Step, add_model_arguments, chunk_step, loss_fn, models, plain_step,
-                                 use_cpu_time, use_fused)
-from chunkmem.runtime import hooks
+                                 use_chunk_size, use_cpu_time, use_fused)
+from chunkmem.runtime import hooks, units
+from chunkmem.runtime import runtime as runtime_module
 from chunkmem.runtime.runtime import Runtime
 
 
@@ -90,6 +95,10 @@ RESIDENT = "resident"  # the variants whose steps run resident, as a fitting mod
 # With --share, chunks stream, forwards after the first step on the plan run lean (as by default), and what is taken out
 # is the saved-tensor hooks: an upper bound on what a design without them could give back (the Note below).
 STREAMING: dict[str, tuple[Any, ...]] = {"lean": (), "lean, no saved hooks": (SAVED,)}
+# A unit over two chunks (units.py's Note) made one chunk at most, as before: what such units give back.
+ONE_CHUNK_UNITS = mock.patch.object(runtime_module, "access_units",
+                                    lambda module, chunk_of, span=1: units.access_units(module, chunk_of))
+STREAMING["lean, units of one chunk"] = (ONE_CHUNK_UNITS,)
 
 
 @contextlib.contextmanager
@@ -158,10 +167,14 @@ def main() -> None:
                         "then the lean forward's, with and without the saved-tensor hooks")
     parser.add_argument("--fused", action="store_true", help="as benchmarks/overhead.py's: AdamW(fused=True) on both "
                         "sides, as the GPU speed issue's plain PyTorch")
+    parser.add_argument("--chunk-size", type=int, default=None, help="Config.chunk_size (elements a chunk) for every "
+                        "chunkmem model: chunks that are a smaller share of the budget, as a GPU's at its scale")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.cpu_time:
         use_cpu_time()
+    if args.chunk_size is not None:
+        use_chunk_size(args.chunk_size)
     if args.fused:
         use_fused()
     variants = VARIANTS if args.share is None else STREAMING

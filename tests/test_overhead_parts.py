@@ -56,20 +56,31 @@ def test_a_variant_steps_without_the_mechanisms_it_names(variant: str, used: set
 
 
 
-def test_streaming_rows_run_lean_and_the_second_without_the_saved_tensor_hooks() -> None:
-    # --share: both variants stream and run lean after the first step on the plan; the second packs nothing.
+def test_streaming_rows_run_lean_one_without_the_saved_tensor_hooks_one_with_units_of_one_chunk(monkeypatch) -> None:
+    # --share: every variant streams and runs lean after the first step on the plan; the second packs nothing, and the
+    # third makes units of one chunk at most.
+    monkeypatch.setattr("chunkmem.runtime.runtime.UNIT_CHUNK_SHARE", 1.0)  # units over two chunks at this budget too
     loss = loss_fn("mlp", torch.randn(4, 64), torch.float32)
-    seen: dict[str, list[Any]] = {"lean": [], "packed": [], "uploads": []}
-    begin, pack, upload = Runtime.begin_forward, Runtime.pack, Chunk.upload
+    seen: dict[str, list[Any]] = {"lean": [], "packed": [], "uploads": [], "span": []}
+    begin, pack, upload, units = Runtime.begin_forward, Runtime.pack, Chunk.upload, overhead_parts.units.access_units
+
+    def recorded(*args: Any) -> Any:  # the units the runtime asks for: two chunks at most, or one (the patch)
+        seen["span"].append(args[2] if len(args) > 2 else 1)
+        return units(*args)
     with mock.patch.multiple(Runtime, begin_forward=lambda *a: seen["lean"].append(begin(*a)) or seen["lean"][-1],
                              pack=lambda *a, **k: seen["packed"].append(1) or pack(*a, **k)), \
-            mock.patch.object(Chunk, "upload", lambda *a: seen["uploads"].append(1) or upload(*a)):
+            mock.patch.object(Chunk, "upload", lambda *a: seen["uploads"].append(1) or upload(*a)), \
+            mock.patch.object(overhead_parts.units, "access_units", recorded), \
+            mock.patch.object(overhead_parts.runtime_module, "access_units", recorded):
         extra = overhead_parts.measure(lambda: mlp(8, 64), loss, "fp32", rounds=2, order=random.Random(0), share=0.25)
         assert set(extra) == {"plain", *overhead_parts.STREAMING} and len(extra["lean, no saved hooks"]) == 2
+        assert len(overhead_parts.STREAMING) == 3
         for variant, patches in overhead_parts.STREAMING.items():
+            seen["span"].clear()
             step = overhead_parts._variant_step(lambda: mlp(8, 64), loss, "fp32", patches, True, memory=2 * 8 * 64 * 65)
+            assert seen["span"] == [1 if variant == "lean, units of one chunk" else 2], "two chunks a small share"
             for values in seen.values():
                 values.clear()
             step()
             assert seen["lean"] == [True] and seen["uploads"], "a lean forward, chunks moving"
-            assert bool(seen["packed"]) == (variant == "lean")
+            assert bool(seen["packed"]) == (variant != "lean, no saved hooks")

@@ -211,8 +211,10 @@ class Runtime:
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         records = self.store.records
-        if self.shards is None and size * config.torch_dtype.itemsize <= self.limit * UNIT_CHUNK_SHARE:  # units' Note
-            acquires, self.idle_modules = access_units(module, lambda p: records[p].group.param.name)
+        chunk_bytes = size * config.torch_dtype.itemsize
+        if self.shards is None and chunk_bytes <= self.limit * UNIT_CHUNK_SHARE:  # units' Note
+            span = 2 if 2 * chunk_bytes <= self.limit * UNIT_CHUNK_SHARE else 1
+            acquires, self.idle_modules = access_units(module, lambda p: records[p].group.param.name, span)
         else:
             acquires, self.idle_modules = {m: list(m.parameters(recurse=False)) for m in module.modules()}, set()
         self.module_records = {m: [records[p] for p in params] for m, params in acquires.items()}

@@ -23,6 +23,13 @@ found no room beside the held chunk, and was refused in its fifth or sixth step.
 is at most UNIT_CHUNK_SHARE of the device budget: the margin the plan keeps for what it cannot foresee (planning's
 SAFETY_FRACTION). Elsewhere every module acquires its own parameters, as before units.
 
+A layer that lies across a chunk boundary (a third of a 1.16B LLaMA's layers in 250 MiB chunks) was no unit: each of
+its modules acquired its own, 7 calls of ours where a layer in one chunk has one. Where two chunks together are at most
+that share of the budget, a module whose parameters lie in two chunks is a unit too (`span`): it holds both from its
+start to its end, where its modules would have held the first until the last of them in it and the second from the
+first, at most a chunk more through part of the layer, within the margin. The launch-bound 20-layer LLaMA streaming
+at half its model data: 1.3 ms less host time a step (benchmarks/overhead_parts.py's "wider units" row).
+
 A module inside a unit that runs outside a forward (called on its own, recomputed in backward under activation
 checkpointing) acquires the parameters of its subtree, as a unit would. One that runs inside another module's forward
 (shared with a module elsewhere) acquires nothing: the torch-function mode fetches its parameters op by op (FetchMode),
@@ -38,21 +45,21 @@ from torch import nn
 
 from chunkmem.chunks.planning import SAFETY_FRACTION
 
-UNIT_CHUNK_SHARE = SAFETY_FRACTION  # units only where a chunk is at most this share of the device budget (the Note)
+UNIT_CHUNK_SHARE = SAFETY_FRACTION  # units only where their chunks are at most this share of the budget (the Note)
 
 
-def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str]
+def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str], span: int = 1
                  ) -> tuple[dict[nn.Module, list[nn.Parameter]], set[nn.Module]]:
     """The parameters each module of `module` acquires when it starts (`chunk_of` names a parameter's chunk), and the
-    modules that acquire nothing in a forward: those inside a unit (see the Note). One of those run outside a forward
-    acquires its subtree's parameters, as a unit would."""
+    modules that acquire nothing in a forward: those inside a unit, a module whose parameters lie in at most `span`
+    chunks (see the Note). One of those run outside a forward acquires its subtree's parameters, as a unit would."""
     acquires: dict[nn.Module, list[nn.Parameter]] = {}
     idle: set[nn.Module] = set()
 
     def walk(sub: nn.Module) -> None:
         if sub in acquires or sub in idle:  # a module reached again through another parent
             return
-        if len({chunk_of(p) for p in sub.parameters()}) == 1 and type(sub).forward is not nn.Module.forward:
+        if 0 < len({chunk_of(p) for p in sub.parameters()}) <= span and type(sub).forward is not nn.Module.forward:
             idle.update(m for m in sub.modules() if m is not sub and m not in acquires)  # not one met elsewhere
             acquires.update({m: list(m.parameters()) for m in sub.modules() if m not in acquires})
             return
