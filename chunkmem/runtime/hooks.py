@@ -95,7 +95,7 @@ class FetchMode(TorchFunctionMode):
         records = self.runtime.unannounced(params) if params else None
         if records:
             self.runtime.lean_allowed = False  # a forward without this mode would miss the fetch
-            self.runtime.acquire(records)
+            self.runtime.acquire_elsewhere(records)
         if func is F.batch_norm:
             cast_args, cast_kwargs = _affine_like_statistics(args, kwargs)
             if cast_args is not args or cast_kwargs is not kwargs:  # a step without this mode would miss the cast

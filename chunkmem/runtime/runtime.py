@@ -423,6 +423,33 @@ class Runtime:
         records = (self.store.records.get(p) for p in params)
         return [r for r in records if r is not None and r.state is TensorState.HOLD]
 
+    def acquire_elsewhere(self, records: list[ParamRecord]) -> None:
+        """Acquire parameters an op reads outside their module (hooks.FetchMode). Where their chunks find no room beside
+        those the modules running now hold, the MemoryBudgetError says so: prepare counts the chunks of a module and of
+        the modules it runs inside, not those of parameters its forward reads elsewhere (Perceiver's and DeBERTa-v2's
+        output layers read the word embeddings' weight beside their own bias), so it accepted that budget."""
+        try:
+            self.acquire(records)
+        except MemoryBudgetError:
+            read = {r.group.param.name: r.group.param for r in records}
+            held = {name: self.placer.sizes[name] for name in sorted(self.placer.pinned) if name not in read}
+            need = sum(chunk.nbytes for chunk in read.values()) + sum(held.values())
+            running = sorted({r.name.rpartition(".")[0] for r in self.store.records.values()
+                              if r.uses and r not in records})
+            largest = max(math.prod(r.shape) for r in self.store.records.values())
+            least = (len(read) + len(held)) * largest * self.dtype.itemsize
+            fix = f"raise Config.device_memory above {need}"
+            if self.config.chunk_size is None:  # searched by the budget: a larger one may choose larger chunks
+                fix += f" with Config.chunk_size={self.store.chunk_size}"
+            fix += " (activations need room beside them)"
+            if self.store.chunk_size > largest and least + self.nonmodel_bytes() < self.limit:
+                fix += f", or set Config.chunk_size={largest} (its largest parameter's elements): chunks of {least}"
+            raise MemoryBudgetError(
+                f"{', '.join(r.name for r in records)} read outside its module, inside {', '.join(running)}: its chunk "
+                f"({', '.join(read)}) and theirs ({', '.join(held)}) are needed on the device at once, {need} bytes, "
+                f"more than Config.device_memory={self.limit} leaves them. prepare counts the chunks of a module and "
+                f"of the modules it runs inside, not those of parameters its forward reads elsewhere: {fix}") from None
+
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
         # a backward that raised left them

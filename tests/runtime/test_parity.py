@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
 
+import chunkmem
 from chunkmem.memory.landing import idle_priority_available
 from tests import zoo
 from tests.helpers import (gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes, prepared,
@@ -150,6 +152,30 @@ def test_awkward_model_matches_pytorch_under_a_tight_budget():
     store = cm.runtime.store
     frozen_record = store.records[cm.module.frozen.weight]
     assert not frozen_record.group.trainable and set(frozen_record.group.chunks) == {"param"}
+
+
+def test_a_weight_read_in_another_modules_forward_beyond_the_budget_names_a_budget_that_trains():
+    # Perceiver's decoder reads the word embeddings' weight beside its own bias: two chunks at once, which prepare
+    # cannot see (helper-70: budgets up to twice the least it accepted raised in every step, advising smaller chunks)
+    from transformers import PerceiverConfig, PerceiverForMaskedLM
+
+    torch.manual_seed(0)
+    model = PerceiverForMaskedLM(PerceiverConfig(
+        vocab_size=128, d_model=32, d_latents=32, num_latents=8, num_blocks=1, num_self_attends_per_block=2,
+        num_self_attention_heads=2, num_cross_attention_heads=2, max_position_embeddings=8, qk_channels=32,
+        v_channels=32, attention_probs_dropout_prob=0.0))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, 128, (2, 8), generator=gen) for _ in range(3)]
+    loss_fn = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    expected, _ = reference(model, OPTIMIZERS["adamw"], batches, loss_fn)
+    cm, opt = prepared(model, OPTIMIZERS["adamw"], device_memory=int(1.3 * least_accepted(model, OPTIMIZERS["adamw"])))
+    with pytest.raises(chunkmem.MemoryBudgetError, match="embeddings.weight read outside its module, inside "
+                       "embedding_decoder") as refused:
+        train(cm, opt, batches, loss_fn)
+    named = int(re.search(r"raise Config.device_memory above (\d+)", str(refused.value)).group(1))
+    cm, opt = prepared(model, OPTIMIZERS["adamw"], device_memory=named + 1)
+    assert train(cm, opt, batches, loss_fn) == expected
+    assert cm.memory_stats()["evictions"] > 0, "chunks moved"
 
 
 @pytest.mark.parametrize("fraction", [None, 0.35])
