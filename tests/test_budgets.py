@@ -122,6 +122,12 @@ def test_a_module_whose_chunks_do_not_fit_is_told_the_chunk_size_that_would_and_
     wide = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
     message = refusal(wide, 10_240, None)
     assert "raise device_memory above" in message and "chunk_size" not in message
+    # Below the least budget of a searched chunk size it named the chunks searched at that budget, twice the least
+    # (helper-70: a tiny Gemma2 refused at 16383 was told 31744, and 16384 was accepted).
+    embedded = torch.nn.Sequential(torch.nn.Embedding(64, 32), *[torch.nn.Linear(32, 32) for _ in range(4)])
+    least = helpers.least_accepted(embedded, torch.optim.AdamW)
+    message = refusal(embedded, least - 1, None)
+    assert f"raise device_memory to at least {least}, where prepare picks chunks of 2048 elements" in message
 
 
 @pytest.mark.slow
