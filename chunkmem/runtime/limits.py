@@ -111,8 +111,8 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
         smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
         least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
         if least < need and config.chunk_size is None and least > limit:  # searched: prepare picks the smallest there
-            fix = (f"raise device_memory to at least {least}, where prepare picks chunks of {smallest} elements (the largest "
-                   "parameter's: chunks can be no smaller; activations and temporaries need room beside them)")
+            fix = (f"raise device_memory to at least {least}, where prepare picks chunks of {smallest} elements (the "
+                   "largest parameter's: chunks can be no smaller; activations and temporaries need room beside them)")
         elif least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
             fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
                     f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the largest "
