@@ -433,9 +433,11 @@ class Runtime:
         except MemoryBudgetError:
             read = {r.group.param.name: r.group.param for r in records}
             held = {name: self.placer.sizes[name] for name in sorted(self.placer.pinned) if name not in read}
+            if not held:  # no module holds chunks beside them: not what prepare could not see
+                raise
             need = sum(chunk.nbytes for chunk in read.values()) + sum(held.values())
-            running = sorted({r.name.rpartition(".")[0] for r in self.store.records.values()
-                              if r.uses and r not in records})
+            running = ", ".join(sorted({r.name.rpartition(".")[0] for r in self.store.records.values()
+                                        if r.uses and r not in records})) or "the model"
             largest = max(math.prod(r.shape) for r in self.store.records.values())
             least = (len(read) + len(held)) * largest * self.dtype.itemsize
             fix = f"raise Config.device_memory above {need}"
@@ -445,7 +447,7 @@ class Runtime:
             if self.store.chunk_size > largest and least + self.nonmodel_bytes() < self.limit:
                 fix += f", or set Config.chunk_size={largest} (its largest parameter's elements): chunks of {least}"
             raise MemoryBudgetError(
-                f"{', '.join(r.name for r in records)} read outside its module, inside {', '.join(running)}: its chunk "
+                f"{', '.join(r.name for r in records)} read outside its module, inside {running}: its chunk "
                 f"({', '.join(read)}) and theirs ({', '.join(held)}) are needed on the device at once, {need} bytes, "
                 f"more than Config.device_memory={self.limit} leaves them. prepare counts the chunks of a module and "
                 f"of the modules it runs inside, not those of parameters its forward reads elsewhere: {fix}") from None

@@ -28,7 +28,8 @@ its modules acquired its own, 7 calls of ours where a layer in one chunk has one
 that share of the budget, a module whose parameters lie in two chunks is a unit too (`span`): it holds both from its
 start to its end, where its modules would have held the first until the last of them in it and the second from the
 first, at most a chunk more through part of the layer, within the margin. The launch-bound 20-layer LLaMA streaming
-at half its model data: 1.3 ms less host time a step (benchmarks/overhead_parts.py's "wider units" row).
+at half its model data, in chunks of its largest parameter: 1.9 ms less host time a step (benchmarks/overhead_parts.py's
+"units of one chunk" row).
 
 A module inside a unit that runs outside a forward (called on its own, recomputed in backward under activation
 checkpointing) acquires the parameters of its subtree, as a unit would. One that runs inside another module's forward
