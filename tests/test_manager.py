@@ -298,6 +298,44 @@ def test_two_trained_models_under_one_budget_match_plain_and_one_plan_covers_bot
     assert len(planned) == 1 and runtime.placer.phase is Phase.FOLLOW and runtime.placer.replans == 0
 
 
+def critic_first_step(actor, actor_optimizer, critic, critic_optimizer, pair) -> tuple[float, ...]:
+    """The critic's backward, then the actor's forward, then the critic's gradients clipped and stepped: what the
+    actor's forward left of them in `p.grad`."""
+    critic_loss = (critic(pair[0]).logits.squeeze(-1) - 1.0).pow(2).mean()
+    critic_loss.backward()
+    actor_loss = DPO.sequence_logps(actor, pair[0], PROMPT).mean()
+    shown = sum(p.grad is not None for p in critic.parameters())
+    norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), 0.05).item()
+    critic_optimizer.step()
+    critic_optimizer.zero_grad()
+    actor_loss.backward()
+    actor_optimizer.step()
+    actor_optimizer.zero_grad()
+    return critic_loss.item(), actor_loss.item(), shown, norm
+
+
+@pytest.mark.parametrize("budget", [None, 0.6])
+def test_one_models_forward_leaves_another_models_gradients_shown_for_its_clipping(budget):
+    # The actor's forward hid the critic's gradients: clipping them read None and clipped nothing (helper-71).
+    batches = pairs(3)
+    actor, critic = DPO.tiny_llama(0, layers=2, width=64), reward_model()
+    config = chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK)
+    if budget is not None:
+        probe = chunkmem.Manager(config)
+        for model in (actor, critic):
+            probe.prepare(*with_adamw(copy.deepcopy(model)))
+        budget = int(budget * probe.memory_stats()["model_data_bytes"])
+    manager = chunkmem.Manager(dataclasses.replace(config, device_memory=budget))
+    ours = [*manager.prepare(*with_adamw(copy.deepcopy(actor))), *manager.prepare(*with_adamw(copy.deepcopy(critic)))]
+    results = [critic_first_step(*ours, pair) for pair in batches]
+    plain = [actor, adamw(actor), critic, adamw(critic)]
+    assert results == [critic_first_step(*plain, pair) for pair in batches]
+    assert all(shown == len(list(critic.parameters())) for _, _, shown, _ in results)
+    for model, reference_model in ((ours[0], actor), (ours[2], critic)):
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in reference_model.state_dict().items())
+    assert (manager.memory_stats()["evictions"] > 0) == (budget is not None)
+
+
 def test_prepare_refuses_another_optimizer_kind_models_sharing_parameters_and_any_model_after_a_forward():
     manager, (policy, _, reference) = managed(None)
     critic = reward_model()

@@ -33,6 +33,9 @@ values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
 zero_grad(set_to_none=True) frees a gradient chunk whose host payload something else still views, the chunk takes
 a fresh one (`keep_viewed`). Past `p.grad = None`, which frees no chunk, such a view is still written (not yet).
+Under a manager a model's forward hides its own gradients only: another model's stay shown, as PyTorch leaves them
+(its clipping between read None and clipped nothing), but its parameters of streamed groups view the device copy
+again from that forward on, their `p.grad` still the host payload (not yet the same device until its own forward).
 Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
 raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
 torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
@@ -211,11 +214,11 @@ class ShownGrads:
         return any(r.grad_state is TensorState.HOLD and r.param.grad is None and r not in self.shown
                    for r in self.store.records.values())
 
-    def hide_for_forward(self) -> None:
-        """A forward with gradients enabled begins: the gradients shown are hidden, so that its backward adds into
-        their chunks (the Note)."""
-        self.hidden_by_forward = self.hidden_by_forward or bool(self.shown)
-        self.hide()
+    def hide_for_forward(self, records: Container[ParamRecord] | None = None) -> None:
+        """A forward with gradients enabled begins: the gradients shown (of `records`, its model's parameters; None:
+        all) are hidden, so that its backward adds into their chunks (the Note)."""
+        self.hidden_by_forward = self.hidden_by_forward or any(records is None or r in records for r in self.shown)
+        self.hide(records)
 
     def forget_zeros(self) -> None:
         """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as

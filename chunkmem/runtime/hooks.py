@@ -223,6 +223,9 @@ class Hooks:
         # Whether its forwards without gradients are part of the training step (a frozen model's under a manager:
         # manager's Note), rather than evaluation off the plan.
         self.scores_in_step = False
+        # A manager's model: its parameters' records, the gradients its forwards hide (one model's forward leaves
+        # another's `p.grad` shown, as PyTorch does); None: all of the runtime's, its only model's.
+        self.own: frozenset[ParamRecord] | None = None
         self.warned_unscaled = False  # that an fp16 model's module was called on its own to train (`_enter_outside`)
         self.module = module
         self.module_handles: list[RemovableHandle] = []  # the modules' forward hooks, while they are on
@@ -395,7 +398,7 @@ class Hooks:
             self.runtime.recomputing(torch._C._current_autograd_node())
             self.runtime.hold_enclosing(self._enclosing(module))
         if torch.is_grad_enabled() and not backward:
-            self.runtime.grads.hide_for_forward()
+            self.runtime.grads.hide_for_forward(self.own)
             if self.runtime.scaler is not None and not self.warned_unscaled:
                 self.warned_unscaled = True
                 _log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
@@ -469,7 +472,7 @@ class Hooks:
             runtime.release_held_back()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
-            runtime.grads.hide_for_forward()
+            runtime.grads.hide_for_forward(self.own)
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
         self._hooks_follow_residency()
