@@ -197,11 +197,21 @@ class _Placing(TorchDispatchMode):
 def _refuse_mixed(func: Any, args: tuple, kwargs: dict, host: set[int], blocks: dict[int, Block]) -> None:
     """CUDA's error for an op given a device tensor and a host tensor, both of one or more dimensions. Scalars
     pass: a 0-dim CPU tensor is a scalar to a GPU op, and a 0-dim device tensor moved to the host by `.to("cpu")`
-    is still a device tensor here, where that move does nothing. Foreach ops pass too: torch groups their lists
-    by device first."""
+    is still a device tensor here, where that move does nothing. A foreach op's lists may hold tensors of several
+    devices (torch groups them by device), but not at one index: the ops torch falls back to for those raise
+    (`torch._foreach_lerp_([device], [host], w)`, an EMA of timm's, passed here)."""
     if func.__name__.startswith("_foreach_"):
+        if func.__name__.startswith("_foreach_copy"):  # a copy crosses devices, each one as `copy_` does
+            return
+        lists = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, (list, tuple)) and _tensors(arg)]
+        for column in zip(*lists):
+            _refuse_among(func, [t for t in column if isinstance(t, torch.Tensor) and t.dim() > 0], host, blocks)
         return
-    tensors = [t for arg in (*args, *kwargs.values()) for t in _tensors(arg) if t.dim() > 0]
+    _refuse_among(func, [t for arg in (*args, *kwargs.values()) for t in _tensors(arg) if t.dim() > 0], host, blocks)
+
+
+def _refuse_among(func: Any, tensors: list[torch.Tensor], host: set[int], blocks: dict[int, Block]) -> None:
+    """`_refuse_mixed`'s for the tensors one op computes on together."""
     if not any(_address(t) in blocks for t in tensors):
         return
     for tensor in tensors:

@@ -57,7 +57,12 @@ def test_a_device_op_on_a_parameter_whose_chunk_is_off_the_device_fails_as_on_a_
     assert host and device, "the budget leaves some chunks off the device and some on it"
     with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
         device[0] + host[0]
+    # A foreach op over both at one index (timm's EMA: helper-71): torch falls back to per-tensor ops, which fail.
+    with torch.no_grad(), pytest.raises(RuntimeError, match="same device"):
+        torch._foreach_lerp_([device[0]], [host[0]], 0.1)
     with torch.no_grad():
+        torch._foreach_mul([device[0], host[0]], 2.0)  # at different indices: grouped by device
+        torch._foreach_copy_([device[0].clone()], [host[0]])  # a copy crosses devices
         assert torch.equal(host[0] * 2, host[0] + host[0])  # the host's own op
         uploaded = host[0].to("cpu", copy=True)
         assert torch.equal(device[0] + host[0].sum(), device[0] + host[0].sum().item())  # a 0-dim host scalar
