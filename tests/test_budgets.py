@@ -121,13 +121,24 @@ def test_a_module_whose_chunks_do_not_fit_is_told_the_chunk_size_that_would_and_
            "parameter's elements), whose chunks take 8192" in message
     wide = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
     message = refusal(wide, 10_240, None)
-    assert "raise device_memory above" in message and "chunk_size" not in message
+    assert f"raise device_memory to at least {helpers.least_accepted(wide, torch.optim.AdamW)}" in message
+    assert "chunk_size" not in message
     # Below the least budget of a searched chunk size it named the chunks searched at that budget, twice the least
     # (helper-70: a tiny Gemma2 refused at 16383 was told 31744, and 16384 was accepted).
     embedded = torch.nn.Sequential(torch.nn.Embedding(64, 32), *[torch.nn.Linear(32, 32) for _ in range(4)])
     least = helpers.least_accepted(embedded, torch.optim.AdamW)
     message = refusal(embedded, least - 1, None)
-    assert f"raise device_memory to at least {least}, where prepare picks chunks of 2048 elements" in message
+    assert f"raise device_memory to at least {least}, where chunks of 2048 elements fit" in message
+    # Nor one over the search's sizes, where a weight and its bias then lie in two chunks of the largest's size
+    # (helper-72: at least 12288, where 6400 was accepted).
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        width = int(torch.randint(16, 48, (1,), generator=gen))
+        stack = torch.nn.Sequential(torch.nn.Embedding(int(torch.randint(8, 64, (1,), generator=gen)), width),
+                                    *[torch.nn.Linear(width, width) for _ in range(3)])
+        least = helpers.least_accepted(stack, torch.optim.AdamW)
+        named = re.search(r"raise device_memory (?:to at least|above) (\d+)", refusal(stack, least - 1, None))
+        assert int(named.group(1)) == least, seed
 
 
 @pytest.mark.slow

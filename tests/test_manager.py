@@ -314,17 +314,18 @@ def critic_first_step(actor, actor_optimizer, critic, critic_optimizer, pair) ->
     return critic_loss.item(), actor_loss.item(), shown, norm
 
 
-@pytest.mark.parametrize("budget", [None, 0.6])
-def test_one_models_forward_leaves_another_models_gradients_shown_for_its_clipping(budget):
+@pytest.mark.parametrize("share", [None, 0.6])
+def test_one_models_forward_leaves_another_models_gradients_shown_for_its_clipping(share):
     # The actor's forward hid the critic's gradients: clipping them read None and clipped nothing (helper-71).
     batches = pairs(3)
     actor, critic = DPO.tiny_llama(0, layers=2, width=64), reward_model()
     config = chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK)
-    if budget is not None:
+    budget = None
+    if share is not None:  # of both models' data
         probe = chunkmem.Manager(config)
         for model in (actor, critic):
             probe.prepare(*with_adamw(copy.deepcopy(model)))
-        budget = int(budget * probe.memory_stats()["model_data_bytes"])
+        budget = int(share * probe.memory_stats()["model_data_bytes"])
     manager = chunkmem.Manager(dataclasses.replace(config, device_memory=budget))
     ours = [*manager.prepare(*with_adamw(copy.deepcopy(actor))), *manager.prepare(*with_adamw(copy.deepcopy(critic)))]
     results = [critic_first_step(*ours, pair) for pair in batches]
@@ -334,6 +335,25 @@ def test_one_models_forward_leaves_another_models_gradients_shown_for_its_clippi
     for model, reference_model in ((ours[0], actor), (ours[2], critic)):
         assert all(torch.equal(model.state_dict()[k], v) for k, v in reference_model.state_dict().items())
     assert (manager.memory_stats()["evictions"] > 0) == (budget is not None)
+
+
+def test_a_models_forward_without_backward_warns_at_its_own_step_not_another_models(caplog):
+    # The warning that `p.grad` read None before a step went to the first optimizer to step, another model's whose
+    # gradients showed all along (helper-72).
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu", dtype="fp32", chunk_size=CHUNK))
+    actor, actor_optimizer = manager.prepare(*with_adamw(DPO.tiny_llama(0, layers=2, width=64)))
+    critic, critic_optimizer = manager.prepare(*with_adamw(reward_model()))
+    pair = pairs(1)[0]
+    DPO.sequence_logps(actor, pair[0], PROMPT).mean().backward()
+    (critic(pair[0]).logits.squeeze(-1) - 1.0).pow(2).mean().backward()
+    DPO.sequence_logps(actor, pair[1], PROMPT).mean()  # a metric with gradients enabled, and no backward
+    warned = []
+    for model, optimizer in ((critic, critic_optimizer), (actor, actor_optimizer)):
+        shown = all(p.grad is not None for p in model.parameters())
+        caplog.clear()
+        optimizer.step()
+        warned.append((shown, "p.grad was None until this step" in caplog.text))
+    assert warned == [(True, False), (False, True)]
 
 
 def test_prepare_refuses_another_optimizer_kind_models_sharing_parameters_and_any_model_after_a_forward():

@@ -71,10 +71,16 @@ def search_chunk_size(params: Sequence[tuple[str, int]], multiple_of: int = 1, s
     size fits (the budget check then explains why). Ties go to the smaller size. `span`: other multiples of the
     largest parameter to search between (`chunk_size_bands`).
     """
+    return min(chunk_size_candidates(params, steps, span),
+               key=lambda size: (not fits(size), pack(params, size, multiple_of).wasted, size))
+
+
+def chunk_size_candidates(params: Sequence[tuple[str, int]], steps: int = 32,
+                          span: tuple[float, float] = (1.0, 2.0)) -> list[int]:
+    """The sizes `search_chunk_size` chooses among, smallest first."""
     largest = _align(max((numel for _, numel in params), default=1))
     low, high = _align(int(largest * span[0])), _align(int(largest * span[1]))
-    candidates = sorted({_align(low + ((high - low) * k) // steps) for k in range(steps + 1)})
-    return min(candidates, key=lambda size: (not fits(size), pack(params, size, multiple_of).wasted, size))
+    return sorted({_align(low + ((high - low) * k) // steps) for k in range(steps + 1)})
 
 
 def chunk_size_bands(params: Sequence[tuple[str, int]], multiple_of: int = 1, besides: int | None = None) -> list[int]:

@@ -34,8 +34,9 @@ backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a sl
 zero_grad(set_to_none=True) frees a gradient chunk whose host payload something else still views, the chunk takes
 a fresh one (`keep_viewed`). Past `p.grad = None`, which frees no chunk, such a view is still written (not yet).
 Under a manager a model's forward hides its own gradients only: another model's stay shown, as PyTorch leaves them
-(its clipping between read None and clipped nothing), but its parameters of streamed groups view the device copy
-again from that forward on, their `p.grad` still the host payload (not yet the same device until its own forward).
+(hidden, that model's clipping read None and clipped nothing), and so do its zeros left by zero_grad(set_to_none=False).
+Not yet: the parameters of that model's streamed groups view their device copy again from that forward on, while
+their `p.grad` still views the host payload.
 Under ZeRO a rank holds only its share of each gradient: `p.grad` shows a `ShardedGrad` there, whose every use
 raises, naming model.clip_grad_norm_ (which combines the shares) and zero_grad. With None there,
 torch.nn.utils.clip_grad_norm_ would find no gradient and clip nothing, and a fast zero_grad (`p.grad = None`) would
@@ -85,9 +86,9 @@ class ShownGrads:
         self.zeroed: dict[ChunkGroup, list[tuple[torch.Tensor, int]]] = {}
         # Under ZeRO, each parameter's ShardedGrad, made once, with the device and dtype it was made for.
         self.sharded: dict[ParamRecord, tuple[torch.Tensor, torch.device, torch.dtype]] = {}
-        # A forward with gradients enabled hid gradients a backward showed, and no backward ran since: `p.grad` read
-        # meanwhile (torch.nn.utils.clip_grad_norm_) saw None, where plain PyTorch shows the gradients (step() warns).
-        self.hidden_by_forward = False
+        # The gradients a backward showed that a forward with gradients enabled hid, no backward since: `p.grad` read
+        # meanwhile (torch.nn.utils.clip_grad_norm_) saw None, where plain PyTorch shows them (their step() warns).
+        self.hidden_by_forward: set[ParamRecord] = set()
         self.renewed = 0  # gradient chunks that left their host payload to the user's views (`keep_viewed`)
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
@@ -182,8 +183,7 @@ class ShownGrads:
         are gone (zero_grad(set_to_none=True)), and one the user still holds keeps its values (`_keep_held`)."""
         if edits:
             self.take(records)
-        if records is None:
-            self.forget_zeros()
+        self.forget_zeros(records)
         self.restore()
         _keep_held(self._unshown(records, dropped))
 
@@ -209,24 +209,28 @@ class ShownGrads:
             chunk.renew_host()
             self.renewed += 1
 
-    def unseen(self) -> bool:
-        """Whether a gradient in its chunk shows nowhere: `p.grad` None, not set so by the user."""
-        return any(r.grad_state is TensorState.HOLD and r.param.grad is None and r not in self.shown
-                   for r in self.store.records.values())
+    def unseen(self, params: Container[torch.nn.Parameter] | None = None) -> bool:
+        """Whether a gradient in its chunk (of one of `params`; None: any) shows nowhere: `p.grad` None, not set so by
+        the user."""
+        return any(r.grad_state is TensorState.HOLD and r.param.grad is None and r not in self.shown and
+                   (params is None or r.param in params) for r in self.store.records.values())
 
     def hide_for_forward(self, records: Container[ParamRecord] | None = None) -> None:
         """A forward with gradients enabled begins: the gradients shown (of `records`, its model's parameters; None:
         all) are hidden, so that its backward adds into their chunks (the Note)."""
-        self.hidden_by_forward = self.hidden_by_forward or any(records is None or r in records for r in self.shown)
+        self.hidden_by_forward.update(r for r in self.shown if records is None or r in records)
         self.hide(records)
 
-    def forget_zeros(self) -> None:
+    def forget_zeros(self, records: Container[ParamRecord] | None = None) -> None:
         """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as
-        set_to_none=True frees them: the next backward writes them afresh (the Note)."""
-        for group, shown in self.zeroed.items():
+        set_to_none=True frees them: the next backward writes them afresh (the Note). Those of groups whose every
+        member is in `records` (None: all)."""
+        for group, shown in list(self.zeroed.items()):
+            if records is not None and not all(r in records for r in group.members):
+                continue
             if all(grad._version == version for grad, version in shown):
                 self.residency.reset(group.grad)
-        self.zeroed.clear()
+            del self.zeroed[group]
 
     def take(self, records: Container[ParamRecord] | None = None) -> None:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of

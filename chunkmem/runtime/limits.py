@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from chunkmem.chunks.family import Families
+from chunkmem.chunks.layout import chunk_size_candidates
 from chunkmem.chunks.store import checkpointed, layouts, pinned_chunks, planned_model_data_bytes, recomputed_whole
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
@@ -110,9 +111,12 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
         fix = f"raise device_memory above {need} (activations and temporaries need room beside them)"
         smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
         least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
-        if least < need and config.chunk_size is None and least > limit:  # searched: prepare picks the smallest there
-            fix = (f"raise device_memory to at least {least}, where prepare picks chunks of {smallest} elements (the "
-                   "largest parameter's: chunks can be no smaller; activations and temporaries need room beside them)")
+        searched = (limit, size) if config.chunk_size is not None or world > 1 else \
+            min((pinned(s)[0] * s * config.torch_dtype.itemsize, s)
+                for s in chunk_size_candidates([(n, p.numel()) for n, p in module.named_parameters()]))
+        if limit < searched[0] < need:  # the least budget of a chunk size prepare searches
+            fix = (f"raise device_memory to at least {searched[0]}, where chunks of {searched[1]} elements fit "
+                   "(activations and temporaries need room beside them)")
         elif least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
             fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
                     f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the largest "
@@ -122,6 +126,24 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
             f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} "
             f"bytes, but {_limit_source(config)} allows {limit}: {fix}")
     return need
+
+
+def read_elsewhere(params: list[str], running: list[str], read: list[str], held: list[str], need: int, limit: int,
+                   searched: int | None) -> str:
+    """The MemoryBudgetError of a forward op that reads `params` outside their module, inside the modules `running`:
+    their chunks (`read`) and those the running modules hold (`held`) need `need` bytes at once, more than the budget
+    `limit`. prepare counts the chunks of a module and of the modules it runs inside, not those of parameters its
+    forward reads elsewhere (Perceiver's and DeBERTa-v2's output layers read the word embeddings' weight beside their
+    own bias), so it accepted that budget. `searched`: the chunk size prepare searched (None: the user's), which a
+    larger budget may choose larger."""
+    fix = f"raise Config.device_memory above {need}"
+    if searched is not None:
+        fix += f" with Config.chunk_size={searched}"
+    return (f"{', '.join(params)}, read outside {'their modules' if len(params) > 1 else 'its module'} inside "
+            f"{', '.join(running)}: chunks {', '.join(read)} and {', '.join(held)} are needed on the device at once, "
+            f"{need} bytes, more than the budget of {limit}. prepare counts the chunks of a module and of the modules "
+            f"it runs inside, not those of parameters its forward reads elsewhere: {fix} (activations need room beside "
+            "them)")
 
 
 def _recomputed(chain: list[tuple[str, nn.Module]]) -> str:

@@ -605,7 +605,8 @@ class ChunkOptimizer(Optimizer):
         them (grads.py's Note), or a backward that raised (its end, which shows them, never came)."""
         runtime = self.runtime
         raised = bool(runtime.queued) and torch._C._current_graph_task_id() == -1  # not a step inside a backward
-        if (runtime.grads.hidden_by_forward or raised) and not self.warned_hidden and runtime.grads.unseen():
+        hidden = {r for r in runtime.grads.hidden_by_forward if self.own is None or r.param in self.own}
+        if (hidden or raised) and not self.warned_hidden and runtime.grads.unseen(self.own):
             self.warned_hidden = True
             why, fix = (("a backward raised before it ended (its end shows the gradients in p.grad)",
                          "or drop them with zero_grad()") if raised else
@@ -615,7 +616,7 @@ class ChunkOptimizer(Optimizer):
                          "and this step used them), so what read p.grad meanwhile saw no gradient (torch.nn.utils."
                          "clip_grad_norm_ clipped nothing); clip with model.clip_grad_norm_, which reads the chunks, "
                          "%s", why, fix)
-        runtime.grads.hidden_by_forward = False
+        runtime.grads.hidden_by_forward -= hidden  # another model's, a manager's, are its optimizer's to warn of
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at prepare has no gradient, master or state chunk: unfreezing it later would

@@ -85,7 +85,7 @@ from chunkmem.memory.gpu_memory import DeviceMemory, load_nvml
 from chunkmem.runtime.activations import ActivationMeter, Saved, unchanged
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.grads import ShownGrads
-from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room
+from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room, read_elsewhere
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
 from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
@@ -425,32 +425,21 @@ class Runtime:
 
     def acquire_elsewhere(self, records: list[ParamRecord]) -> None:
         """Acquire parameters an op reads outside their module (hooks.FetchMode). Where their chunks find no room beside
-        those the modules running now hold, the MemoryBudgetError says so: prepare counts the chunks of a module and of
-        the modules it runs inside, not those of parameters its forward reads elsewhere (Perceiver's and DeBERTa-v2's
-        output layers read the word embeddings' weight beside their own bias), so it accepted that budget."""
+        those the modules running now hold, and the budget is less than both, the MemoryBudgetError says so
+        (limits.read_elsewhere)."""
         try:
             self.acquire(records)
         except MemoryBudgetError:
-            read = {r.group.param.name: r.group.param for r in records}
+            read = {r.group.param.name: r.group.param.nbytes for r in records}
             held = {name: self.placer.sizes[name] for name in sorted(self.placer.pinned) if name not in read}
-            if not held:  # no module holds chunks beside them: not what prepare could not see
+            need = sum(read.values()) + sum(held.values())
+            if not held or need <= self.limit:  # not chunks at once beyond the budget: what prepare could not see
                 raise
-            need = sum(chunk.nbytes for chunk in read.values()) + sum(held.values())
-            running = ", ".join(sorted({r.name.rpartition(".")[0] for r in self.store.records.values()
-                                        if r.uses and r not in records})) or "the model"
-            largest = max(math.prod(r.shape) for r in self.store.records.values())
-            least = (len(read) + len(held)) * largest * self.dtype.itemsize
-            fix = f"raise Config.device_memory above {need}"
-            if self.config.chunk_size is None:  # searched by the budget: a larger one may choose larger chunks
-                fix += f" with Config.chunk_size={self.store.chunk_size}"
-            fix += " (activations need room beside them)"
-            if self.store.chunk_size > largest and least + self.nonmodel_bytes() < self.limit:
-                fix += f", or set Config.chunk_size={largest} (its largest parameter's elements): chunks of {least}"
-            raise MemoryBudgetError(
-                f"{', '.join(r.name for r in records)} read outside its module, inside {running}: its chunk "
-                f"({', '.join(read)}) and theirs ({', '.join(held)}) are needed on the device at once, {need} bytes, "
-                f"more than Config.device_memory={self.limit} leaves them. prepare counts the chunks of a module and "
-                f"of the modules it runs inside, not those of parameters its forward reads elsewhere: {fix}") from None
+            running = {r.name.rpartition(".")[0] or "the model" for r in self.store.records.values()
+                       if r.uses and r not in records}
+            raise MemoryBudgetError(read_elsewhere(
+                [r.name for r in records], sorted(running), list(read), list(held), need, self.limit,
+                self.store.chunk_size if self.config.chunk_size is None else None)) from None
 
     def release_all(self) -> None:
         """After a forward, or a forward that raised: nothing stays in COMPUTE."""
@@ -1048,7 +1037,7 @@ class Runtime:
         if self.shards is not None:  # reduce-scatters in flight finish now
             self.shards.finish_backward()
         failed = self.ahead.backward_done() if self.ahead is not None else None
-        self.grads.hidden_by_forward = False
+        self.grads.hidden_by_forward.clear()
         if self.shards is None:
             self.grads.show()
         else:

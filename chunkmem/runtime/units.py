@@ -25,11 +25,11 @@ SAFETY_FRACTION). Elsewhere every module acquires its own parameters, as before 
 
 A layer that lies across a chunk boundary (a third of a 1.16B LLaMA's layers in 250 MiB chunks) was no unit: each of
 its modules acquired its own, 7 calls of ours where a layer in one chunk has one. Where two chunks together are at most
-that share of the budget, a module whose parameters lie in two chunks is a unit too (`span`): it holds both from its
-start to its end, where its modules would have held the first until the last of them in it and the second from the
-first, at most a chunk more through part of the layer, within the margin. The launch-bound 20-layer LLaMA streaming
-at half its model data, in chunks of its largest parameter: 1.9 ms less host time a step (benchmarks/overhead_parts.py's
-"units of one chunk" row).
+that share of the budget, a module whose parameters lie in two chunks is a unit too (`span`). It holds both chunks
+from its start to its end; its modules one by one would have let the first go after its last module in that chunk,
+and brought the second only for its first module in it: at most one chunk more, through part of the layer, within the
+margin. The launch-bound 20-layer LLaMA streaming at half its model data, in chunks of its largest parameter: 1.7 ms
+less host time a step (benchmarks/overhead_parts.py's "units of one chunk" row, 9a8d5ec).
 
 A module inside a unit that runs outside a forward (called on its own, recomputed in backward under activation
 checkpointing) acquires the parameters of its subtree, as a unit would. One that runs inside another module's forward
