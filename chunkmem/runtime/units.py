@@ -40,6 +40,7 @@ own parameters (its gather units are zero/units.py's).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 
 from torch import nn
@@ -56,11 +57,16 @@ def access_units(module: nn.Module, chunk_of: Callable[[nn.Parameter], str], spa
     chunks (see the Note). One of those run outside a forward acquires its subtree's parameters, as a unit would."""
     acquires: dict[nn.Module, list[nn.Parameter]] = {}
     idle: set[nn.Module] = set()
+    places = collections.Counter(m for _, m in module.named_modules(remove_duplicate=False))
 
     def walk(sub: nn.Module) -> None:
         if sub in acquires or sub in idle:  # a module reached again through another parent
             return
-        if 0 < len({chunk_of(p) for p in sub.parameters()}) <= span and type(sub).forward is not nn.Module.forward:
+        chunks = len({chunk_of(p) for p in sub.parameters()})
+        # Not over two chunks around a module called elsewhere too: idle in it, it acquires nothing there, and the
+        # torch-function mode's fetch there ends lean forwards (a block Zamba2 shares between layers: helper-72)
+        shared = chunks > 1 and any(places[m] > 1 for m in sub.modules() if m is not sub)
+        if 0 < chunks <= span and not shared and type(sub).forward is not nn.Module.forward:
             idle.update(m for m in sub.modules() if m is not sub and m not in acquires)  # not one met elsewhere
             acquires.update({m: list(m.parameters()) for m in sub.modules() if m not in acquires})
             return

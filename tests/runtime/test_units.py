@@ -194,6 +194,31 @@ def test_a_model_in_one_chunk_is_one_unit_and_in_a_chunk_per_parameter_each_modu
     assert shared[1] not in idle and shared[1][1] in idle and model[0] not in idle  # a unit wherever it is called
 
 
+class _Using(nn.Module):
+    """`shared` after modules of its own (`width` of them), in one forward."""
+
+    def __init__(self, shared: nn.Module, width: int) -> None:
+        super().__init__()
+        self.own = nn.Sequential(*[nn.Linear(16, 16) for _ in range(width)])
+        self.shared = shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.own(x)))
+
+
+def test_no_unit_over_two_chunks_holds_a_module_called_elsewhere_too():
+    # Idle inside such a unit, the shared module acquired nothing where the other module called it: the torch-function
+    # mode fetched it there, and forwards ran lean no more (helper-72; a block Zamba2 shares between its layers).
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16)
+    model = nn.Sequential(_Using(shared, 1), _Using(shared, 3), nn.Linear(16, 1))
+    cm, opt = prepared(model, ADAMW, chunk_size=272, device_memory=272 * 4 * 5)  # a Linear a chunk
+    assert len(_chunks(cm, cm.module[0])) == 2 and cm.module[0] not in cm.runtime.idle_modules
+    gen = torch.Generator().manual_seed(1)
+    train(cm, opt, [torch.randn(4, 16, generator=gen) for _ in range(4)], lambda m, x: m(x).square().mean())
+    assert cm.runtime.lean_allowed and cm.runtime.lean_forwards > 0 and cm.memory_stats()["evictions"] > 0
+
+
 def test_a_unit_spans_two_chunks_only_where_both_are_a_small_share_of_the_budget(monkeypatch):
     monkeypatch.setattr("chunkmem.runtime.runtime.UNIT_CHUNK_SHARE", UNIT_CHUNK_SHARE)  # the rule itself
     model = _blocks()
