@@ -111,10 +111,10 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
         fix = f"raise device_memory above {need} (activations and temporaries need room beside them)"
         smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
         least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
-        searched = (limit, size) if config.chunk_size is not None or world > 1 else \
+        searched = None if config.chunk_size is not None or world > 1 else \
             min((pinned(s)[0] * s * config.torch_dtype.itemsize, s)
                 for s in chunk_size_candidates([(n, p.numel()) for n, p in module.named_parameters()]))
-        if limit < searched[0] < need:  # the least budget of a chunk size prepare searches
+        if searched is not None and limit < searched[0] < need:  # the least budget of a chunk size prepare searches
             fix = (f"raise device_memory to at least {searched[0]}, where chunks of {searched[1]} elements fit "
                    "(activations and temporaries need room beside them)")
         elif least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
