@@ -117,8 +117,7 @@ class Manager:
         self.optimizers.append(prepared)
         self.rule = trained
         for member, member_optimizer in zip(self.models, self.optimizers):
-            own = frozenset(runtime.store.records[p] for p in member.module.parameters())
-            member.own_records = member.hooks.own = own
+            member.hooks.own = frozenset(runtime.store.records[p] for p in member.module.parameters())
             member.hooks.scores_in_step = member_optimizer is None
         runtime.optimizers = sum(o is not None for o in self.optimizers)
         self.runtime = runtime

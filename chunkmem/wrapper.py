@@ -103,11 +103,14 @@ class ChunkedModel(nn.Module):
                     # under bf16; hooks._affine_like_statistics), and are raised to the compute dtype if below it.
                     dtype = torch.promote_types(buffer.dtype, compute) if buffer.is_floating_point() else None
                     sub._buffers[name] = buffer.to(runtime.device.torch_device, dtype)
-        # Its parameters' records where the runtime holds other models' too (a manager's), else None: all of them.
-        self.own_records: frozenset[ParamRecord] | None = None
         report_device(module, runtime.device)
         self.__class__ = _looking_as(type(self), plain_class(module))
         self.hooks = Hooks(module, runtime)  # last: a constructor that raises leaves no hook behind
+
+    @property
+    def own_records(self) -> frozenset[ParamRecord] | None:
+        """Its parameters' records where the runtime holds other models' too (a manager's), else None: all of them."""
+        return self.hooks.own
 
     def _get_name(self) -> str:
         """The wrapped model's class name (a PEFT model's base model's), as code that asks a model what it is reads it:

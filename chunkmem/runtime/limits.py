@@ -109,18 +109,20 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
     if need > limit:
         where = " inside ".join(name or "the model" for name, _ in reversed(chain))
         fix = f"raise device_memory above {need} (activations and temporaries need room beside them)"
-        smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
-        least = pinned(smallest)[0] * smallest * config.torch_dtype.itemsize if smallest < size and world == 1 else need
-        searched = None if config.chunk_size is not None or world > 1 else \
-            min((pinned(s)[0] * s * config.torch_dtype.itemsize, s)
-                for s in chunk_size_candidates([(n, p.numel()) for n, p in module.named_parameters()]))
-        if searched is not None and limit < searched[0] < need:  # the least budget of a chunk size prepare searches
-            fix = (f"raise device_memory to at least {searched[0]}, where chunks of {searched[1]} elements fit "
-                   "(activations and temporaries need room beside them)")
-        elif least < need:  # the smallest chunks pin fewer bytes (not always: a module's parameters may then span two)
-            fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
-                    f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the largest "
-                                                         "parameter's elements: chunks can be no smaller)")
+        itemsize = config.torch_dtype.itemsize
+        if config.chunk_size is None and world == 1:  # searched: the least budget over the sizes the search tries
+            least, at = min((pinned(s)[0] * s * itemsize, s)
+                            for s in chunk_size_candidates([(n, p.numel()) for n, p in module.named_parameters()]))
+            if limit < least < need:
+                fix = (f"raise device_memory to at least {least}, where chunks of {at} elements fit (activations and "
+                       "temporaries need room beside them)")
+        elif world == 1:  # the user's size: the smallest chunks may pin fewer bytes (or more: parameters may span two)
+            smallest = max((p.numel() for p in module.parameters()), default=size)  # the smallest chunks can be
+            least = pinned(smallest)[0] * smallest * itemsize if smallest < size else need
+            if least < need:
+                fix += (f", or set Config.chunk_size={smallest} (the largest parameter's elements), whose chunks take "
+                        f"{least}") if least <= limit else (f" (above {least} with Config.chunk_size={smallest}, the "
+                                                             "largest parameter's elements: chunks can be no smaller)")
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
             f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} "
