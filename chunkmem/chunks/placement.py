@@ -227,7 +227,7 @@ class Placer:
                 if not chunk.state.on_device:
                     self.residency.bring(chunk)
             return
-        names = tuple([c.name for c in chunks])
+        names = (chunks[0].name,) if len(chunks) == 1 else tuple([c.name for c in chunks])
         held = self._held(names) if self.pinned else ()
         if nonmodel is None:
             nonmodel = self.nonmodel()
@@ -268,9 +268,11 @@ class Placer:
             return False
         at = follower.cursor
         if at >= len(follower.accesses) or follower.accesses[at].chunks != key or nonmodel > follower.outgrown[at] or \
-                at in follower.evicts or at + 1 in follower.prefetches or \
-                any(chunk.pending is not None or not chunk.state.on_device for chunk in chunks):
+                at in follower.evicts or at + 1 in follower.prefetches:
             return False
+        for chunk in chunks:
+            if chunk.pending is not None or not chunk.state.on_device:
+                return False
         follower.cursor = at  # the plan's rule picks what a shrink evicts from here, as `_locate`'s does
         self.residency.limit = limit = follower.limits[at]
         if self.residency.stats.device_chunk_bytes > limit:  # more left resident than the plan's start (an evaluation)
@@ -461,7 +463,7 @@ class Placer:
             if self.follower is not None:
                 self.follower.cursor = 0
             return
-        held = max((e.nonmodel for e in events), default=0) + self.headroom()
+        held = max([e.nonmodel for e in events], default=0) + self.headroom()
         if self.phase is Phase.RECORD:
             step = decide_homes(events, self.groups, self.sizes, self.limit, self.streamed, held, passes,
                                 self.host_weight)
@@ -501,7 +503,7 @@ class Placer:
         margin = int(self.limit * SAFETY_FRACTION)
         accesses, nonmodel = steady_sequence(events, self.by_index, self.homes)
         return accesses == planned.accesses and \
-            all(abs(now - then) <= margin for now, then in zip(nonmodel, planned.nonmodel))
+            all([abs(now - then) <= margin for now, then in zip(nonmodel, planned.nonmodel)])
 
     def _send_home_others(self) -> None:
         """Groups that lost their device home leave the device but for their parameter chunk."""

@@ -116,6 +116,7 @@ class GroupChunks:
 
 
 Groups = dict[int, GroupChunks]
+NO_WRITES: frozenset[str] = frozenset()  # a use's: it writes no chunk
 
 
 def steady_chunks(events: Sequence[Event], groups: Groups,
@@ -137,7 +138,7 @@ def steady_sequence(events: Sequence[Event], groups: Groups, homes: Collection[i
     what stays homed), and the non-model bytes at each."""
     accesses, nonmodel = [], []
     for event, chunks in steady_chunks(events, groups, homes):
-        writes = frozenset() if event.kind == "use" else \
+        writes = NO_WRITES if event.kind == "use" else \
             frozenset([chunks[0]]) if event.kind == "grad" else frozenset(groups[event.group].kept)
         accesses.append(Access(chunks, writes))
         nonmodel.append(event.nonmodel + (groups[event.group].scratch if event.kind == "optim" else 0))

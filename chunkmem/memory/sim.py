@@ -222,10 +222,7 @@ class SimulatedDevice:
         # `.data`: a copy engine's copy moves no version counter (code that counted on one would pass here only)
         copy = self._issue("h2d", f"upload of {label or 'a buffer'}", lambda: (on_block, device.data.copy_(source)),
                            device, after, on_block)
-        check_copy(self, copy, device, written=True)
-        check_copy(self, copy, host, written=False)
-        guard(self, copy, device, "device", write_only=False)
-        guard(self, copy, host, "host", write_only=True)
+        _check_and_guard(self, copy, device, host, upload=True)
         return copy
 
     def download(self, device: torch.Tensor, host: torch.Tensor, label: str = "") -> Copy:
@@ -233,10 +230,7 @@ class SimulatedDevice:
         target, on_block = self._unheld(host)
         copy = self._issue("d2h", f"download of {label or 'a buffer'}", lambda: (on_block, target.data.copy_(device)),
                            device, host=on_block)
-        check_copy(self, copy, device, written=False)
-        check_copy(self, copy, host, written=True)
-        guard(self, copy, device, "device", write_only=True)
-        guard(self, copy, host, "host", write_only=False)
+        _check_and_guard(self, copy, device, host, upload=False)
         return copy
 
     def collective(self, issue: Callable[[], Any], writes: Sequence[torch.Tensor] = (),
@@ -643,6 +637,17 @@ _METADATA = {torch.ops.aten.is_pinned.default, torch.ops.aten.sym_size.default, 
              torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default,
              torch.ops.aten.set_.source_Tensor, torch.ops.aten._has_compatible_shallow_copy_type.default}
 _active: HazardChecker | None = None  # the checker in force in this process, if any
+
+
+def _check_and_guard(device: SimulatedDevice, copy: Copy, on_device: torch.Tensor, on_host: torch.Tensor,
+                     upload: bool) -> None:
+    """`check_copy` and `guard` for both ends of a copy being issued, where a checker is on (every copy comes here)."""
+    if _active is None:
+        return
+    check_copy(device, copy, on_device, written=upload)
+    check_copy(device, copy, on_host, written=not upload)
+    guard(device, copy, on_device, "device", write_only=not upload)
+    guard(device, copy, on_host, "host", write_only=upload)
 
 
 def guard(device: SimulatedDevice, copy: Copy, tensor: torch.Tensor, side: str, write_only: bool) -> None:

@@ -72,7 +72,8 @@ class ActivationMeter:
     @property
     def live(self) -> int:
         """Bytes of distinct device storages held by saved tensors now."""
-        self._settle()
+        if self._dead:
+            self._settle()
         return self._live
 
     def wrap(self, tensor: torch.Tensor, storage: torch.UntypedStorage | None = None) -> Saved:

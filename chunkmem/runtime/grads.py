@@ -242,12 +242,14 @@ class ShownGrads:
         """`take`'s own; gives the shown gradients set to None that were chunk memory (for `_keep_held`, as
         `_unshown`)."""
         gone = []
-        for record in list(self.shown):
+        addresses = self.addresses
+        for record, shown in list(self.shown.items()):
             if records is not None and record not in records:
                 continue
-            grad, shown = record.param.grad, self.shown[record]
+            grad = record.param.grad
             if grad is shown:
-                if record in self.addresses and grad.data_ptr() != self.addresses[record]:
+                address = addresses.get(record)  # none for a ShardedGrad, which has no address
+                if address is not None and grad.data_ptr() != address:
                     self._moved(record, grad)
                 continue
             if type(shown) is ShardedGrad:

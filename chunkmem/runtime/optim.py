@@ -495,11 +495,12 @@ class ChunkOptimizer(Optimizer):
 
     def group_of(self) -> dict[ParamRecord, dict]:
         """Each parameter's param group, as `param_groups` says now (they may have been edited since prepare)."""
-        records = self.runtime.store.records
+        records, own = self.runtime.store.records, self.own
         out = {}
         for group in self.param_groups:
             for param in group["params"]:
-                self._check_own(param)
+                if param not in records or (own is not None and param not in own):
+                    self._check_own(param)  # raises
                 out[records[param]] = group
                 if records[param] not in self.steps:
                     self.steps[records[param]] = _zero_steps()

@@ -479,7 +479,8 @@ class Runtime:
         if self.held_back or self.held_params:
             self._left_recomputed(saved)
         if type(saved) is tuple:  # kept as it is, unmetered (the Note on lean forwards)
-            return unchanged(*saved)
+            tensor, version = saved  # type: ignore[misc]  # the pair: a ChunkRef is a tuple of its own type
+            return tensor if tensor._version == version else unchanged(tensor, version)  # (inline: the hot path)
         if isinstance(saved, torch.Tensor):  # one without storage
             return saved
         if not isinstance(saved, ChunkRef):
