@@ -19,7 +19,13 @@ host payload. Changes made in place through `p.grad`
 (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
 step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next forward (or zero_grad,
 or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
-accumulates into the chunks, not into `p.grad`. So a forward with gradients enabled that no backward follows
+accumulates into the chunks, not into `p.grad`. A tensor of the user's set as `p.grad` (a view of a flat gradient
+buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch (`users`): each show copies the
+chunk's gradient into it, a change made to it in place (zeroing it, which is how such loops clear gradients) goes into
+the chunk when taken, and one set before any backward, which autograd then adds into, is the whole gradient. Before,
+`p.grad` showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients added up from
+step to step. Where the parameter has moved between the host and the device since, its `p.grad` shows the chunk, and
+the user's tensor is let go. So a forward with gradients enabled that no backward follows
 before the step (a metric computed without torch.no_grad) leaves `p.grad` None until then, where PyTorch still shows
 the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`), as after a backward that
 raised (its end, which shows them, never came). A `p.grad` the user assigns with no backward (from
@@ -27,7 +33,9 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
-frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). A shown
+frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). Not a chunk lending
+autograd's tensors (a resident step's): those are what PyTorch keeps in `p.grad`, which a user may hold (a logger), and
+the next backward adds into them in place; freed, they read zeros for good. A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
@@ -90,6 +98,8 @@ class ShownGrads:
         # meanwhile (torch.nn.utils.clip_grad_norm_) saw None, where plain PyTorch shows them (their step() warns).
         self.hidden_by_forward: set[ParamRecord] = set()
         self.renewed = 0  # gradient chunks that left their host payload to the user's views (`keep_viewed`)
+        # Tensors of the user's set as `p.grad` (a view of a flat gradient buffer), which stay `p.grad` (the Note).
+        self.users: dict[ParamRecord, torch.Tensor] = {}
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
@@ -124,10 +134,32 @@ class ShownGrads:
                 grads = [r.view(host) for r in held]
             for record, grad in zip(held, grads):
                 if grad is not None and grad.device == record.param.device:
+                    grad = self._into_users(record, grad)
                     record.param.grad = grad
                     self.showing(record, grad)
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
+
+    def _into_users(self, record: ParamRecord, grad: torch.Tensor) -> torch.Tensor:
+        """What `p.grad` shows of gradient `grad`, chunk memory: the tensor of the user's that is `p.grad` (its
+        values made `grad`'s), where that is on the parameter's device; else `grad` itself, the user's let go."""
+        own = self.users.get(record)
+        if own is None:
+            return grad
+        if own.device != grad.device or own.dtype != grad.dtype or own.shape != grad.shape:
+            del self.users[record]  # the parameter moved between the host and the device since (streamed)
+            return grad
+        if own.data_ptr() != grad.data_ptr():  # else it is the chunk's range itself (lent to the chunk)
+            own.copy_(grad)
+        return own
+
+    def _range(self, record: ParamRecord) -> torch.Tensor:
+        """`record`'s range of its gradient chunk, where it is: the tensor lent for it, or a view of the payload."""
+        chunk = record.group.grad
+        if not chunk.state.on_device:
+            return record.view(chunk.host)
+        lent = chunk.lent_part(record.slot.offset)
+        return lent if lent is not None else record.view(chunk.device)  # type: ignore[arg-type]
 
     def _materialize(self, chunk: Chunk, param: Chunk) -> None:
         """A FREE gradient chunk in memory beside its parameter chunk: on the device if that is there (and stays, in
@@ -195,8 +227,10 @@ class ShownGrads:
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             shown = self.shown.pop(record)
-            if dropped and _chunk_memory(record, shown):
+            if dropped and self._chunk_memory(record, shown):
                 gone.append(shown)
+            if dropped:
+                self.users.pop(record, None)
         return gone
 
     def keep_viewed(self, chunk: Chunk) -> None:
@@ -220,6 +254,10 @@ class ShownGrads:
         all) are hidden, so that its backward adds into their chunks (the Note)."""
         self.hidden_by_forward.update(r for r in self.shown if records is None or r in records)
         self.hide(records)
+        for record in self.store.records.values():  # set by the user, never shown: autograd adds into it (the Note)
+            grad = record.param.grad
+            if grad is not None and (records is None or record in records):
+                self.users[record] = grad
 
     def forget_zeros(self, records: Container[ParamRecord] | None = None) -> None:
         """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as
@@ -228,7 +266,9 @@ class ShownGrads:
         for group, shown in list(self.zeroed.items()):
             if records is not None and not all(r in records for r in group.members):
                 continue
-            if all(grad._version == version for grad, version in shown):
+            # Not one lending autograd's tensors: the user may hold them (`p.grad` kept across zero_grad), and PyTorch's
+            # next backward adds into them.
+            if all(grad._version == version for grad, version in shown) and not group.grad.lending:
                 self.residency.reset(group.grad)
             del self.zeroed[group]
 
@@ -249,18 +289,24 @@ class ShownGrads:
             grad = record.param.grad
             if grad is shown:
                 address = addresses.get(record)  # none for a ShardedGrad, which has no address
-                if address is not None and grad.data_ptr() != address:
+                if record in self.users:
+                    if grad._version != self.versions[record] or grad.data_ptr() != address:  # changed: into the chunk
+                        self._range(record).copy_(grad)
+                        self.showing(record, grad)
+                elif address is not None and grad.data_ptr() != address:
                     self._moved(record, grad)
                 continue
             if type(shown) is ShardedGrad:
                 raise RuntimeError(ZERO_GRADS)
             if grad is None:
                 record.move_grad("free")
-                if _chunk_memory(record, self.shown.pop(record)):
+                if self._chunk_memory(record, self.shown.pop(record)):
                     gone.append(shown)
-            else:  # into the chunk, and p.grad shows the chunk's range again
-                shown.copy_(grad)
-                record.param.grad = shown
+                self.users.pop(record, None)
+            else:  # a tensor of the user's: into the chunk, and p.grad stays that tensor (the Note)
+                self._range(record).copy_(grad)
+                self.users[record] = grad
+                self.showing(record, grad)
         return gone
 
     def _moved(self, record: ParamRecord, grad: torch.Tensor) -> None:
@@ -276,16 +322,18 @@ class ShownGrads:
         grad.data = target
         self.addresses[record] = grad.data_ptr()
 
+    def _chunk_memory(self, record: ParamRecord, shown: torch.Tensor) -> bool:
+        """Whether gradient `shown` is memory of its chunk that a later backward writes: not a ShardedGrad (no values),
+        not a tensor lent to the chunk (autograd's own, which the chunk lets go), not a tensor of the user's."""
+        return type(shown) is not ShardedGrad and shown is not record.group.grad.lent_part(record.slot.offset) and \
+            shown is not self.users.get(record)
+
     def accumulated(self, record: ParamRecord, grad: torch.Tensor) -> bool:
         """Whether `grad`, a gradient autograd just produced, is the shown one it added into in place (a second
         backward before any forward): then the chunk holds the sum already."""
-        return self.shown.get(record) is grad
+        return self.shown.get(record) is grad and record not in self.users
 
 
-def _chunk_memory(record: ParamRecord, shown: torch.Tensor) -> bool:
-    """Whether gradient `shown` is memory of its chunk that a later backward writes: not a ShardedGrad (no values),
-    not a tensor lent to the chunk (autograd's own, which the chunk lets go)."""
-    return type(shown) is not ShardedGrad and shown is not record.group.grad.lent_part(record.slot.offset)
 
 
 def _keep_held(gradients: list[torch.Tensor]) -> None:

@@ -880,7 +880,8 @@ class Runtime:
             record.move_grad("write")
             self.shards.reducer.add(record, grad)
             return
-        accumulate = record.grad_state is not TensorState.FREE
+        # Autograd added into a tensor of the user's that was `p.grad`: it holds the whole gradient (grads.py's Note).
+        accumulate = record.grad_state is not TensorState.FREE and grad is not self.grads.users.get(record)
         self._write_grad(record.group, grad, record.view, accumulate=accumulate, start=record.slot.offset)
         record.move_grad("write")
         if self.ahead is not None and not self.placer.homed(record.group.index):

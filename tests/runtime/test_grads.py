@@ -263,3 +263,58 @@ def test_zeros_shown_for_a_layer_skipped_stay_beside_its_parameters_on_the_devic
             opt.zero_grad(set_to_none=False)
     want, got = plain.state_dict(), pair[1][0].state_dict()
     assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+@pytest.mark.parametrize("buffer", ["flat", "own"])
+def test_a_gradient_the_user_assigned_stays_p_grad_and_backward_adds_into_it(fraction, buffer):
+    """A `p.grad` set to a tensor of the user's (a view of a flat gradient buffer, as apex and fairseq do, or
+    zeros_like) is p.grad from then on, as in PyTorch: each backward adds into it, and zeroing it in place is what
+    clears the gradient (before, the step took it into the chunk and p.grad showed the chunk: zeroing the buffer
+    cleared nothing, and the gradients of a streamed model added up from step to step)."""
+    model, batches = mlp(), mlp_batches(4)
+    seen = []
+    for net, optimizer in twins(model, fraction):
+        params = list(net.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        if buffer == "flat":
+            views = flat.split([p.numel() for p in params])
+            buffers = [view.view_as(p) for view, p in zip(views, params)]
+        else:
+            buffers = [torch.zeros_like(p) for p in params]
+        for p, own in zip(params, buffers):
+            p.grad = own
+        norms = []
+        for batch in batches:
+            mlp_loss(net, batch).backward()
+            assert all(p.grad is own for p, own in zip(params, buffers))
+            norms.append([own.clone() for own in buffers])
+            optimizer.step()
+            for own in buffers:
+                own.zero_()
+        seen.append((norms, copy.deepcopy(net.state_dict())))
+    (plain_norms, plain_state), (norms, state) = seen
+    for plain_step, step in zip(plain_norms, norms):
+        assert all(torch.equal(a, b) for a, b in zip(plain_step, step))
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction):
+    """`p.grad` kept by the user (a logger holding the gradients) across zero_grad(set_to_none=False) is zeroed, then
+    added into by the next backward, as in PyTorch (with no budget it read zeros for good: its chunk, holding zeros,
+    was freed, and the next backward made new tensors)."""
+    model, batches = mlp(), mlp_batches(4)
+    seen = []
+    for net, optimizer in twins(model, fraction):
+        kept: list[torch.Tensor] = []
+        read = []
+        for batch in batches:
+            mlp_loss(net, batch).backward()
+            kept = kept or [p.grad for p in net.parameters()]
+            read.append([k.clone() for k in kept])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        seen.append(read)
+    for plain_step, step in zip(*seen):
+        assert all(torch.equal(a, b) for a, b in zip(plain_step, step))
