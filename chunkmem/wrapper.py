@@ -258,6 +258,7 @@ class ChunkedModel(nn.Module):
         """Clip all gradients by their global norm and return that norm, as torch.nn.utils does."""
         runtime = self.runtime
         runtime.adopt_grads(assigned=True)
+        runtime.grads.take(self.own_records)  # `p.grad` as the user left it: replaced, or changed in place
         grads = runtime.data.grad_views(self.own_records)
         if runtime.scaler is not None and runtime.grads_scaled:
             # (an fp32 tensor: CPU's foreach ops cast a number to fp16, where 1 / 2**25 is 0: Runtime.zero_grad)
@@ -279,6 +280,7 @@ class ChunkedModel(nn.Module):
         for grad in grads:
             if grad.device.type != "cpu" or scales_host:
                 grad.mul_(coef.to(grad.device))
+        runtime.grads.refresh_users(self.own_records)  # tensors of the user's shown as `p.grad` show the clipped ones
         return total
 
     @contextlib.contextmanager

@@ -22,7 +22,10 @@ or a backward reaching the model's outputs again: Runtime.backward_begins), afte
 accumulates into the chunks, not into `p.grad`. A tensor of the user's set as `p.grad` (a view of a flat gradient
 buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch (`users`): each show copies the
 chunk's gradient into it, a change made to it in place (zeroing it, which is how such loops clear gradients) goes into
-the chunk when taken, and one set before any backward, which autograd then adds into, is the whole gradient. Before,
+the chunk when taken (and when a backward begins: zeroed between the forward and the backward), model.clip_grad_norm_
+takes them first and leaves the clipped values in them, and one set before any backward, which autograd then adds
+into, is the whole gradient. Views of one flat buffer share one version counter: versions are read before the copies
+into them and recorded after (`users_seen`). Before,
 `p.grad` showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients added up from
 step to step. Where the parameter has moved between the host and the device since, its `p.grad` shows the chunk, and
 the user's tensor is let go. So a forward with gradients enabled that no backward follows
@@ -106,6 +109,7 @@ class ShownGrads:
         that left zeros in those of the groups `zeroed` (the Note)."""
         if zeroed is None:
             self.zeroed.clear()
+        edited = self._users_edited()
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
             chunk = group.grad
@@ -134,24 +138,61 @@ class ShownGrads:
                 grads = [r.view(host) for r in held]
             for record, grad in zip(held, grads):
                 if grad is not None and grad.device == record.param.device:
-                    grad = self._into_users(record, grad)
+                    grad = self._into_users(record, grad, record in edited)
                     record.param.grad = grad
                     self.showing(record, grad)
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
+        self.users_seen()
 
-    def _into_users(self, record: ParamRecord, grad: torch.Tensor) -> torch.Tensor:
+    def _into_users(self, record: ParamRecord, grad: torch.Tensor, edited: bool) -> torch.Tensor:
         """What `p.grad` shows of gradient `grad`, chunk memory: the tensor of the user's that is `p.grad` (its
-        values made `grad`'s), where that is on the parameter's device; else `grad` itself, the user's let go."""
+        values made `grad`'s), where that is on the parameter's device; else `grad` itself, the user's let go. One
+        `edited` in place while it was `p.grad` through a backward that wrote no gradient of it (a penalty on some
+        parameters alone; one that wrote it added into that tensor itself) is the gradient: into the chunk instead."""
         own = self.users.get(record)
         if own is None:
             return grad
         if own.device != grad.device or own.dtype != grad.dtype or own.shape != grad.shape:
             del self.users[record]  # the parameter moved between the host and the device since (streamed)
             return grad
-        if own.data_ptr() != grad.data_ptr():  # else it is the chunk's range itself (lent to the chunk)
+        if own.data_ptr() == grad.data_ptr():  # the chunk's range itself (lent to the chunk)
+            return own
+        if edited:
+            grad.copy_(own)
+        else:
             own.copy_(grad)
         return own
+
+    def refresh_users(self, records: Container[ParamRecord] | None = None) -> None:
+        """The chunks' gradients (of `records`; None: all) were changed where they are (model.clip_grad_norm_): the
+        users' tensors shown take them again."""
+        for record, own in self.users.items():
+            if self.shown.get(record) is own and (records is None or record in records):
+                own.copy_(self._range(record))
+        self.users_seen()
+
+    def _users_edited(self) -> set[ParamRecord]:
+        """The users' tensors changed in place since last shown or taken, read before any copy into one of them moves
+        the version counter views of one flat buffer share."""
+        return {r for r, own in self.users.items() if own._version != self.versions.get(r)}
+
+    def users_seen(self) -> None:
+        """The users' tensors shown hold what their chunks hold: their versions from now (after all copies into them,
+        as views of one buffer share one counter)."""
+        for record, own in self.users.items():
+            if self.shown.get(record) is own:
+                self.versions[record] = own._version
+
+    def take_users(self) -> None:
+        """A backward reaching the model's outputs begins: a tensor of the user's changed in place while hidden
+        (zeroed between the forward and the backward, as a loop calling zero_grad there does) goes into the chunk
+        that backward adds into, as PyTorch's backward adds into that tensor."""
+        for record in self._users_edited():
+            if record not in self.shown and record.grad_state is TensorState.HOLD:
+                own = self.users[record]
+                self._range(record).copy_(own)
+                self.versions[record] = own._version
 
     def _range(self, record: ParamRecord) -> torch.Tensor:
         """`record`'s range of its gradient chunk, where it is: the tensor lent for it, or a view of the payload."""
@@ -229,8 +270,10 @@ class ShownGrads:
             shown = self.shown.pop(record)
             if dropped and self._chunk_memory(record, shown):
                 gone.append(shown)
-            if dropped:
-                self.users.pop(record, None)
+        if dropped:  # the user's tensors of every record cleared, shown or not (set before any backward)
+            for record in [r for r in self.users if records is None or r in records]:
+                if record.param.grad is self.users.pop(record):
+                    record.param.grad = None
         return gone
 
     def keep_viewed(self, chunk: Chunk) -> None:

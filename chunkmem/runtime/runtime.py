@@ -950,6 +950,8 @@ class Runtime:
         loss the forward computed from that."""
         if self.grads.shown:
             self.grads.hide()
+        if self.grads.users:
+            self.grads.take_users()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
             self._end_of_backward_called()
         # A loss's backward, over the logits, comes first, and no chunk access before it makes room. Room is made in

@@ -318,3 +318,38 @@ def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_grad
         seen.append(read)
     for plain_step, step in zip(*seen):
         assert all(torch.equal(a, b) for a, b in zip(plain_step, step))
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+@pytest.mark.parametrize("loop", ["clip", "zero before backward", "edit then penalty"])
+def test_a_flat_gradient_buffer_of_the_users_is_what_clipping_zeroing_and_a_penalty_see(fraction, loop):
+    """Views of one flat buffer set as `p.grad` share one version counter: clipping (the model's own, which scales the
+    chunks), the buffer zeroed between the forward and the backward, and an edit in place before a backward that
+    writes some gradients alone (a penalty on weights) give PyTorch's gradients and steps."""
+    model, batches = mlp(), mlp_batches(3)
+    seen = []
+    for net, optimizer in twins(model, fraction):
+        params = list(net.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        for p, view in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = view.view_as(p)
+        read = []
+        for batch in batches:
+            loss = mlp_loss(net, batch)
+            if loop == "zero before backward":
+                flat.zero_()
+            loss.backward()
+            if loop == "clip":
+                clip = getattr(net, "clip_grad_norm_", None) or functools.partial(torch.nn.utils.clip_grad_norm_, params)
+                read.append(clip(0.05))  # chunkmem's own scales the chunks
+            elif loop == "edit then penalty":
+                flat.mul_(0.5)
+                sum(p.pow(2).sum() for p in params if p.dim() > 1).backward()
+            read.append(flat.clone())
+            optimizer.step()
+            if loop != "zero before backward":
+                flat.zero_()
+        seen.append((read, copy.deepcopy(net.state_dict())))
+    (plain_read, plain_state), (read, state) = seen
+    assert all(torch.equal(a, b) for a, b in zip(plain_read, read))
+    assert all(torch.equal(state[k], v) for k, v in plain_state.items())
