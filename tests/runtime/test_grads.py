@@ -340,7 +340,8 @@ def test_a_flat_gradient_buffer_of_the_users_is_what_clipping_zeroing_and_a_pena
                 flat.zero_()
             loss.backward()
             if loop == "clip":
-                clip = getattr(net, "clip_grad_norm_", None) or functools.partial(torch.nn.utils.clip_grad_norm_, params)
+                clip = getattr(net, "clip_grad_norm_", None) or \
+                    functools.partial(torch.nn.utils.clip_grad_norm_, params)
                 read.append(clip(0.05))  # chunkmem's own scales the chunks
             elif loop == "edit then penalty":
                 flat.mul_(0.5)
