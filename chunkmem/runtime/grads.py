@@ -292,11 +292,14 @@ class ShownGrads:
         return any(r.grad_state is TensorState.HOLD and r.param.grad is None and r not in self.shown and
                    (params is None or r.param in params) for r in self.store.records.values())
 
-    def hide_for_forward(self, records: Container[ParamRecord] | None = None) -> None:
+    def hide_for_forward(self, records: Container[ParamRecord] | None = None, strays: bool = False) -> None:
         """A forward with gradients enabled begins: the gradients shown (of `records`, its model's parameters; None:
-        all) are hidden, so that its backward adds into their chunks (the Note)."""
+        all) are hidden, so that its backward adds into their chunks (the Note). Unless `strays` (autograd's own may
+        wait in `p.grad`: Runtime.adopt_grads), a tensor in `p.grad` now is the user's."""
         self.hidden_by_forward.update(r for r in self.shown if records is None or r in records)
         self.hide(records)
+        if strays:
+            return
         for record in self.store.records.values():  # set by the user, never shown: autograd adds into it (the Note)
             grad = record.param.grad
             if grad is not None and (records is None or record in records):

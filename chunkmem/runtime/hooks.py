@@ -398,7 +398,7 @@ class Hooks:
             self.runtime.recomputing(torch._C._current_autograd_node())
             self.runtime.hold_enclosing(self._enclosing(module))
         if torch.is_grad_enabled() and not backward:
-            self.runtime.grads.hide_for_forward(self.own)
+            self.runtime.grads.hide_for_forward(self.own, self.runtime.strays)
             if self.runtime.scaler is not None and not self.warned_unscaled:
                 self.warned_unscaled = True
                 _log.warning("chunkmem: %s, a module of a dtype='fp16' model, was called on its own with gradients "
@@ -472,7 +472,7 @@ class Hooks:
             runtime.release_held_back()
         training = torch.is_grad_enabled()
         if training:  # the gradients shown since the last backward: the next one accumulates into their chunks
-            runtime.grads.hide_for_forward(self.own)
+            runtime.grads.hide_for_forward(self.own, self.runtime.strays)
         modeless = runtime.begin_forward(inputs, training)
         resident = runtime.placer.resident
         self._hooks_follow_residency()
