@@ -952,6 +952,8 @@ class Runtime:
             self.grads.hide()
         if self.grads.users:
             self.grads.take_users()
+        if self.scaler is not None and not self.grads_scaled:  # clipped, then no zero_grad (`p.grad` zeroed in place)
+            self._scale_kept()
         if self.unhooked:  # no gradient hook will: the backward's end takes the gradients (adopt_grads)
             self._end_of_backward_called()
         # A loss's backward, over the logits, comes first, and no chunk access before it makes room. Room is made in
@@ -1068,6 +1070,14 @@ class Runtime:
                 group.param.settled_copies()
                 group.param.host_writable()
 
+    def _scale_kept(self) -> None:
+        """Gradients kept across the step were unscaled (by clipping), and the next backward adds scaled ones: they
+        carry the loss scale again. The scale as an fp32 tensor: CPU's foreach ops cast a number to the fp16 tensors'
+        dtype, and 65536 is inf there (CUDA's lists take it too)."""
+        scale = torch.tensor(self.scaler.scale, dtype=torch.float32, device="cpu")  # type: ignore[union-attr]
+        torch._foreach_mul_(self.data.grad_views(), scale)
+        self.grads_scaled = True
+
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:
         """Forget the gradients of every parameter (`model.zero_grad()`), or of those in `only` (the
         optimizer's, as torch.optim's zero_grad does): the others keep theirs."""
@@ -1102,10 +1112,7 @@ class Runtime:
                 if only is None or record in only:
                     record.move_grad("free")
         if kept and self.scaler is not None and not self.grads_scaled:
-            # Gradients kept across the step were unscaled (by clipping): the next backward adds scaled ones. The scale
-            # as an fp32 tensor: CPU's foreach ops cast a number to the fp16 tensors' dtype, and 65536 is inf there.
-            scale = torch.tensor(self.scaler.scale, dtype=torch.float32, device="cpu")  # (CUDA's lists take it too)
-            torch._foreach_mul_(self.data.grad_views(), scale)
+            self._scale_kept()
         self.grads_scaled = self.scaler is not None
         if shown:
             self.grads.show(zeroed)

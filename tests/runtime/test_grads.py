@@ -374,3 +374,32 @@ def test_gradients_autograd_left_in_p_grad_while_hooks_were_off_are_not_taken_fo
             optimizer.zero_grad()
         states.append(copy.deepcopy(net.state_dict()))
     assert all(torch.allclose(states[1][k], v, rtol=1e-5, atol=1e-6) for k, v in states[0].items())
+
+
+@pytest.mark.parametrize("fraction", [None, 0.3])
+@pytest.mark.parametrize("clip", [False, True])
+def test_in_fp16_zeroing_p_grad_in_place_clears_as_zero_grad_does(fraction, clip):
+    """fp16 gradients carry the loss scale: `p.grad.zero_()` after the step (no zero_grad) clears them as
+    zero_grad(set_to_none=False) does, after the model's clipping unscaled them too (Runtime._scale_kept), and where
+    the step assembled a chunk lending autograd's tensors (chunk's Note on lent ranges): before, the next backward
+    added into the old gradients, or into unscaled ones."""
+    model, batches = mlp(), mlp_batches(4)
+    runs = []
+    for zero in ("zero_grad", "in place"):
+        net, optimizer = prepared(copy.deepcopy(model), ADAMW, device_memory=budget(model, fraction), dtype="fp16")
+        read = []
+        for batch in batches:
+            mlp_loss(net, batch).backward()
+            read += [p.grad.clone() for p in net.parameters()]
+            if clip:
+                read.append(net.clip_grad_norm_(0.05))
+            optimizer.step()
+            if zero == "in place":
+                for p in net.parameters():
+                    p.grad.zero_()
+            else:
+                optimizer.zero_grad(set_to_none=False)
+        runs.append((read, copy.deepcopy(net.state_dict())))
+    (first, first_state), (second, second_state) = runs
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(second_state[k], v) for k, v in first_state.items())
