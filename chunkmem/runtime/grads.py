@@ -36,9 +36,10 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
-frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). Not a chunk lending
-autograd's tensors (a resident step's): those are what PyTorch keeps in `p.grad`, which a user may hold (a logger), and
-the next backward adds into them in place; freed, they read zeros for good. A shown
+frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). Not a chunk on the
+device (autograd's tensors lent to it, its payload): PyTorch keeps those in `p.grad`, a user may hold them (a logger),
+and the next backward adds into them in place; freed, they read zeros for good (its slot is not reused while viewed:
+arena.py). Not yet: one the placer evicts before that backward leaves the user's tensors as they were. A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
@@ -312,9 +313,9 @@ class ShownGrads:
         for group, shown in list(self.zeroed.items()):
             if records is not None and not all(r in records for r in group.members):
                 continue
-            # Not one lending autograd's tensors: the user may hold them (`p.grad` kept across zero_grad), and PyTorch's
-            # next backward adds into them.
-            if all(grad._version == version for grad, version in shown) and not group.grad.lending:
+            # Not one on the device: the user may hold its memory (`p.grad` kept across zero_grad: autograd's tensors
+            # lent to it, views of its payload), where PyTorch's next backward adds.
+            if all(grad._version == version for grad, version in shown) and not group.grad.state.on_device:
                 self.residency.reset(group.grad)
             del self.zeroed[group]
 

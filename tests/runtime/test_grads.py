@@ -299,25 +299,31 @@ def test_a_gradient_the_user_assigned_stays_p_grad_and_backward_adds_into_it(fra
     assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 
 
-@pytest.mark.parametrize("fraction", [None, 0.3])
-def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction):
+@pytest.mark.parametrize("fraction", [None, 0.3, 2.0])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction, dtype):
     """`p.grad` kept by the user (a logger holding the gradients) across zero_grad(set_to_none=False) is zeroed, then
-    added into by the next backward, as in PyTorch (with no budget it read zeros for good: its chunk, holding zeros,
-    was freed, and the next backward made new tensors)."""
+    added into by the next backward, as in PyTorch (where its chunk was on the device, it read zeros for good: the
+    chunk, holding zeros, was freed, and the next backward wrote another). Kept anew after each backward, and not
+    those of the first step: it streams every group, and one the plan then homes on the device has its gradient there
+    (the README). fp16 against chunkmem's own loop reading `p.grad` anew (its loss scale has no plain twin)."""
     model, batches = mlp(), mlp_batches(4)
     seen = []
-    for net, optimizer in twins(model, fraction):
-        kept: list[torch.Tensor] = []
+    pair = twins(model, fraction) if dtype == "fp32" else \
+        [prepared(model, ADAMW, device_memory=budget(model, fraction), dtype=dtype) for _ in range(2)]
+    for run, (net, optimizer) in enumerate(pair):
+        kept: list[torch.Tensor] | None = None
         read = []
         for batch in batches:
             mlp_loss(net, batch).backward()
-            kept = kept or [p.grad for p in net.parameters()]
-            read.append([k.clone() for k in kept])
+            if kept is not None:  # the reference reads `p.grad` anew; chunkmem's run, the tensors kept
+                read.append([p.grad.clone() for p in net.parameters()] if run == 0 else [k.clone() for k in kept])
+            kept = [p.grad for p in net.parameters()]
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
         seen.append(read)
-    for plain_step, step in zip(*seen):
-        assert all(torch.equal(a, b) for a, b in zip(plain_step, step))
+    for reference, step in list(zip(*seen))[1:]:  # not those kept in the first step (the docstring)
+        assert all(torch.equal(a, b) for a, b in zip(reference, step))
 
 
 @pytest.mark.parametrize("fraction", [None, 0.3])
