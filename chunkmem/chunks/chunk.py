@@ -31,10 +31,6 @@ Readers that know ranges (the optimizer, clipping, accumulation) use `lent_part`
 tensor in place. Every other reader goes through `device`, `overwrite` or a download, which first
 assemble the payload (allocated, lent ranges copied in, the rest unwritten) or, for an eviction, copy
 the lent tensors straight into the host payload: the bytes are the same as if they had been copied in.
-Assembled, a lent tensor views its range of the payload from then on (`.data`): shown as `p.grad` (or kept by the
-user), it stays the chunk's memory. Before, an fp16 step assembled the payload, and zeroing `p.grad` in place after it
-cleared nothing: the next backward added into the old gradients (no budget: every step after the first). Not yet for
-an eviction's copy to the host.
 """
 
 from __future__ import annotations
@@ -215,8 +211,6 @@ class Chunk:
         self._unallocated = None
         for tensor, target in self._lent_targets(flat):
             target.copy_(tensor.view(-1))
-            if tensor.dtype == target.dtype:  # `p.grad` (or a user's copy of it) views the chunk from now on
-                tensor.data = target.view_as(tensor)
         self.lent = {}
 
     def _lent_targets(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -37,9 +37,11 @@ torch.autograd.grad, say) is taken at the step as a gradient autograd left there
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
 frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). Not a chunk on the
-device (autograd's tensors lent to it, its payload): PyTorch keeps those in `p.grad`, a user may hold them (a logger),
-and the next backward adds into them in place; freed, they read zeros for good (its slot is not reused while viewed:
-arena.py). Not yet: one the placer evicts before that backward leaves the user's tensors as they were. A shown
+device whose zeros someone still holds once chunkmem's references are gone (weak references: a user's `p.grad` kept
+across zero_grad, autograd's tensors lent to the chunk): PyTorch's next backward adds into those in place, and freed,
+they read zeros for good. Not yet: a chunk's payload on the device (a homed group's), whose views zero_grad shows
+anew, so that those the user kept since the backward are not the ones tracked; a chunk the placer evicts before that
+backward; an fp16 step that assembled a lending chunk (chunk's Note on lent ranges). A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
@@ -257,9 +259,10 @@ class ShownGrads:
         are gone (zero_grad(set_to_none=True)), and one the user still holds keeps its values (`_keep_held`)."""
         if edits:
             self.take(records)
-        self.forget_zeros(records)
+        zeros = self._zeros_left(records)
         self.restore()
         _keep_held(self._unshown(records, dropped))
+        self.forget_zeros(zeros)
 
     def _unshown(self, records: Container[ParamRecord] | None, dropped: bool) -> list[torch.Tensor]:
         """`hide`'s own: `p.grad` None for the shown gradients of `records` (None: all); gives those of them that were
@@ -306,18 +309,25 @@ class ShownGrads:
             if grad is not None and (records is None or record in records):
                 self.users[record] = grad
 
-    def forget_zeros(self, records: Container[ParamRecord] | None = None) -> None:
-        """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left are freed, as
-        set_to_none=True frees them: the next backward writes them afresh (the Note). Those of groups whose every
-        member is in `records` (None: all)."""
+    def _zeros_left(self, records: Container[ParamRecord] | None) -> list[tuple[ChunkGroup, list[weakref.ref]]]:
+        """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left, of groups whose every member
+        is in `records` (None: all), no longer tracked: each with weak references to the zeros it showed."""
+        left = []
         for group, shown in list(self.zeroed.items()):
             if records is not None and not all(r in records for r in group.members):
                 continue
-            # Not one on the device: the user may hold its memory (`p.grad` kept across zero_grad: autograd's tensors
-            # lent to it, views of its payload), where PyTorch's next backward adds.
-            if all(grad._version == version for grad, version in shown) and not group.grad.state.on_device:
-                self.residency.reset(group.grad)
             del self.zeroed[group]
+            if all(grad._version == version for grad, version in shown):
+                left.append((group, [weakref.ref(grad) for grad, _ in shown]))
+        return left
+
+    def forget_zeros(self, zeros: list[tuple[ChunkGroup, list[weakref.ref]]]) -> None:
+        """`_zeros_left`'s chunks are freed, as set_to_none=True frees them: the next backward writes them afresh (the
+        Note). Not one on the device whose zeros are still held once chunkmem's own references are gone (a user's
+        `p.grad` kept across zero_grad, autograd's tensors lent to it): PyTorch's next backward adds into those."""
+        for group, refs in zeros:
+            if not group.grad.state.on_device or all(ref() is None for ref in refs):
+                self.residency.reset(group.grad)
 
     def take(self, records: Container[ParamRecord] | None = None) -> None:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of
