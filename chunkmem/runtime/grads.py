@@ -39,9 +39,10 @@ frees it, where it reads as zeros: a parameter the next backward gives no gradie
 frozen since) shows them again, from a chunk made again beside its parameters (`_materialize`). Not a chunk on the
 device whose zeros someone still holds once chunkmem's references are gone (weak references: a user's `p.grad` kept
 across zero_grad, autograd's tensors lent to the chunk): PyTorch's next backward adds into those in place, and freed,
-they read zeros for good. Not yet: a chunk's payload on the device (a homed group's), whose views zero_grad shows
-anew, so that those the user kept since the backward are not the ones tracked; a chunk the placer evicts before that
-backward; an fp16 step that assembled a lending chunk (chunk's Note on lent ranges). A shown
+they read zeros for good. A payload's view shown again is the one shown before where something still holds it
+(`_device_view`), so that those the user kept since the backward are the ones tracked. Not yet: a chunk the placer
+evicts before that backward, or one assembled (chunk's Note on lent ranges: the step and clipping read lent tensors
+where they are). A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
@@ -106,6 +107,7 @@ class ShownGrads:
         self.renewed = 0  # gradient chunks that left their host payload to the user's views (`keep_viewed`)
         # Tensors of the user's set as `p.grad` (a view of a flat gradient buffer), which stay `p.grad` (the Note).
         self.users: dict[ParamRecord, torch.Tensor] = {}
+        self.device_views: dict[ParamRecord, weakref.ref] = {}  # each view of a device payload shown last (`show`)
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
@@ -124,7 +126,7 @@ class ShownGrads:
             if chunk.state.on_device:
                 lent = [chunk.lent_part(r.slot.offset) for r in held]
                 flat = None if all(g is not None for g in lent) else chunk.device
-                grads = lent if flat is None else [r.view(flat) for r in held]
+                grads = lent if flat is None else [self._device_view(r, flat) for r in held]
             else:  # streamed: on the host, with its parameters (gradient chunks have no disk tier)
                 # Zeros where nothing was written: a parameter that got no gradient since zero_grad(set_to_none=False)
                 # (a branch not taken, a frozen layer) holds zeros, as in PyTorch, freed meanwhile (`forget_zeros`).
@@ -147,6 +149,17 @@ class ShownGrads:
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
         self.users_seen()
+
+    def _device_view(self, record: ParamRecord, flat: torch.Tensor) -> torch.Tensor:
+        """`record`'s view of device payload `flat`: the one shown before, where something still holds it (a user's
+        `p.grad` kept across zero_grad(set_to_none=False), which `forget_zeros` must see held), else a new one."""
+        view = record.view(flat)
+        ref = self.device_views.get(record)
+        before = ref() if ref is not None else None
+        if before is not None and before.data_ptr() == view.data_ptr() and before.dtype == view.dtype:
+            return before
+        self.device_views[record] = weakref.ref(view)
+        return view
 
     def _into_users(self, record: ParamRecord, grad: torch.Tensor, edited: bool) -> torch.Tensor:
         """What `p.grad` shows of gradient `grad`, chunk memory: the tensor of the user's that is `p.grad` (its

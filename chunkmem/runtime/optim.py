@@ -815,8 +815,11 @@ class ChunkOptimizer(Optimizer):
             mine = [r for r in group.members if r in group_of and r.grad_state is TensorState.HOLD]
             if not mine or group.grad.state is ChunkState.FREE:
                 continue
-            flat = data.read(group.grad)
-            parts = [flat] if all(r in group_of for r in group.members) else [r.view(flat) for r in mine]
+            if group.grad.lending:  # autograd's tensors, left lent: `p.grad` zeroed in place is still the chunk's
+                parts = data.grads(mine, on_device=True)
+            else:
+                flat = data.read(group.grad)
+                parts = [flat] if all(r in group_of for r in group.members) else [r.view(flat) for r in mine]
             if not all(torch.isfinite(part).all().item() for part in parts):
                 return True
         return False

@@ -299,15 +299,16 @@ def test_a_gradient_the_user_assigned_stays_p_grad_and_backward_adds_into_it(fra
     assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 
 
-@pytest.mark.parametrize("fraction, dtype", [(None, "fp32"), (0.3, "fp32"), (0.3, "fp16")])
+@pytest.mark.parametrize("fraction, dtype", [(None, "fp32"), (0.3, "fp32"), (2.0, "fp32"), (1.5, "fp32"), (None, "fp16"), (0.3, "fp16"), (2.0, "fp16")])
 def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction, dtype):
     """`p.grad` kept by the user (a logger holding the gradients) across zero_grad(set_to_none=False) is zeroed, then
     added into by the next backward, as in PyTorch (where its chunk was on the device, it read zeros for good: the
     chunk, holding zeros, was freed, and the next backward wrote another). Kept anew after each backward, and not
     those of the first step: it streams every group, and one the plan then homes on the device has its gradient there
-    (the README). fp16 against chunkmem's own loop reading `p.grad` anew (its loss scale has no plain twin). Not yet
-    where a homed group's gradient chunk on the device is a payload, not lent tensors (fp32 at twice the parameter
-    bytes): zero_grad shows new views of it, and those the user kept are not known when its zeros are freed."""
+    (the README). fp16 against chunkmem's own loop reading `p.grad` anew (its loss scale has no plain twin). At 1.5 and
+    2x the parameter bytes a homed group's gradient chunk on the device is a payload, not lent tensors: zero_grad
+    showed new views of it, and those the user kept were not known when its zeros were freed; fp16 with no budget:
+    the step's overflow check assembled the chunks lending autograd's tensors, which `p.grad` kept then viewed."""
     model, batches = mlp(), mlp_batches(4)
     seen = []
     pair = twins(model, fraction) if dtype == "fp32" else \
@@ -383,13 +384,14 @@ def test_gradients_autograd_left_in_p_grad_while_hooks_were_off_are_not_taken_fo
     assert all(torch.allclose(states[1][k], v, rtol=1e-5, atol=1e-6) for k, v in states[0].items())
 
 
-@pytest.mark.parametrize("fraction", [0.3])
+@pytest.mark.parametrize("fraction", [None, 0.3])
 @pytest.mark.parametrize("clip", [False, True])
 def test_in_fp16_zeroing_p_grad_in_place_clears_as_zero_grad_does(fraction, clip):
     """fp16 gradients carry the loss scale: `p.grad.zero_()` after the step (no zero_grad) clears them as
     zero_grad(set_to_none=False) does, after the model's clipping unscaled them too (Runtime._scale_kept): before, the
-    next backward added scaled gradients into unscaled ones. Not yet with no budget, where the step assembles chunks
-    lending autograd's tensors (chunk's Note on lent ranges) and `p.grad` is their memory no longer."""
+    next backward added scaled gradients into unscaled ones. With no budget the step's overflow check assembled the
+    chunks lending autograd's tensors (chunk's Note on lent ranges), and `p.grad` was their memory no longer: every
+    step after the first added into the old gradients."""
     model, batches = mlp(), mlp_batches(4)
     runs = []
     for zero in ("zero_grad", "in place"):
