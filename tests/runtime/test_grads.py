@@ -299,7 +299,8 @@ def test_a_gradient_the_user_assigned_stays_p_grad_and_backward_adds_into_it(fra
     assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 
 
-@pytest.mark.parametrize("fraction, dtype", [(None, "fp32"), (0.3, "fp32"), (2.0, "fp32"), (1.5, "fp32"), (None, "fp16"), (0.3, "fp16"), (2.0, "fp16")])
+@pytest.mark.parametrize("fraction, dtype", [(None, "fp32"), (0.3, "fp32"), (2.0, "fp32"), (1.5, "fp32"),
+                                             (None, "fp16"), (0.3, "fp16"), (2.0, "fp16")])
 def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction, dtype):
     """`p.grad` kept by the user (a logger holding the gradients) across zero_grad(set_to_none=False) is zeroed, then
     added into by the next backward, as in PyTorch (where its chunk was on the device, it read zeros for good: the
