@@ -197,6 +197,15 @@ def _is_parameter(arg: Any, kind: type) -> bool:
 _LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()  # every prepared model's hooks (already_hooked)
 
 
+def _idle_called(hooks: weakref.ref[Hooks], module: nn.Module, args: Any) -> None:
+    """A module called between lean forwards (`Hooks._guard_idle`): one inside a unit of this model puts the hooks of
+    every module inside a unit back, and runs its own pre-hook now (put back too late for this call's)."""
+    owner = hooks()
+    if owner is not None and owner.idle_off and module in owner.runtime.idle_modules:
+        owner._idle_hooks(True)
+        owner._pre_forward(module, args)
+
+
 def _grad_ready(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
     owner = hooks()
     if owner is not None:
@@ -232,6 +241,7 @@ class Hooks:
         # Those of the modules inside units (idle: they acquire nothing) that a lean forward takes off (`_idle_hooks`).
         self.idle_handles: list[tuple[nn.Module, RemovableHandle, RemovableHandle]] = []
         self.idle_off = False
+        self.guard: RemovableHandle | None = None  # `_guard_idle`'s global pre-hook, while it is on
         self._module_hooks(True)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
@@ -277,6 +287,8 @@ class Hooks:
         acquires nothing, and has no moment then: `_moment_inside`), and a module with no hook takes PyTorch's short
         call path. A user's hooks on those modules stay. Back on when the forward ends, and as soon as its step gives way
         (`_pre_forward`), where the moments inside units make room again."""
+        if on:
+            self._drop_guard()
         if on == (not self.idle_off):
             return
         self.idle_off = not on
@@ -295,6 +307,24 @@ class Hooks:
             else:  # a user may have cleared the dicts: nothing of ours to take off then
                 sub._forward_pre_hooks.pop(pre.id, None)
                 sub._forward_hooks.pop(post.id, None)
+
+    def _guard_idle(self) -> None:
+        """A lean forward ended with the hooks of the modules inside units off: they stay off until the next forward,
+        which would take them off again (most do), unless a module inside a unit is called before (on its own: a probe
+        of one layer's attention between steps; or by backward, re-computing it), which one global pre-hook catches
+        (`_idle_called`). Putting them back at every forward's end cost 2-3% of a launch-bound LLaMA's steps
+        (benchmarks/overhead_parts.py); the global hook costs every module call until then the short call path.
+        A weak reference's callback takes it off if the model is gone before."""
+        if self.idle_off and self.guard is None:
+            handle: list[RemovableHandle] = []
+            owner = weakref.ref(self, lambda _: handle[0].remove())
+            self.guard = nn.modules.module.register_module_forward_pre_hook(functools.partial(_idle_called, owner))
+            handle.append(self.guard)
+
+    def _drop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
 
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
@@ -463,6 +493,7 @@ class Hooks:
             # A module run on its own was interrupted (torch runs no always_call hook after a KeyboardInterrupt): what it
             # entered ends here, or the modules run on their own after it would run without (`_pre_forward`).
             self._leave_outside()
+        self._drop_guard()  # modules inside units get hooks again from here as the forward decides
         runtime = self.runtime
         if runtime.shards is not None and runtime.shards.summoned:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
@@ -500,7 +531,7 @@ class Hooks:
             runtime.fence_params()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
-            self._idle_hooks(True)
+            self._guard_idle()
             runtime.metering = True
             if runtime.shards is not None and runtime.shards.off_path:
                 # Nor may it leave gathered groups behind: the next step would find them and gather (and
@@ -512,6 +543,7 @@ class Hooks:
 
     def remove(self) -> None:
         _LIVE.discard(self)
+        self._drop_guard()
         self._module_hooks(False)
         self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
         _drop(self.handles)
