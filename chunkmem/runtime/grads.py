@@ -42,7 +42,9 @@ across zero_grad, autograd's tensors lent to the chunk): PyTorch's next backward
 they read zeros for good. A payload's view shown again is the one shown before where something still holds it
 (`_device_view`), so that those the user kept since the backward are the ones tracked. Not yet: a chunk the placer
 evicts before that backward, or one assembled (chunk's Note on lent ranges: the step and clipping read lent tensors
-where they are). A shown
+where they are). A shown gradient whose chunk left the device (a step evicting it to update another group) is the
+device memory it left, with its values: a change made to it in place goes into the chunk when gradients are taken
+(`left_device`), as `p.grad.zero_()` after the step clears them. A shown
 gradient set to None (by zero_grad(set_to_none=True) too) that the user still holds gets memory of its own, with its
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
@@ -108,12 +110,16 @@ class ShownGrads:
         # Tensors of the user's set as `p.grad` (a view of a flat gradient buffer), which stay `p.grad` (the Note).
         self.users: dict[ParamRecord, torch.Tensor] = {}
         self.device_views: dict[ParamRecord, weakref.ref] = {}  # each view of a device payload shown last (`show`)
+        self.shown_on_device: dict[str, ChunkGroup] = {}  # gradient chunk name -> its group, shown on the device
+        self.left: dict[ParamRecord, int] = {}  # shown gradients whose chunk left the device since: versions then
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
         that left zeros in those of the groups `zeroed` (the Note)."""
         if zeroed is None:
             self.zeroed.clear()
+            self.left.clear()
+            self.shown_on_device.clear()
         edited = self._users_edited()
         for group in self.store.trainable_groups():
             held = [r for r in group.members if r.grad_state is TensorState.HOLD]
@@ -124,6 +130,7 @@ class ShownGrads:
                 self._materialize(chunk, group.param)
             grads: list[torch.Tensor | None]
             if chunk.state.on_device:
+                self.shown_on_device[chunk.name] = group
                 lent = [chunk.lent_part(r.slot.offset) for r in held]
                 flat = None if all(g is not None for g in lent) else chunk.device
                 grads = lent if flat is None else [self._device_view(r, flat) for r in held]
@@ -149,6 +156,19 @@ class ShownGrads:
             if zeroed is not None and group in zeroed:
                 self.zeroed[group] = [(self.shown[r], self.shown[r]._version) for r in held if r in self.shown]
         self.users_seen()
+
+    def left_device(self, chunk: Chunk) -> None:
+        """`chunk` left the device: where it is a gradient chunk shown there, its `p.grad` is the device memory it left
+        (a slot the arena keeps while viewed, with the values it had), and a change the user makes to it from now on
+        (zeroing it in place after the step, as a loop without zero_grad does) goes into the chunk when gradients are
+        taken (`_taken`): before, the next backward added into the old gradients (fp16 whose step evicted the gradient
+        chunk of a homed group, to update another)."""
+        group = self.shown_on_device.pop(chunk.name, None)
+        if group is not None:
+            for record in group.members:
+                shown = self.shown.get(record)
+                if shown is not None and record not in self.users:
+                    self.left[record] = shown._version
 
     def _device_view(self, record: ParamRecord, flat: torch.Tensor) -> torch.Tensor:
         """`record`'s view of device payload `flat`: the one shown before, where something still holds it (a user's
@@ -285,6 +305,7 @@ class ShownGrads:
         for record in [r for r in self.shown if records is None or r in records]:
             record.param.grad = None
             shown = self.shown.pop(record)
+            self.left.pop(record, None)
             if dropped and self._chunk_memory(record, shown):
                 gone.append(shown)
         if dropped:  # the user's tensors of every record cleared, shown or not (set before any backward)
@@ -352,7 +373,7 @@ class ShownGrads:
         """`take`'s own; gives the shown gradients set to None that were chunk memory (for `_keep_held`, as
         `_unshown`)."""
         gone = []
-        addresses = self.addresses
+        addresses, left = self.addresses, self.left
         for record, shown in list(self.shown.items()):
             if records is not None and record not in records:
                 continue
@@ -365,6 +386,9 @@ class ShownGrads:
                         self.showing(record, grad)
                 elif address is not None and grad.data_ptr() != address:
                     self._moved(record, grad)
+                elif left and record in left and grad._version != left[record]:  # its chunk left: `left_device`
+                    self._range(record).copy_(grad)
+                    left[record] = grad._version
                 continue
             if type(shown) is ShardedGrad:
                 raise RuntimeError(ZERO_GRADS)

@@ -201,7 +201,8 @@ def _idle_called(hooks: weakref.ref[Hooks], module: nn.Module, args: Any) -> Non
     """A module called between lean forwards (`Hooks._guard_idle`): one inside a unit of this model puts the hooks of
     every module inside a unit back, and runs its own pre-hook now (put back too late for this call's)."""
     owner = hooks()
-    if owner is not None and owner.idle_off and module in owner.runtime.idle_modules:
+    # (a manager's runtime serves several models: this one's modules alone)
+    if owner is not None and owner.idle_off and module in owner.names and module in owner.runtime.idle_modules:
         owner._idle_hooks(True)
         owner._pre_forward(module, args)
 

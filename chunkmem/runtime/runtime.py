@@ -407,6 +407,8 @@ class Runtime:
             self.shards.chunk_moved(chunk)
         else:
             self.store.point_views(chunk)
+            if self.grads.shown_on_device and not chunk.state.on_device:
+                self.grads.left_device(chunk)
 
     def _bring_param(self, chunk_group: ChunkGroup, ahead: bool) -> torch.Tensor:
         """This rank's parameter chunk of a group on the device, for a gather. A gather ahead of need is not
@@ -1076,8 +1078,10 @@ class Runtime:
         """Gradients kept across the step were unscaled (by clipping), and the next backward adds scaled ones: they
         carry the loss scale again. The scale as an fp32 tensor: CPU's foreach ops cast a number to the fp16 tensors'
         dtype, and 65536 is inf there (CUDA's lists take it too)."""
+        grads = self.data.grad_views()
         scale = torch.tensor(self.scaler.scale, dtype=torch.float32, device="cpu")  # type: ignore[union-attr]
-        torch._foreach_mul_(self.data.grad_views(), scale)
+        if grads:  # none held (`p.grad = None` for every parameter since): nothing to scale
+            torch._foreach_mul_(grads, scale)
         self.grads_scaled = True
 
     def zero_grad(self, set_to_none: bool = True, only: Container[ParamRecord] | None = None) -> None:

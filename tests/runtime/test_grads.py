@@ -299,6 +299,31 @@ def test_a_gradient_the_user_assigned_stays_p_grad_and_backward_adds_into_it(fra
     assert all(torch.equal(state[k], v) for k, v in plain_state.items())
 
 
+def test_p_grad_zeroed_in_place_after_a_step_that_moved_its_chunk_off_the_device_clears_the_gradient():
+    """fp16 at twice the parameter bytes, its first step skipped (an overflow): the steps after evict the gradient
+    chunk of a homed group to update another, while `p.grad` shows the device memory it left. Zeroed in place there
+    (no zero_grad), the change goes into the chunk when gradients are next taken (ShownGrads.left_device): before, the
+    next backward added into the old gradients."""
+    model, batches = mlp(), mlp_batches(6)
+    runs = []
+    for zero in ("zero_grad", "in place"):
+        net, optimizer = prepared(copy.deepcopy(model), ADAMW, device_memory=budget(model, 2.0), dtype="fp16")
+        read = []
+        for i, batch in enumerate(batches):
+            (mlp_loss(net, batch) * (1e30 if i == 0 else 1)).backward()
+            read += [p.grad.clone() for p in net.parameters()] if i else []  # (not the first's: inf and nan)
+            optimizer.step()
+            if zero == "in place":
+                for p in net.parameters():
+                    p.grad.zero_()
+            else:
+                optimizer.zero_grad(set_to_none=False)
+        runs.append((read, copy.deepcopy(net.state_dict())))
+    (first, first_state), (second, second_state) = runs
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(second_state[k], v) for k, v in first_state.items())
+
+
 @pytest.mark.parametrize("fraction, dtype", [(None, "fp32"), (0.3, "fp32"), (2.0, "fp32"), (1.5, "fp32"),
                                              (None, "fp16"), (0.3, "fp16"), (2.0, "fp16")])
 def test_a_gradient_kept_across_zero_grad_to_zeros_reads_the_next_backwards_gradient(fraction, dtype):
@@ -387,15 +412,17 @@ def test_gradients_autograd_left_in_p_grad_while_hooks_were_off_are_not_taken_fo
 
 @pytest.mark.parametrize("fraction", [None, 0.3])
 @pytest.mark.parametrize("clip", [False, True])
-def test_in_fp16_zeroing_p_grad_in_place_clears_as_zero_grad_does(fraction, clip):
+@pytest.mark.parametrize("clear", ["in place", "to None"])
+def test_in_fp16_zeroing_p_grad_in_place_clears_as_zero_grad_does(fraction, clip, clear):
     """fp16 gradients carry the loss scale: `p.grad.zero_()` after the step (no zero_grad) clears them as
     zero_grad(set_to_none=False) does, after the model's clipping unscaled them too (Runtime._scale_kept): before, the
     next backward added scaled gradients into unscaled ones. With no budget the step's overflow check assembled the
     chunks lending autograd's tensors (chunk's Note on lent ranges), and `p.grad` was their memory no longer: every
-    step after the first added into the old gradients."""
+    step after the first added into the old gradients. `p.grad = None` for every parameter after clipping left no
+    gradient to scale again, and the next backward raised (an empty list to torch._foreach_mul_)."""
     model, batches = mlp(), mlp_batches(4)
     runs = []
-    for zero in ("zero_grad", "in place"):
+    for zero in ("zero_grad", clear):
         net, optimizer = prepared(copy.deepcopy(model), ADAMW, device_memory=budget(model, fraction), dtype="fp16")
         read = []
         for batch in batches:
@@ -407,8 +434,11 @@ def test_in_fp16_zeroing_p_grad_in_place_clears_as_zero_grad_does(fraction, clip
             if zero == "in place":
                 for p in net.parameters():
                     p.grad.zero_()
+            elif zero == "to None":
+                for p in net.parameters():
+                    p.grad = None
             else:
-                optimizer.zero_grad(set_to_none=False)
+                optimizer.zero_grad(set_to_none=clear == "to None")
         runs.append((read, copy.deepcopy(net.state_dict())))
     (first, first_state), (second, second_state) = runs
     assert all(torch.equal(a, b) for a, b in zip(first, second))
