@@ -491,6 +491,14 @@ def check_fresh(model: nn.Module, optimizer: Optimizer | None) -> None:
                          f"copies in Config.dtype: its values would be {lost}. Cast it to float32 before prepare "
                          "(model.float()), or, if it is not trained, make it a buffer (register_buffer), which keeps "
                          "its dtype")
+    empty = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if empty:
+        more = f", nor have {len(empty) - 1} more" if len(empty) > 1 else ""
+        raise ValueError(f"buffer {empty[0]} of this model is on the meta device (it has no values{more}), and "
+                         "prepare moves buffers to the compute device as they are: give them values first (build the "
+                         "model under accelerate's init_empty_weights(include_buffers=False), which leaves them real, "
+                         "or make them again, as a rotary embedding's inv_freq from its config); meta parameters are "
+                         "fine, loaded after prepare")
     hooked = already_hooked(model)
     if hooked is not None:
         raise ValueError(f"{hooked} of this model is already managed by an earlier chunkmem.prepare (its parameters "

@@ -70,6 +70,27 @@ def test_a_failed_prepare_of_a_meta_model_leaves_it_on_meta() -> None:
     assert hook_count(model) == 0
 
 
+def test_a_meta_model_with_meta_buffers_is_refused_naming_one_and_trains_once_they_have_values() -> None:
+    """A LLaMA built under torch.device("meta") has its rotary frequencies there too, which prepare cannot move (torch's
+    NotImplementedError from inside it before): a ValueError names the buffer, and the model is as it was. Given
+    values, it prepares, loads and trains as the plain model does."""
+    pytest.importorskip("transformers")
+    arch = zoo.by_name("llama")
+    plain = arch.build()
+    with torch.device("meta"):
+        model = arch.build()
+    with pytest.raises(ValueError, match="buffer model.rotary_emb.inv_freq of this model is on the meta device"):
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    assert hook_count(model) == 0 and all(p.is_meta for p in model.parameters())
+    for name, buffer in plain.named_buffers():
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, buffer.clone())
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(device="cpu"))
+    cm.load_state_dict(plain.state_dict())
+    batches = arch.batches(3)
+    assert train(cm, opt, batches, zoo.loss) == train(plain, ADAMW(plain.parameters()), batches, zoo.loss)
+
+
 def test_preparing_the_original_model_again_is_refused_and_the_first_keeps_training() -> None:
     model, batches = mlp(), mlp_batches(4)
     ref = copy.deepcopy(model)

@@ -230,6 +230,11 @@ class ShownGrads:
                 self._range(record).copy_(own)
                 self.versions[record] = own._version
 
+    def range_now(self, record: ParamRecord) -> torch.Tensor:
+        """`record`'s gradient in its chunk, to read now: where the chunk is on the host, once its downloads landed."""
+        chunk = record.group.grad
+        return self._range(record) if chunk.state.on_device else record.view(self.residency.to_host(chunk))
+
     def _range(self, record: ParamRecord) -> torch.Tensor:
         """`record`'s range of its gradient chunk, where it is: the tensor lent for it, or a view of the payload."""
         chunk = record.group.grad

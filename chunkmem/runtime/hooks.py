@@ -213,6 +213,12 @@ def _grad_ready(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
         owner.runtime.grad_ready(owner.runtime.store.records[param])
 
 
+def _sum_for_users(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
+    owner = hooks()
+    if owner is not None:
+        owner.runtime.sum_for_users(owner.runtime.store.records[param])
+
+
 class Hooks:
     """Module, gradient and saved-tensor hooks of one prepared model."""
 
@@ -248,6 +254,10 @@ class Hooks:
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
         # model is gone, its hook does nothing.
         self.ready = functools.partial(_grad_ready, weakref.ref(self))
+        self.summing = functools.partial(_sum_for_users, weakref.ref(self))
+        # `_grad_hooks_last`'s, on the parameters users hooked: kept while the others are off (a resident backward
+        # leaves gradients in `p.grad`, where a forward hid the sum: Runtime.adopt_grads takes them all at its end).
+        self.firsts: dict[nn.Parameter, RemovableHandle] = {}
         self._grad_hooks(True)
         _LIVE.add(self)
 
@@ -346,11 +356,22 @@ class Hooks:
 
     def _grad_hooks_last(self) -> None:
         """A user's post-accumulate-grad hook, registered after `prepare`, runs before ours: it sees `p.grad` (and may
-        change it in place) as on the plain model, before ours takes it into the chunk."""
+        change it in place) as on the plain model, before ours takes it into the chunk. Under accumulation that is the
+        sum of the micro-batches' gradients so far, as autograd leaves it: a hook of ours runs first on the parameters
+        users hooked (Runtime.sum_for_users); before, theirs saw each micro-batch's own."""
         for param, handle in zip(self.hooked, self.handles):
             hooks = param._post_accumulate_grad_hooks
             if len(hooks) > 1 and next(reversed(hooks)) != handle.id:
                 hooks[handle.id] = hooks.pop(handle.id)  # autograd calls them in the order of insertion
+            first = self.firsts.get(param)
+            if len(hooks) > 2 - (first is None) and (first is None or next(iter(hooks)) != first.id):
+                if first is None:
+                    first = self.firsts[param] = param.register_post_accumulate_grad_hook(self.summing)
+                ours = hooks.pop(first.id)
+                others = dict(hooks)
+                hooks.clear()
+                hooks[first.id] = ours
+                hooks.update(others)
 
     def _hooks_follow_residency(self) -> None:
         """This model's module and gradient hooks off while its runtime serves a resident step; once it does not, on
@@ -548,6 +569,7 @@ class Hooks:
         self._module_hooks(False)
         self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
         _drop(self.handles)
+        _drop(list(self.firsts.values()))
         self.runtime.grads_unhooked(self, False)  # removed for good, not off
 
 

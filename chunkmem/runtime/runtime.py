@@ -209,6 +209,7 @@ class Runtime:
         self.largest_output = -1  # which of those outputs it is
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
+        self.summed: set[ParamRecord] = set()  # `p.grad` made the whole gradient for a user's hook (`sum_for_users`)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         records = self.store.records
         chunk_bytes = size * config.torch_dtype.itemsize
@@ -742,9 +743,22 @@ class Runtime:
         grad = record.param.grad
         record.param.grad = None
         if grad is None:
+            if self.summed:  # a user's hook dropped the sum it was shown
+                self.summed.discard(record)
             return
         self._end_of_backward_called()
         self._take_grad(record, grad)
+
+    def sum_for_users(self, record: ParamRecord) -> None:
+        """A user's post-accumulate-grad hook on `record`'s parameter runs next (Hooks._grad_hooks_last): where its
+        chunk holds a gradient already (accumulation; a second backward of a retained graph), `p.grad` is the sum, as
+        autograd leaves it, a tensor of its own that `_take_grad` then writes over the chunk's range."""
+        grad = record.param.grad
+        if grad is None or record.grad_state is TensorState.FREE or self.shards is not None or \
+                grad is self.grads.users.get(record) or self.grads.accumulated(record, grad):
+            return
+        record.param.grad = self.grads.range_now(record).to(grad.device, copy=True) + grad  # (copy: the simulation's)
+        self.summed.add(record)
 
     def _end_of_backward_called(self) -> None:
         """`_backward_done` runs when the running backward ends (queued once per backward)."""
@@ -886,6 +900,9 @@ class Runtime:
             return
         # Autograd added into a tensor of the user's that was `p.grad`: it holds the whole gradient (grads.py's Note).
         accumulate = record.grad_state is not TensorState.FREE and grad is not self.grads.users.get(record)
+        if self.summed and record in self.summed:  # `sum_for_users` made it the whole gradient
+            self.summed.discard(record)
+            accumulate = False
         self._write_grad(record.group, grad, record.view, accumulate=accumulate, start=record.slot.offset)
         record.move_grad("write")
         if self.ahead is not None and not self.placer.homed(record.group.index):

@@ -325,6 +325,31 @@ def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
+def test_under_accumulation_a_users_post_accumulate_grad_hook_sees_the_sum_so_far(budget) -> None:
+    """Autograd calls the hook once the fresh gradient is added into `p.grad`: a second micro-batch's hook sees the
+    sum of both, and scales it (Runtime.sum_for_users). Before, it saw the second micro-batch's gradient alone."""
+    seen: dict[str, list[float]] = {}
+
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        sums = seen.setdefault("plain" if model is unwrapped(model) else "chunkmem", [])
+
+        def halve(param: torch.Tensor) -> None:
+            sums.append(param.grad.double().sum().item())
+            param.grad.mul_(0.5)
+
+        for param in unwrapped(model).parameters():
+            param.register_post_accumulate_grad_hook(halve)
+        for ids in gpt2_batches(STEPS):
+            for half in ids.chunk(2):
+                gpt2_loss(model, half).backward()
+            opt.step()
+            opt.zero_grad()
+
+    same_bits(loop, budget)
+    assert seen["chunkmem"] == seen["plain"]
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_mixed_precision_loop_of_autocast_and_grad_scaler_trains_as_on_the_plain_model(budget, dtype) -> None:
     # A loop written for plain PyTorch's mixed precision, kept as it is on an fp32 prepared model: autocast around
