@@ -296,8 +296,9 @@ class Hooks:
         """Put our forward hooks back on the modules inside units, or take them off for a lean forward that follows its
         plan steadily and has no observer (runtime's Note on lean forwards): they would return at once (an idle module
         acquires nothing, and has no moment then: `_moment_inside`), and a module with no hook takes PyTorch's short
-        call path. A user's hooks on those modules stay. Back on when the forward ends, and as soon as its step gives way
-        (`_pre_forward`), where the moments inside units make room again."""
+        call path. A user's hooks on those modules stay. Back on when a forward that is not lean begins, when a module
+        inside a unit is called between forwards (`_guard_idle`), and as soon as a step gives way (`_pre_forward`),
+        where the moments inside units make room again."""
         if on:
             self._drop_guard()
         if on == (not self.idle_off):
