@@ -197,16 +197,6 @@ def _is_parameter(arg: Any, kind: type) -> bool:
 _LIVE: weakref.WeakSet[Hooks] = weakref.WeakSet()  # every prepared model's hooks (already_hooked)
 
 
-def _idle_called(hooks: weakref.ref[Hooks], module: nn.Module, args: Any) -> None:
-    """A module called between lean forwards (`Hooks._guard_idle`): one inside a unit of this model puts the hooks of
-    every module inside a unit back, and runs its own pre-hook now (put back too late for this call's)."""
-    owner = hooks()
-    # (a manager's runtime serves several models: this one's modules alone)
-    if owner is not None and owner.idle_off and module in owner.names and module in owner.runtime.idle_modules:
-        owner._idle_hooks(True)
-        owner._pre_forward(module, args)
-
-
 def _grad_ready(hooks: weakref.ref[Hooks], param: nn.Parameter) -> None:
     owner = hooks()
     if owner is not None:
@@ -225,7 +215,7 @@ class Hooks:
     def __init__(self, module: nn.Module, runtime: Runtime) -> None:
         self.runtime = runtime
         self.handles: list[RemovableHandle] = []  # the gradient hooks, while they are on
-        self.hooked: list[nn.Parameter] = []  # their parameters
+        self.hooked: list[nn.Parameter] = []  # their parameters (those last hooked, while off)
         self.names = {sub: name or type(module).__name__ for name, sub in module.named_modules()}
         self.parents: dict[nn.Module, list[nn.Module]] = {}  # a module shared by several has them all
         for sub in module.modules():
@@ -248,7 +238,6 @@ class Hooks:
         # Those of the modules inside units (idle: they acquire nothing) that a lean forward takes off (`_idle_hooks`).
         self.idle_handles: list[tuple[nn.Module, RemovableHandle, RemovableHandle]] = []
         self.idle_off = False
-        self.guard: RemovableHandle | None = None  # `_guard_idle`'s global pre-hook, while it is on
         self._module_hooks(True)
         # A parameter's hooks are held by autograd's C++ side, where the collector cannot follow them: one that held
         # this object would keep the prepared model (its chunks, pinned memory and budget) alive for good. Once the
@@ -296,11 +285,8 @@ class Hooks:
         """Put our forward hooks back on the modules inside units, or take them off for a lean forward that follows its
         plan steadily and has no observer (runtime's Note on lean forwards): they would return at once (an idle module
         acquires nothing, and has no moment then: `_moment_inside`), and a module with no hook takes PyTorch's short
-        call path. A user's hooks on those modules stay. Back on when a forward that is not lean begins, when a module
-        inside a unit is called between forwards (`_guard_idle`), and as soon as a step gives way (`_pre_forward`),
-        where the moments inside units make room again."""
-        if on:
-            self._drop_guard()
+        call path. A user's hooks on those modules stay. Back on when the forward ends, and as soon as its step gives way
+        (`_pre_forward`), where the moments inside units make room again."""
         if on == (not self.idle_off):
             return
         self.idle_off = not on
@@ -320,24 +306,6 @@ class Hooks:
                 sub._forward_pre_hooks.pop(pre.id, None)
                 sub._forward_hooks.pop(post.id, None)
 
-    def _guard_idle(self) -> None:
-        """A lean forward ended with the hooks of the modules inside units off: they stay off until the next forward,
-        which would take them off again (most do), unless a module inside a unit is called before (on its own: a probe
-        of one layer's attention between steps; or by backward, re-computing it), which one global pre-hook catches
-        (`_idle_called`). Putting them back at every forward's end cost 2-3% of a launch-bound LLaMA's steps
-        (benchmarks/overhead_parts.py); the global hook costs every module call until then the short call path.
-        A weak reference's callback takes it off if the model is gone before."""
-        if self.idle_off and self.guard is None:
-            handle: list[RemovableHandle] = []
-            owner = weakref.ref(self, lambda _: handle[0].remove())
-            self.guard = nn.modules.module.register_module_forward_pre_hook(functools.partial(_idle_called, owner))
-            handle.append(self.guard)
-
-    def _drop_guard(self) -> None:
-        if self.guard is not None:
-            self.guard.remove()
-            self.guard = None
-
     def _grad_hooks(self, on: bool) -> None:
         """Put the gradient hooks on every trainable parameter of the model, or take them off. A resident backward
         needs none: autograd leaves each gradient in `p.grad` and the backward's end takes them all into their chunks
@@ -345,14 +313,11 @@ class Hooks:
         (benchmarks/overhead_parts.py's resident rows)."""
         if on == bool(self.handles):
             return
-        if on:
-            for param in self.module.parameters():  # its own: a manager's runtime holds other models' too
-                if param.requires_grad:
-                    self.handles.append(param.register_post_accumulate_grad_hook(self.ready))
-                    self.hooked.append(param)
+        if on:  # its own parameters: a manager's runtime holds other models' too
+            self.hooked = [param for param in self.module.parameters() if param.requires_grad]
+            self.handles = [param.register_post_accumulate_grad_hook(self.ready) for param in self.hooked]
         else:
-            _drop(self.handles)
-            self.hooked.clear()
+            _drop(self.handles)  # `hooked` stays, for `_grad_hooks_last`'s first hooks
         self.runtime.grads_unhooked(self, not on)
 
     def _grad_hooks_last(self) -> None:
@@ -360,12 +325,16 @@ class Hooks:
         change it in place) as on the plain model, before ours takes it into the chunk. Under accumulation that is the
         sum of the micro-batches' gradients so far, as autograd leaves it: a hook of ours runs first on the parameters
         users hooked (Runtime.sum_for_users); before, theirs saw each micro-batch's own."""
-        for param, handle in zip(self.hooked, self.handles):
+        handles: list[RemovableHandle | None] = [*self.handles] or [None] * len(self.hooked)  # none while off
+        for param, handle in zip(self.hooked, handles):
             hooks = param._post_accumulate_grad_hooks
-            if len(hooks) > 1 and next(reversed(hooks)) != handle.id:
+            if not hooks:
+                continue
+            if handle is not None and len(hooks) > 1 and next(reversed(hooks)) != handle.id:
                 hooks[handle.id] = hooks.pop(handle.id)  # autograd calls them in the order of insertion
             first = self.firsts.get(param)
-            if len(hooks) > 2 - (first is None) and (first is None or next(iter(hooks)) != first.id):
+            if len(hooks) > (handle is not None) + (first is not None) and \
+                    (first is None or next(iter(hooks)) != first.id):
                 if first is None:
                     first = self.firsts[param] = param.register_post_accumulate_grad_hook(self.summing)
                 ours = hooks.pop(first.id)
@@ -516,7 +485,6 @@ class Hooks:
             # A module run on its own was interrupted (torch runs no always_call hook after a KeyboardInterrupt): what it
             # entered ends here, or the modules run on their own after it would run without (`_pre_forward`).
             self._leave_outside()
-        self._drop_guard()  # modules inside units get hooks again from here as the forward decides
         runtime = self.runtime
         if runtime.shards is not None and runtime.shards.summoned:
             raise RuntimeError("a forward inside model.gathered_parameters(): under ZeRO a forward gathers the "
@@ -554,7 +522,7 @@ class Hooks:
             runtime.fence_params()  # the caller may read parameters before backward (a penalty, a log line)
         finally:
             self.forwarding = False
-            self._guard_idle()
+            self._idle_hooks(True)
             runtime.metering = True
             if runtime.shards is not None and runtime.shards.off_path:
                 # Nor may it leave gathered groups behind: the next step would find them and gather (and
@@ -566,7 +534,6 @@ class Hooks:
 
     def remove(self) -> None:
         _LIVE.discard(self)
-        self._drop_guard()
         self._module_hooks(False)
         self.runtime.adopt_grads()  # a gradient autograd left in `p.grad` while the hooks were off
         _drop(self.handles)

@@ -743,8 +743,7 @@ class Runtime:
         grad = record.param.grad
         record.param.grad = None
         if grad is None:
-            if self.summed:  # a user's hook dropped the sum it was shown
-                self.summed.discard(record)
+            self._unsummed(record)
             return
         self._end_of_backward_called()
         self._take_grad(record, grad)
@@ -759,6 +758,13 @@ class Runtime:
             return
         record.param.grad = self.grads.range_now(record).to(grad.device, copy=True) + grad  # (copy: the simulation's)
         self.summed.add(record)
+
+    def _unsummed(self, record: ParamRecord) -> None:
+        """`record`'s `p.grad` is None after its hooks ran: where a user's hook was shown the sum (`sum_for_users`) and
+        set it to None, the parameter has no gradient, as in PyTorch (the step leaves it)."""
+        if self.summed and record in self.summed:
+            self.summed.discard(record)
+            record.move_grad("free")
 
     def _end_of_backward_called(self) -> None:
         """`_backward_done` runs when the running backward ends (queued once per backward)."""
@@ -876,6 +882,8 @@ class Runtime:
             for record in group.members:
                 grad = record.param.grad
                 if grad is None or record in shown:  # a shown one autograd adds into; replaced, the step takes it
+                    if grad is None:
+                        self._unsummed(record)
                     continue
                 if resident and not chunk.state.on_device:  # its first gradient this step: it materializes
                     self.placer.access([chunk], "grad", group.index)

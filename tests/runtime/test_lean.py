@@ -155,14 +155,12 @@ def test_a_lean_forward_where_the_allocator_is_read_keeps_activations_unmetered(
 
 def test_a_lean_forward_takes_our_hooks_off_the_modules_inside_units_and_keeps_a_users() -> None:
     # Hooks._idle_hooks: a module inside a unit acquires nothing, so its hooks have nothing to do in a lean forward;
-    # without them PyTorch calls it on its short path. A user's hook there still runs. They stay off after it until a
-    # module inside a unit is called (Hooks._guard_idle): that call, on its own here, finds its parameters as plain
-    # PyTorch's, and ours are back, ours first before the module and last after it.
+    # without them PyTorch calls it on its short path. A user's hook there still runs, and ours come back after, ours
+    # first before the module and last after it.
     model, batches = tiny_gpt2(), [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
                                    for i in range(4)]
     cm, opt = prepared(model, ADAMW, device_memory=2 * param_bytes(model))  # chunks small enough for units
     inner = next(m for m in cm.module.modules() if m in cm.runtime.idle_modules and m._parameters)
-    name = next(n for n, m in cm.module.named_modules() if m is inner)
     seen: list[tuple[bool, bool]] = []  # per forward of `inner`: lean, our pre-hook on it then
     inner.register_forward_pre_hook(
         lambda m, args: seen.append((cm.hooks.idle_off, cm.hooks._pre_forward in m._forward_pre_hooks.values())))
@@ -172,10 +170,6 @@ def test_a_lean_forward_takes_our_hooks_off_the_modules_inside_units_and_keeps_a
                                                                            gpt2_loss)
     assert flags == [False, True, True, True] and len(seen) == 4
     assert seen == [(lean, not lean) for lean in flags], "off exactly in the lean forwards"
-    assert cm.hooks.idle_off and cm.hooks.guard is not None
-    x = torch.randn(2, 8, inner.weight.shape[0], generator=torch.Generator().manual_seed(9))
-    assert torch.equal(inner(x), ref.get_submodule(name)(x)), "called on its own, as PyTorch's"
-    assert not cm.hooks.idle_off and cm.hooks.guard is None and seen[-1] == (False, True)
     pre, post = list(inner._forward_pre_hooks.values()), list(inner._forward_hooks.values())
     assert pre[0] == cm.hooks._pre_forward and len(pre) == 2 and post == [cm.hooks._post_forward]
     cm.hooks.remove()  # the handles still take ours off

@@ -325,22 +325,31 @@ def test_a_users_post_accumulate_grad_hook_sees_and_scales_each_gradient(budget)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_under_accumulation_a_users_post_accumulate_grad_hook_sees_the_sum_so_far(budget) -> None:
+@pytest.mark.parametrize("hook", ["halves", "drops the second"])
+@pytest.mark.parametrize("late", [False, True])
+def test_under_accumulation_a_users_post_accumulate_grad_hook_sees_the_sum_so_far(budget, hook, late) -> None:
     """Autograd calls the hook once the fresh gradient is added into `p.grad`: a second micro-batch's hook sees the
-    sum of both, and scales it (Runtime.sum_for_users). Before, it saw the second micro-batch's gradient alone."""
+    sum of both, and scales it or sets it to None, which leaves the parameter no gradient (Runtime.sum_for_users).
+    Before, it saw the second micro-batch's gradient alone. `late`: registered after the first step, once a model
+    with no budget runs resident steps (gradient hooks of chunkmem's off)."""
     seen: dict[str, list[float]] = {}
 
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         sums = seen.setdefault("plain" if model is unwrapped(model) else "chunkmem", [])
+        micro = 0
 
         def halve(param: torch.Tensor) -> None:
             sums.append(param.grad.double().sum().item())
-            param.grad.mul_(0.5)
+            if hook == "halves":
+                param.grad.mul_(0.5)
+            elif micro == 1 and len(sums) % 2:  # half the parameters, the sum of both micro-batches shown
+                param.grad = None
 
-        for param in unwrapped(model).parameters():
-            param.register_post_accumulate_grad_hook(halve)
-        for ids in gpt2_batches(STEPS):
-            for half in ids.chunk(2):
+        for step, ids in enumerate(gpt2_batches(STEPS)):
+            if step == late:
+                for param in unwrapped(model).parameters():
+                    param.register_post_accumulate_grad_hook(halve)
+            for micro, half in enumerate(ids.chunk(2)):
                 gpt2_loss(model, half).backward()
             opt.step()
             opt.zero_grad()
