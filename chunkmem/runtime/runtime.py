@@ -756,7 +756,8 @@ class Runtime:
         if grad is None or record.grad_state is TensorState.FREE or self.shards is not None or \
                 grad is self.grads.users.get(record) or self.grads.accumulated(record, grad):
             return
-        record.param.grad = self.grads.range_now(record).to(grad.device, copy=True) + grad  # (copy: the simulation's)
+        # copy=True: a streamed group's range is a host payload, which the simulation's `.to(device)` would not copy
+        record.param.grad = self.grads.range_now(record).to(grad.device, copy=True) + grad
         self.summed.add(record)
 
     def _unsummed(self, record: ParamRecord) -> None:
