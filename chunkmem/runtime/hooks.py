@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import weakref
 from collections.abc import Iterator
@@ -325,20 +326,21 @@ class Hooks:
         change it in place) as on the plain model, before ours takes it into the chunk. Under accumulation that is the
         sum of the micro-batches' gradients so far, as autograd leaves it: a hook of ours runs first on the parameters
         users hooked (Runtime.sum_for_users); before, theirs saw each micro-batch's own."""
-        handles: list[RemovableHandle | None] = [*self.handles] or [None] * len(self.hooked)  # none while off
-        for param, handle in zip(self.hooked, handles):
+        # Autograd calls them in the order of insertion into the dict beneath the OrderedDict (PyDict_Next), which
+        # move_to_end leaves as it was: ours are taken out and put in again.
+        for param, handle in itertools.zip_longest(self.hooked, self.handles):  # no handles while off (resident)
             hooks = param._post_accumulate_grad_hooks
             if not hooks:
                 continue
-            if handle is not None and len(hooks) > 1 and next(reversed(hooks)) != handle.id:
-                hooks[handle.id] = hooks.pop(handle.id)  # autograd calls them in the order of insertion
+            if handle is not None and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = hooks.pop(handle.id)
             first = self.firsts.get(param)
             if len(hooks) > (handle is not None) + (first is not None) and \
-                    (first is None or next(iter(hooks)) != first.id):
+                    (first is None or next(iter(hooks)) != first.id):  # a user's among them, ours not first
                 if first is None:
                     first = self.firsts[param] = param.register_post_accumulate_grad_hook(self.summing)
-                ours = hooks.pop(first.id)
-                others = dict(hooks)
+                others = {k: v for k, v in hooks.items() if k != first.id}
+                ours = hooks[first.id]
                 hooks.clear()
                 hooks[first.id] = ours
                 hooks.update(others)
