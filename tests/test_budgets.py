@@ -223,7 +223,7 @@ def test_a_parameters_gradient_with_no_room_beside_its_chunk_in_backward_is_refu
     """ResNet in fp32 at a tenth of its model data, in chunks of three times its largest parameter: beside one chunk
     and the activations, backward finds no room for a convolution weight's gradient, and CUDA's error came from
     inside autograd, where no op can be retried. When the op unpacks the weight, the room the allocator's cap leaves
-    beside the live tensors is now checked against that gradient (runtime's _room_for_grad): chunks nothing uses
+    beside the live tensors is now checked against that gradient (BackwardRoom.for_grad): chunks nothing uses
     give way, and with none left, a MemoryBudgetError names the bytes; the failed graph's activations go with it."""
     arch = zoo.by_name("resnet")
     model, batches = arch.build(), arch.batches(1)
@@ -311,7 +311,7 @@ def test_a_gradient_the_holes_may_not_hold_makes_chunks_give_way_and_the_run_tra
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["give-way", "refused"])
 def test_a_gradient_certain_not_to_fit_makes_the_chunks_nothing_uses_give_way_or_is_refused(sim_memory, pinned):
-    # Runtime._room_for_grad on its own: everything homed on the device, then other tensors leave the allocator's cap
+    # BackwardRoom.for_grad on its own: everything homed on the device, then other tensors leave the allocator's cap
     # less than a parameter chunk, so that its gradient cannot be allocated. Chunks nothing uses leave (their slots go
     # back to the allocator) until it can be, the others stay; with every other chunk in use, it is refused.
     sim_memory(DIVISOR)
@@ -331,9 +331,9 @@ def test_a_gradient_certain_not_to_fit_makes_the_chunks_nothing_uses_give_way_or
         other.pins += pinned
     if pinned:
         with pytest.raises(chunkmem.MemoryBudgetError, match=rf"backward needs {chunk.nbytes} bytes .* {chunk.name}"):
-            runtime._room_for_grad(chunk, chunk.numel, runtime.limit)
+            runtime.room.for_grad(chunk, chunk.numel, runtime.limit)
     else:
-        runtime._room_for_grad(chunk, chunk.numel, runtime.limit)
+        runtime.room.for_grad(chunk, chunk.numel, runtime.limit)
         assert runtime.device.alloc(chunk.numel, chunk.dtype).numel() == chunk.numel, "the gradient fits"
         assert chunk.state.on_device and chunk.nbytes < runtime.residency.stats.device_chunk_bytes < held
     del hog

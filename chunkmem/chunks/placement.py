@@ -121,7 +121,7 @@ class Placer:
         # two of the allocator's segments, which one allocation may reserve anew (a small budget's 5% is less).
         self.margin = max(int(limit * SAFETY_FRACTION), 2 * residency.device.segment_bytes)
         self.nonmodel = nonmodel
-        self.headroom = headroom  # non-model bytes a plan leaves room for beyond its record (runtime.largest_block)
+        self.headroom = headroom  # non-model bytes a plan leaves room for beyond its record (BackwardRoom.largest_block)
         self.rise = rise  # the most non-model data grew between two readings (runtime.largest_rise)
         self.chunks = {c.name: c for c in store.chunks()}
         self.pinned: set[str] = set()  # parameter chunks the running modules pin (`pin`)

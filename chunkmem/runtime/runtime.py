@@ -58,7 +58,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -77,7 +76,7 @@ from chunkmem.chunks.residency import LeastRecentlyUsed, Residency
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord, ParamStore
 from chunkmem.config import Config
-from chunkmem.errors import ACTIVATION_FIXES, MemoryBudgetError
+from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.allocator import Room
 from chunkmem.memory.device import make_device
 from chunkmem.memory.disk import DiskTier
@@ -86,6 +85,7 @@ from chunkmem.runtime.activations import ActivationMeter, Saved, unchanged
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.grads import ShownGrads
 from chunkmem.runtime.limits import check_budgets, check_sizes, disk_room, read_elsewhere
+from chunkmem.runtime.room import BackwardRoom
 from chunkmem.runtime.scaler import LossScaler
 from chunkmem.runtime.speeds import host_weight
 from chunkmem.runtime.units import UNIT_CHUNK_SHARE, access_units
@@ -119,20 +119,6 @@ Kept = Saved | ChunkRef | tuple[torch.Tensor, int] | torch.Tensor
 LAZY_ROOM, LAZY_ROOM_MAX = 0.02, 256 << 20  # Runtime.outside's room for what loads lazily: a share, at most
 
 
-def _grad_sizes() -> list[int]:
-    """The bytes of each gradient the running backward node makes (those its next nodes take in, as autograd
-    recorded them); none outside a node."""
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return []
-    sizes = []
-    for function, index in node.next_functions:
-        if function is not None:
-            meta = function._input_metadata[index]
-            sizes.append(math.prod(meta.shape) * meta.dtype.itemsize)
-    return sizes
-
-
 class Runtime:
     def __init__(self, module: nn.Module, config: Config, families: Families, group: Any = None,
                  fingerprints: dict[str, int] | None = None) -> None:
@@ -160,10 +146,6 @@ class Runtime:
         self._stepped: set[int] = set()  # those that stepped since the last step ended, by id
         self.moment_index = 0  # moments since the last step
         self.device_bytes_peak = 0  # most chunk + non-model bytes on the device at any moment
-        # The largest block non-model data took: a hole it filled in one step may be taken in the next, so the
-        # plan leaves room for one more of it (placement's Note on warm-up).
-        self.largest_block = 0
-        self._segment_sizes: dict[int, int] = {}  # bytes -> Device.segment_for's (`_segments`)
         # The most non-model data grew from one reading to the next (the loss's logits and their gradient, the
         # optimizer's temporaries): a step recorded after an allocation failed leaves room for that, and for one
         # largest block more, as the rise may not fit the holes there are (placement's _conservative_now).
@@ -184,6 +166,9 @@ class Runtime:
         self.residency = Residency(self.device, self.limit, LeastRecentlyUsed(), self._chunk_moved,
                                    self.observers)
         self.residency.note_writes = self.store.note_writes
+        # Its largest block, the largest non-model data took: a hole it filled in one step may be taken in the next, so
+        # the plan leaves room for one more of it (placement's Note on warm-up).
+        self.room = BackwardRoom(self.device, self.residency, self.store, self.limit)
         self.grads = ShownGrads(self.store, self.residency)
         self.store.load_initial_values()
         if world > 1:
@@ -226,7 +211,7 @@ class Runtime:
                                            lambda t, _: self.device.alloc(t.numel(), t.dtype).view(t.shape))
         self.metering = True  # saved activations pass through the meter (off in a lean forward: its Note)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
-                             self._headroom, lambda: self.largest_rise + self.largest_block)
+                             self._headroom, lambda: self.largest_rise + self.room.largest_block)
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
@@ -304,7 +289,7 @@ class Runtime:
         held, largest = reading
         arena = self.device.arena
         if arena.allocations == self._slots_seen:  # no slot among the blocks: the largest is non-model data's
-            self.largest_block = max(self.largest_block, largest)
+            self.room.largest_block = max(self.room.largest_block, largest)
         self._slots_seen = arena.allocations
         own = arena.footprint + (self.shards.live if self.shards is not None else 0)  # ZeRO's: apart
         nonmodel = max(0, held - own) + self.outside()
@@ -317,7 +302,7 @@ class Runtime:
         """Non-model bytes a plan leaves room for beyond its record: two of the largest block non-model data took,
         each as the segment it reserves when no cached block holds it (a block of 1-10 MiB takes a 20 MiB one on
         CUDA): a step whose blocks fall into other holes than its record's may need that much more."""
-        largest = self.largest_block
+        largest = self.room.largest_block
         return 2 * max(largest, self.device.segment_for(largest)) if largest else 0
 
     def outside(self, fresh: bool = False) -> int:
@@ -505,8 +490,8 @@ class Runtime:
         if isinstance(saved.source, Chunk):
             nonmodel = self.emit("backward", "bwd", saved.source.name)
             self.placer.access([saved.source], nonmodel=nonmodel)
-            if nonmodel is not None:
-                self._room_for_grad(saved.source, saved.size.numel(), nonmodel)
+            if nonmodel is not None and self.shards is None:
+                self.room.for_grad(saved.source, saved.size.numel(), nonmodel)
             flat = saved.source.device
         else:
             self.emit("backward", "bwd", f"gathered.{saved.source[1]}")
@@ -526,108 +511,6 @@ class Runtime:
                 torch._C._current_autograd_node() is not self.held_for and \
                 (tensor is None or tensor.device == self.device.torch_device):
             self.release_held_back()
-
-    def _room_for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
-        """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates the gradients of its
-        inputs next (that parameter's and an activation's, as autograd's node says: `_grad_sizes`), and an allocation
-        of autograd's cannot be retried once it fails. So where the allocator may lack room for them, chunks nothing
-        uses leave (`_room_for`). With none left to leave, where no hole holds them either (the cap less the live
-        tensors is smaller, or blocks of their sizes are refused), the op is certain to fail, and a MemoryBudgetError
-        names the bytes rather than the allocator's error from inside autograd; else the op goes on. Cheap unless the
-        allocator may hold that much: `nonmodel` (the reading just made) and the arena bound what it holds, and the
-        largest block non-model data took bounds the activation's gradient. Blocks are taken for the gradients only
-        as that last resort: reserved and given back before every such op (Residency.reserve), they drew the op's
-        other blocks into their holes, and Phi, which trained, failed. Room for a block of `largest_block` beside the
-        parameter's gradient, rather than the node's own sizes, made chunks leave that then found no room to come
-        back (Phi at 10% of its model data, with coarse chunks); room for the parameter's alone left LLaMA and
-        Mistral in fp32 at 2% of their model data to die of the allocator's error on the activation's gradient."""
-        group = self.store.group_of(chunk)
-        sizes = [numel * chunk.dtype.itemsize, self.largest_block]
-        if group is None or not group.trainable or self.shards is not None or \
-                nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
-            return
-        sizes = _grad_sizes() or sizes[:1]
-        if nonmodel + self.device.arena.footprint + self._segments(sizes) <= self.limit:
-            return
-        room = self._no_room(sizes, chunk)
-        if room is not None:
-            raise MemoryBudgetError(
-                f"backward needs {sum(sizes)} bytes on the device for the gradients of an op on parameters in "
-                f"{chunk.name} (blocks of {', '.join(map(str, sizes))} bytes), but with {chunk.name} itself "
-                f"({chunk.nbytes} bytes) the only chunk left there, the allocator has no blocks for them under "
-                f"Config.device_memory={self.limit} bytes ({self.limit / 2**20:.1f} MiB): the tensors there leave "
-                f"{room.most} bytes of what it may take, {room.sure} of them beyond the holes between them: "
-                f"{ACTIVATION_FIXES}, or lower Config.chunk_size")
-
-    def _segments(self, sizes: list[int]) -> int:
-        """What blocks of these sizes reserve at most (Device.segment_for, remembered: backward's hot path asks for
-        the same few sizes at every op that saved a parameter)."""
-        known, total = self._segment_sizes, 0
-        for nbytes in sizes:
-            segment = known.get(nbytes)
-            if segment is None:
-                if len(known) > MAX_INPUT_SIGNATURES:  # the sizes of many input lengths
-                    known.clear()
-                segment = known[nbytes] = self.device.segment_for(nbytes)
-            total += max(nbytes, segment)
-        return total
-
-    def _room_for(self, sizes: list[int], keep: Chunk | None = None) -> Room | None:
-        """Chunks nothing uses (but `keep`) leave until new segments for blocks of these byte sizes are certain, or
-        a slot that left holds them all (its block goes back to the allocator's pool for their sizes): None. Else,
-        with none left to leave, the room there is (Device.allocation_room). Nothing is allocated: blocks taken and
-        given back draw an op's other blocks into their holes, and split the segments chunks come back to."""
-        need = self._segments(sizes)
-        room = self.device.allocation_room()
-        if room is None or self._make_certain(room, need, len(sizes) > 1):
-            return None
-        small = self.device.segment_for(1)  # the small pool's segment
-        pools = {self.device.segment_for(n) == small for n in sizes}
-        self.device.synchronize()  # copies in flight hold blocks freed meanwhile (CUDA's allocator waits for them too)
-        if keep is not None:
-            keep.pins += 1
-        try:
-            while (room := self.device.allocation_room()) is not None and not self._make_certain(room, need, len(sizes) > 1):
-                candidates = [c for c in self.residency.resident.values() if not c.pins]
-                if candidates:
-                    self.residency.evict(self.residency.policy.victim(candidates))
-                    self.residency.stats.evictions += 1
-                    self.device.synchronize()  # its slot is free once its copy landed
-                slot = self.device.arena.release()
-                if slot >= sum(sizes) and pools == {self.device.segment_for(slot) == small}:
-                    return None
-                if not candidates and not slot:
-                    return room
-            return None
-        finally:
-            if keep is not None:
-                keep.pins -= 1
-
-    def _no_room(self, sizes: list[int], keep: Chunk | None = None) -> Room | None:
-        """Gradients of these byte sizes that backward makes next: chunks nothing uses (but `keep`) leave for them
-        (`_room_for`), and where none is left to and no blocks of theirs are free, the room there is, for the
-        caller's MemoryBudgetError; None where they fit."""
-        room = self._room_for(sizes, keep)
-        return None if room is None or (room.most >= sum(sizes) and self._allocates(sizes)) else room
-
-    def _make_certain(self, room: Room, need: int, several: bool) -> bool:
-        """Whether new segments of `need` bytes in all are certain: for one allocation, within what the allocator
-        holds; for `several`, within what it reserves, or made so by releasing its wholly free segments now (Room)."""
-        if room.sure < need:
-            return False
-        if several and room.fresh < need:
-            self.device.empty_cache()
-        return True
-
-    def _allocates(self, sizes: list[int]) -> bool:
-        """Whether the allocator has blocks of these byte sizes now, all at once (they are taken and given back: the
-        last resort of `_room_for_grad`, where only the holes between live blocks are left, and only it knows them)."""
-        try:
-            blocks = [self.device.alloc(-(-nbytes // 4), torch.float32) for nbytes in sizes]
-        except torch.OutOfMemoryError:
-            return False
-        del blocks  # given back together
-        return True
 
     # -- resident steps and lean forwards (the Notes on them) ------------------------------------------------------
     def begin_forward(self, inputs: Any, training: bool) -> bool:
@@ -966,7 +849,7 @@ class Runtime:
         self.largest_output = sizes.index(self.output_bytes) if sizes else -1
         # A loss the forward computed from low-precision outputs upcasts them (Hugging Face's, given labels): its first
         # gradients are the fp32 copy's, twice the bf16 logits' bytes (a tiny bf16 LLaMA at a budget prepare accepted
-        # met the allocator's error in its first backward where `_certain_room` counted the logits' own).
+        # met the allocator's error in its first backward where BackwardRoom.for_output counted the logits' own).
         largest = tensors[self.largest_output] if sizes else None
         self.upcast_bytes = self.output_bytes * 4 // largest.element_size() if largest is not None and \
             largest.is_floating_point() and largest.element_size() < 4 else self.output_bytes
@@ -999,58 +882,28 @@ class Runtime:
         self.room_task = task
         first = self.upcast_bytes if output not in (-1, self.largest_output) else self.output_bytes
         if self.warmup:
-            self._certain_room(self._room_for_activations(), 0, first)  # those that may leave, left
+            self.room.for_output(self._room_for_activations(), 0, first)  # those that may leave, left
         elif not self.placer.steady and self.shards is None:  # a step that outgrew its plan's record or left it
             room = self.device.allocation_room()
             chunks = sum(c.nbytes for c in self.residency.resident.values() if not c.pins)
-            self._certain_room(room, chunks, first)
+            self.room.for_output(room, chunks, first)
 
     def recomputed(self, name: str) -> None:
         """Backward re-computed module `name` (activation checkpointing) for the node running now, whose gradients
         come next. Under torch's own saved-tensor hooks (its non-reentrant kind) no unpack of ours runs before the
-        ops of that module's backward (`_room_for_grad`), so where no plan foresees them (the warm-up, a step that
+        ops of that module's backward (BackwardRoom.for_grad), so where no plan foresees them (the warm-up, a step that
         left its plan) chunks nothing holds leave for the node's gradients, and where even with none left no blocks
         of theirs are free, a MemoryBudgetError names the bytes rather than the allocator's error from inside
         autograd (a tiny GPT-2 checkpointed per layer at 600 KiB of a scaled H100 allocator)."""
         if not (self.warmup or self.placer.phase is Phase.DIVERGED) or self.config.device_memory is None:
             return
-        sizes = _grad_sizes()
-        if sum(sizes) < 2 * self.largest_block:  # the module's other backward ops: as `_room_for_activations`
-            sizes = [self.largest_block] * 2
-        room = self._no_room(sizes)
-        if room is not None:
-            raise MemoryBudgetError(
-                f"backward needs {sum(sizes)} bytes on the device for the gradients of {name}, re-computed under "
-                f"activation checkpointing (blocks of {', '.join(map(str, sizes))} bytes), but with every chunk "
-                f"that may leave gone (those {name} re-computed stay until its backward ends: what it saved views "
-                f"them), the tensors there leave {room.most} bytes of Config.device_memory={self.limit} bytes "
-                f"({self.limit / 2**20:.1f} MiB), or no blocks of those sizes: {ACTIVATION_FIXES}, or lower "
-                "Config.chunk_size")
-
-    def _certain_room(self, room: Room | None, chunks: int, nbytes: int) -> None:
-        """A loss's first backward ops make two gradients the size of the output it is computed from (the
-        log-softmax's and the logits', or the squared difference's and the difference's: `nbytes` each, the fp32 copy's
-        where the forward computed the loss from low-precision logits) while every activation is alive. With too little
-        `room` for two, even once the `chunks` bytes of chunks that may leave have left (or no blocks of that size,
-        with none left), backward is certain to fail where nothing can be retried: a MemoryBudgetError names the bytes,
-        as `_room_for_grad`'s does, rather than the allocator's error from inside autograd (activations that took all
-        but a few bytes of the budget, their forward's ops kept going by evicting every chunk)."""
-        sizes = [nbytes] * 2
-        if room is None or (room.most + chunks >= sum(sizes) and (chunks > 0 or self._allocates(sizes))):
-            return
-        raise MemoryBudgetError(
-            f"backward needs two blocks of {nbytes} bytes on the device for the first gradients of the "
-            f"model's output, but the activations leave the allocator {room.most} bytes of Config.device_memory="
-            f"{self.limit} bytes ({self.limit / 2**20:.1f} MiB) beside {chunks} bytes of chunks that could leave, or "
-            f"no blocks of that size: {ACTIVATION_FIXES}")
+        self.room.for_recomputed(name)
 
     def _room_for_activations(self) -> Room | None:
-        """Before a backward op no chunk access precedes: room for two blocks of the largest size non-model data
-        took (the gradient of its input and a temporary), where chunks can leave (`_room_for`: None when made, or
-        nothing to make it for; else the room there is, with no chunk left to leave)."""
-        if self.config.device_memory is None or self.shards is not None or not self.largest_block:
+        """BackwardRoom.for_activations, under a budget, and not under ZeRO (whose transient buffers are reserved)."""
+        if self.config.device_memory is None or self.shards is not None:
             return None
-        return self._room_for([self.largest_block] * 2)
+        return self.room.for_activations()
 
     def _backward_done(self, task: int) -> None:
         """End of backward: under ZeRO every gradient group reduced and added to its owner's chunk; parameters
