@@ -39,7 +39,8 @@ from chunkmem.chunks.store import ModelSet, outside_inference_mode, put_data
 from chunkmem.config import Config
 from chunkmem.memory.device import collect_garbage
 from chunkmem.runtime.hooks import Hooks
-from chunkmem.runtime.optim import ChunkOptimizer, Rule, retire, rule_for
+from chunkmem.runtime.optim import ChunkOptimizer, retire
+from chunkmem.runtime.rules import Rule, rule_for
 from chunkmem.runtime.reporting import report_device
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.wrapper import ChunkedModel, Snapshot, check_fresh, shard_group

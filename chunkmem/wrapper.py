@@ -27,7 +27,8 @@ from chunkmem.chunks.store import MANAGED, ParamRecord, outside_inference_mode, 
 from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
-from chunkmem.runtime.optim import SUPPORTED, ChunkOptimizer, retire, rule_for
+from chunkmem.runtime.optim import ChunkOptimizer, retire
+from chunkmem.runtime.rules import SUPPORTED, rule_for
 from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.zero.agreement import fingerprints

@@ -47,7 +47,7 @@ holes: the update reserves its blocks before it starts, and where this step's al
 range's, it updates a slice of the range at a time (optim's `_room_on_device`: elementwise, so the same bits), the
 blocks a slice's size, and only where not even a 64th fits are chunks evicted or the update moved to the host. Steps
 recorded later read the temporaries of the update before: counted twice there, on the safe side. Not counted: fp32
-groups, updated together at the step's end (the Note on updates made together in runtime/optim.py), parameter by
+groups, updated together at the step's end (the Note on updates made together in runtime/rules.py), parameter by
 parameter (temporaries of one at a time) or, with foreach, all of the run's at once: where the budget has no room
 for those, the run updates a parameter per call, or where not even its largest parameter's fit, slices of a
 parameter, halved down to a 64th (optim's `_reserve_run`: the same bits, the update being elementwise).

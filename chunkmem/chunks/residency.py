@@ -67,7 +67,7 @@ class Residency:
 
     `on_move(chunk)` is called whenever a chunk's device payload appears or goes, so parameter
     views can follow it. `before_leave(chunk)`, when set, is called before a chunk's device payload is read
-    back to the host, dropped or reset: the last moment to finish writing it (optim's Note on updates made
+    back to the host, dropped or reset: the last moment to finish writing it (rules.py's Note on updates made
     together).
     """
 

@@ -3,28 +3,8 @@
 The update of each chunk group runs where its fp32 master lives (device or host), by calling
 torch.optim's functional Adam/AdamW/SGD on views into the master, gradient and state chunks. So the
 arithmetic is PyTorch's: in fp32 the result is bit-identical to the plain optimizer on that device.
-`param_groups` are the user's own dicts, so LR schedulers and manual edits take effect.
-
-[Note: updates made together]
-A call of the update rule costs more than its arithmetic: on the CPU simulation, a chunk group updated in
-its turn, between its neighbours' bookkeeping, cost 0.1-0.2 ms more than in one call with them (16 groups
-of a 16x1024 MLP: 2 ms of a 70 ms step; on CUDA, each foreach kernel also launches once for them all). So
-fp32 groups update together (`Together`), later than their turn; the update is the same elementwise
-arithmetic on the same payloads, so the bits are the same. That is safe as long as those payloads stay
-where the views point and nothing else reads or writes them first:
-- Groups on the device update at the end of the step, or as soon as one of their chunks is about to leave
-  the device (read back, dropped or reset: `Residency.before_leave`), whichever comes first. Nothing is
-  pinned, so an access that needs room gets it as before, the updates made first.
-- A run of groups updated on the host by torch.optim updates when a group homed on the device comes or the
-  step ends. Their payloads are theirs alone meanwhile: their master and state chunks left the device when
-  claimed for the host, their gradient chunk is read on the host, and a host group's access runs no plan
-  action. A homed group's access may (evictions, prefetches, a prefetch of a run's parameter chunk among
-  them), so the run updates first, then sends its parameter chunks up (`Placer.updated_on_host`) in group
-  order. On CUDA the native kernel, its default there, updates group by group, each upload overlapping the
-  next group's update; with torch.optim a run's uploads start once it is done (a 4 MiB chunk took 0.08 ms
-  at the lent H100's 46-55 GB/s), and the next forward waits only for those it reaches before they land.
-Not with a disk tier (a group's chunks are in host memory only during its turn), nor in low precision
-(one fp32 copy of a gradient alive at a time).
+`param_groups` are the user's own dicts, so LR schedulers and manual edits take effect. The rules and the
+updates made together are rules.py's; `optimizer.state` is statecopy.py's.
 """
 
 from __future__ import annotations
@@ -34,17 +14,12 @@ import dataclasses
 import logging
 import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 import torch
-from torch.optim import SGD, Adam, AdamW, Optimizer
-from torch.optim.adam import adam as adam_update
-from torch.optim.optimizer import _default_to_fused_or_foreach, _get_scalar_dtype
-from torch.optim.sgd import sgd as sgd_update
+from torch.optim import Optimizer
 
-from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.placement import update_scratch
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
@@ -52,38 +27,18 @@ from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory import native
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.runtime import Runtime
-from chunkmem.runtime.statecopy import StateCopy
+from chunkmem.runtime.rules import (Rule, Together, adam, check_flags, pieces, run_scratch, same_step_slices,
+                                    single_tensor, unpacked, widened, zero_steps)
+from chunkmem.runtime.statecopy import ChunkStates
 
 _log = logging.getLogger("chunkmem")
 
-SUPPORTED = (Adam, AdamW, SGD)
 # Elements a slice of a homed update starts at a multiple of (_room_on_device): where a whole range's vector loops
 # would, for CPU kernels treat a loop's tail apart (torch's fused Adam on the CPU rounds it otherwise).
 SLICE_ALIGN = 1024
 _NOT_IN_MODEL = ("the optimizer holds a parameter that is not in the model passed to chunkmem.prepare, or was added "
                  "to it after (prepare laid out chunks for the parameters the model had then): build the model "
                  "whole, then the optimizer (and its param groups) from model.parameters(), then prepare")
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """What an optimizer keeps per parameter and how it updates a list of them."""
-
-    states: tuple[str, ...]
-    update: Callable[[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list[torch.Tensor]], None]
-
-
-def rule_for(optimizer: Optimizer) -> Rule:
-    if type(optimizer) not in SUPPORTED:
-        names = ", ".join(f"torch.optim.{t.__name__}" for t in SUPPORTED)
-        raise TypeError(f"chunkmem cannot drive {type(optimizer).__module__}.{type(optimizer).__qualname__}: "
-                        f"supported optimizers are {names}")
-    for group in optimizer.param_groups:
-        _check_flags(type(optimizer).__name__, group)
-    if isinstance(optimizer, SGD):
-        momentum = any(g["momentum"] for g in optimizer.param_groups)
-        return Rule(("momentum_buffer",) if momentum else (), _sgd)
-    return Rule(("exp_avg", "exp_avg_sq"), _adam)
 
 
 # torch.optim's hooks of an optimizer (register_step_pre_hook, register_state_dict_post_hook, ...)
@@ -107,177 +62,9 @@ def is_step_count(value: Any) -> TypeGuard[float | torch.Tensor]:
     return math.isfinite(count) and count >= 0 and count.is_integer()
 
 
-def _check_flags(name: str, group: dict) -> None:
-    for flag in ("amsgrad", "differentiable", "capturable"):
-        if group.get(flag):
-            raise ValueError(f"{name}({flag}=True) is not supported by chunkmem: construct the optimizer with "
-                             f"{flag}=False")
-
-
-def _adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
-          states: dict[str, list], steps: list[torch.Tensor]) -> None:
-    beta1, beta2 = group["betas"]
-    counted = fused_steps(group, params, steps)
-    adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], counted,
-                foreach=group.get("foreach"), fused=group.get("fused"),
-                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
-    if counted is not steps:
-        torch._foreach_add_(steps, 1.0)  # the kernel counted the step on the device copies
-
-
 # A range of a chunk group's chunks (start, end) the native kernel updates in one pass, with the param group and the
 # parameters in it (`ChunkOptimizer.spans`).
 Span = tuple[int, int, dict, list[ParamRecord]]
-
-
-def _zero_steps() -> torch.Tensor:
-    """A parameter's step count before its first step, as torch.optim keeps it: in fp32 (fp64 where that is the default
-    dtype), on the host, whatever the default dtype and device (`torch.set_default_dtype(torch.bfloat16)` made it
-    bf16, which counts no further than 256)."""
-    return torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-
-
-def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The step counters to hand torch's fused Adam: its CUDA kernel reads them by address on the device, so for
-    parameters there, copies on their device (chunkmem keeps one counter per parameter on the host, wherever its
-    group updates); else `steps` themselves."""
-    if not group.get("fused") or not params or params[0].device.type == "cpu":
-        return steps
-    return list(torch.stack(steps).to(params[0].device, torch.float32, non_blocking=True).unbind(0))  # as torch's
-
-
-def _sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
-         states: dict[str, list], steps: list[torch.Tensor]) -> None:
-    # torch.optim.SGD starts a momentum buffer as a copy of the first gradient a step with momentum takes: pass None
-    # until then. SGD's step counts are the steps taken with momentum (torch's SGD counts none), so a group given
-    # momentum after steps without (a schedule's, or by hand) starts its buffers as torch's would.
-    buffers = states.get("momentum_buffer")
-    given: list[torch.Tensor | None] = [b if s.item() > 0 else None for b, s in zip(buffers, steps)] \
-        if buffers else [None] * len(params)
-    sgd_update(params, grads, given, foreach=group.get("foreach"), fused=group.get("fused"),
-               weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
-               dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
-    for buffer, new in zip(buffers or [], given):
-        if new is not None and new.data_ptr() != buffer.data_ptr():
-            buffer.copy_(new)
-    if group["momentum"]:
-        for step in steps:
-            step += 1
-
-
-def run_scratch(group: dict, params: list[torch.Tensor], segment_for: Callable[[int], int],
-                part: int | None = None) -> list[int]:
-    """The blocks (bytes) torch.optim allocates on the device updating `params` of param group `group` in one call:
-    none fused; with foreach, a temporary of each parameter at once; else two at a time, each parameter's size: two
-    of the largest of each pool (CUDA's allocator keeps blocks for small requests apart: `segment_for`'s class), a
-    call per parameter (`ChunkOptimizer._reserve_run`: in one call over several, a third stays alive). With `part`,
-    contiguous parameters update in slices of at most that many elements (`Together.update`)."""
-    sizes = [(p.numel() if part is None or not p.is_contiguous() else min(part, p.numel())) * p.element_size()
-             for p in params]
-    if not single_tensor(group, params):
-        return [] if group.get("fused") else sizes
-    small = segment_for(1)
-    largest = {segment_for(n) == small: n for n in sorted(sizes)}  # the largest of each pool, last written
-    return [n for n in largest.values() for _ in range(2)]
-
-
-def single_tensor(group: dict, params: list[torch.Tensor]) -> bool:
-    """Whether torch.optim updates `params` of param group `group` one at a time (neither fused nor foreach, as
-    set or by torch's default for where they are)."""
-    fused, foreach = group.get("fused"), group.get("foreach")
-    if fused is None and foreach is None:
-        fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-    return not (fused or foreach)
-
-
-def _widened(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
-    """fp32 copies of low-precision gradients (unscaled by `inv_scale`), packed in one buffer in their order: one
-    allocation and one multi-tensor copy for a chunk group rather than one of each per parameter (kernel launches
-    are what a GPU waits on when tensors are small)."""
-    flat = torch.empty(sum(g.numel() for g in grads), dtype=torch.float32, device=grads[0].device)
-    wide = _unpacked(flat, grads)
-    torch._foreach_copy_(wide, grads)
-    if inv_scale != 1.0:
-        torch._foreach_mul_(wide, inv_scale)
-    return flat
-
-
-def _same_step_slices(numel: int, part: int, step: torch.Tensor) -> Iterator[slice]:
-    """Slices of `part` elements of a range of `numel`, in order, each updated from the same step count: `step` is
-    set back before each but the first (Adam and SGD are elementwise, so slices give the bits of one call)."""
-    before = step.clone() if part < numel else None
-    for start in range(0, numel, part):
-        if before is not None:
-            step.copy_(before)
-        yield slice(start, min(start + part, numel))
-
-
-def _pieces(tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
-    """Flat views of elements [start, stop) of `tensors` laid end to end, in order."""
-    out, offset = [], 0
-    for tensor in tensors:
-        low, high = max(start - offset, 0), min(stop - offset, tensor.numel())
-        if low < high:
-            out.append(tensor.reshape(-1)[low:high])
-        offset += tensor.numel()
-    return out
-
-
-def _unpacked(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat`, packed in order, shaped as `like`."""
-    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-class Together:
-    """Updates of chunk groups made in one call of the update rule per param group, later than each group's
-    turn (the Note on updates made together). `chunks` are those the pending updates use on the device: one of
-    them about to leave it makes them all now (`leaving`). `after` are host-updated parameter chunks to send up
-    once the updates are made."""
-
-    def __init__(self, rule: Rule, reserve: Callable[[Together], int | None] | None = None) -> None:
-        self.rule = rule
-        # On the device: room for the run's temporaries, before any of it changes; a number: room for those of
-        # that many elements at a time only, and the run updates a parameter, or a slice of one, per call.
-        self.reserve = reserve
-        self.lists: dict[int, tuple[dict, list[torch.Tensor], list[torch.Tensor], dict[str, list], list]] = {}
-        self.chunks: set[Chunk] = set()
-        self.after: list[Chunk] = []
-
-    def add(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: dict[str, list],
-            steps: list[torch.Tensor]) -> None:
-        _, all_params, all_grads, all_states, all_steps = self.lists.setdefault(
-            id(group), (group, [], [], {k: [] for k in states}, []))
-        all_params += params
-        all_grads += grads
-        for kind, views in states.items():
-            all_states[kind] += views
-        all_steps += steps
-
-    def update(self) -> None:
-        part = self.reserve(self) if self.reserve is not None and self.lists else None
-        lists, self.lists = self.lists, {}
-        self.chunks.clear()
-        for group, params, grads, states, steps in lists.values():
-            if part is None:
-                self.rule.update(group, params, grads, states, steps)
-                continue
-            # A parameter, or a slice of a contiguous one, per call, with one slice's temporaries at a time (a
-            # slice of a whole range's length, over a tensor's first dimension, is all of it).
-            for i, step in enumerate(steps):
-                tensors = [params[i], grads[i], *(v[i] for v in states.values())]
-                numel = params[i].numel()
-                sliceable = all(t.is_contiguous() for t in tensors)
-                views = [t.view(-1) for t in tensors] if sliceable else tensors
-                for cut in _same_step_slices(numel, part if sliceable else numel, step):
-                    param, grad, *kinds = [t[cut] for t in views]
-                    self.rule.update(group, [param], [grad], {k: [t] for k, t in zip(states, kinds)}, [step])
-
-    def leaving(self, chunk: Chunk) -> None:
-        """Residency.before_leave: `chunk`'s device payload is about to be read back, dropped or reset."""
-        if chunk in self.chunks:
-            self.update()
 
 
 def _through(hooks: Mapping[int, Callable], optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -313,67 +100,6 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     optimizer.load_state_dict = prepared.load_state_dict  # type: ignore[method-assign]
 
 
-class ChunkStates(Mapping):
-    """A prepared optimizer's `state`: torch.optim's per-parameter states read from their chunks, as fp32 copies on the
-    host that behave as the states themselves (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step
-    with momentum made it): statecopy's Note. A state or a parameter's entry is not added, replaced or removed (the
-    empty dict torch.optim's own would have been took those and did nothing). Not under ZeRO, where each rank holds a
-    share of every state."""
-
-    def __init__(self, optimizer: ChunkOptimizer) -> None:
-        self.optimizer = optimizer
-
-    def _stepped(self) -> dict[Any, ParamRecord]:
-        self._not_sharded()
-        return {r.param: r for r in self.optimizer.steps if self._has_stepped(r)}
-
-    def _record(self, param: Any) -> ParamRecord | None:
-        """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
-        self._not_sharded()
-        record = self.optimizer.runtime.store.records.get(param)
-        return record if record in self.optimizer.steps and self._has_stepped(record) else None
-
-    def _has_stepped(self, record: ParamRecord) -> bool:
-        """Whether `record`'s parameter has states: a step counted, or a count set back to 0 (torch keeps those)."""
-        return self.optimizer.steps[record].item() > 0 or record in self.optimizer.restarted
-
-    def _not_sharded(self) -> None:
-        if self.optimizer.runtime.shards is not None:
-            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
-                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
-
-    def __getitem__(self, param: Any) -> Mapping[str, torch.Tensor]:
-        record = self._record(param)
-        if record is None:
-            return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
-        return MappingProxyType({kind: StateCopy.made(self.optimizer, record, kind) for kind in self._kinds()})
-
-    def snapshot(self, param: Any) -> dict[str, torch.Tensor]:
-        """`param`'s states as plain tensors, copies of their values now (a state dict's: `ChunkOptimizer.state_dict`);
-        {} before it has stepped."""
-        record = self._record(param)
-        return {} if record is None else {kind: self.optimizer.read_state(record, kind) for kind in self._kinds()}
-
-    def _kinds(self) -> tuple[str, ...]:
-        return (("step",) if self.optimizer.steps_adam else ()) + self.optimizer.runtime.store.families.saved
-
-    def __contains__(self, param: Any) -> bool:
-        return self._record(param) is not None
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._stepped())
-
-    def __len__(self) -> int:
-        return len(self._stepped())
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("a chunkmem optimizer keeps its states in chunks: optimizer.state[p] gives them, and takes "
-                        "changes made in place (optimizer.state[p]['exp_avg'].zero_()), not states added, replaced or "
-                        "removed; to save or restore them use chunkmem.save_checkpoint / load_checkpoint")
-
-    __setitem__ = __delitem__ = clear = pop = update = setdefault = _refuse
-
-
 class ChunkOptimizer(Optimizer):
     """Drop-in for the user's optimizer; its state lives in chunks (`state` reads them: ChunkStates)."""
 
@@ -390,7 +116,7 @@ class ChunkOptimizer(Optimizer):
         self._states = ChunkStates(self)
         self.native = native.load() if runtime.config.uses_native_optimizer else None
         self.native_steps = 0  # chunk-group updates the native kernel made (or adopted, made ahead)
-        self.steps_adam = rule.update is _adam
+        self.steps_adam = rule.update is adam
         self.state_writes = 0  # steps, loads and changes made through optimizer.state: what its copies follow
         self.restarted: set[ParamRecord] = set()  # whose step count optimizer.state set (to 0, say) since a load
         self._parts: dict[int, int] = {}  # chunk group -> elements its device update last had room for at a time
@@ -432,7 +158,7 @@ class ChunkOptimizer(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _check_flags(self.wrapped_type.__name__, group)
+            check_flags(self.wrapped_type.__name__, group)
             self._check_momentum(group)
         except ValueError:
             self.param_groups.pop()
@@ -440,7 +166,7 @@ class ChunkOptimizer(Optimizer):
         records = self.runtime.store.records
         for param in group["params"]:
             if records[param] not in self.steps:
-                self.steps[records[param]] = _zero_steps()
+                self.steps[records[param]] = zero_steps()
 
     def _check_own(self, param: Any) -> None:
         """`param` is one of the model's this optimizer was prepared with; under a manager, not another model's
@@ -503,7 +229,7 @@ class ChunkOptimizer(Optimizer):
                     self._check_own(param)  # raises
                 out[records[param]] = group
                 if records[param] not in self.steps:
-                    self.steps[records[param]] = _zero_steps()
+                    self.steps[records[param]] = zero_steps()
         return out
 
     @torch.no_grad()
@@ -570,7 +296,7 @@ class ChunkOptimizer(Optimizer):
 
     def _visit(self, chunk_group: ChunkGroup, members: list[ParamRecord], group_of: dict[ParamRecord, dict],
                inv_scale: float, together: Together, hosted: Together) -> None:
-        """A chunk group's turn: updated now, or with those on the device or with its run on the host (the
+        """A chunk group's turn: updated now, or with those on the device or with its run on the host (rules.py's
         Note on updates made together)."""
         runtime = self.runtime
         homed = runtime.placer.homed(chunk_group.index)
@@ -666,7 +392,7 @@ class ChunkOptimizer(Optimizer):
             # rather than a few a parameter.
             self._update_flat(members, uniform, grads, inv_scale, master, states, part)
         else:
-            grads = _unpacked(_widened(grads, inv_scale), grads) if lowp else grads
+            grads = unpacked(widened(grads, inv_scale), grads) if lowp else grads
             later = self._update_each(chunk_group, members, group_of, grads, master, states, on_device, together)
         if lowp:
             runtime.data.writable(chunk_group.param, on_device).copy_(master)
@@ -676,7 +402,7 @@ class ChunkOptimizer(Optimizer):
                      grads: list[torch.Tensor], master: torch.Tensor, states: dict[str, torch.Tensor],
                      on_device: bool, together: Together) -> bool:
         """The update rule over each param group's parameters, as views; added to `together` instead (True) for
-        an fp32 group (the Note on updates made together)."""
+        an fp32 group (rules.py's Note on updates made together)."""
         # A low-precision group updates now, so that one fp32 copy of a gradient is alive at a time.
         later = "master" not in chunk_group.chunks and self.runtime.host_cache is None
         if later and on_device:
@@ -694,9 +420,9 @@ class ChunkOptimizer(Optimizer):
         return later
 
     def _reserve_run(self, together: Together) -> int | None:
-        """Room for the temporaries of the fp32 run updated together on the device (the Notes on updates made together
-        and, in planning.py, on update scratch), reserved before any of it changes: it cannot be redone once begun.
-        None: room for the whole run. Where the budget has not that, room for those of its largest parameter, and
+        """Room for the temporaries of the fp32 run updated together on the device (rules.py's Note on updates made
+        together and planning.py's on update scratch), reserved before any of it changes: it cannot be redone once
+        begun. None: room for the whole run. Where the budget has not that, room for those of its largest parameter, and
         the run updates a parameter per call (the number returned: its size); where not even that, for slices of
         its contiguous parameters, halved in multiples of SLICE_ALIGN down to a 64th of the largest (the update is
         elementwise, so the bits are the same; vector tails as in one call). Where it has none of these, a clear
@@ -765,8 +491,8 @@ class ChunkOptimizer(Optimizer):
         low precision): the update is elementwise, so slices give the same bits."""
         used = sum(g.numel() for g in grads)
         counter = self.steps[members[0]]
-        for cut in _same_step_slices(used, part, counter):
-            wide = _widened(grads if part >= used else _pieces(grads, cut.start, cut.stop), inv_scale)
+        for cut in same_step_slices(used, part, counter):
+            wide = widened(grads if part >= used else pieces(grads, cut.start, cut.stop), inv_scale)
             self.rule.update(group, [master[cut]], [wide], {k: [flat[cut]] for k, flat in states.items()}, [counter])
         if len(members) > 1:
             torch._foreach_copy_([self.steps[r] for r in members[1:]], [counter] * (len(members) - 1))
@@ -842,7 +568,7 @@ class ChunkOptimizer(Optimizer):
         param_out = runtime.data.writable(chunk_group.param, False) if "master" in chunk_group.chunks else None
         if param_out is not None:
             flats["param"] = param_out
-        if self.rule.update is _adam:
+        if self.rule.update is adam:
             ranges: list[native.Range] = [(start, end, self.adam_args(members, group, inv_scale))
                                           for start, end, group, members in spans]
             ahead = runtime.ahead
@@ -861,7 +587,7 @@ class ChunkOptimizer(Optimizer):
                                 dampening=group["dampening"], nesterov=group["nesterov"], first_step=step == 1,
                                 **common)
         for _, _, group, members in spans:
-            if self.rule.update is _adam or group["momentum"]:  # SGD counts its steps with momentum (_sgd)
+            if self.rule.update is adam or group["momentum"]:  # SGD counts its steps with momentum (sgd)
                 torch._foreach_add_([self.steps[r] for r in members], 1)
         self.native_steps += 1
 
@@ -917,7 +643,7 @@ class ChunkOptimizer(Optimizer):
             # optimizer has is at its default), its parameters and their names stay
             names = {"param_names": group["param_names"]} if "param_names" in group else {}
             merged.append({**self.defaults, **names, **saved, "params": group["params"]})
-            _check_flags(self.wrapped_type.__name__, merged[-1])  # amsgrad, which the chunks have no room for
+            check_flags(self.wrapped_type.__name__, merged[-1])  # amsgrad, which the chunks have no room for
             self._check_momentum(merged[-1])
         steps = dict.fromkeys(self.steps, 0.0)  # one with no state saved starts afresh, as torch.optim's loading
         states = {}

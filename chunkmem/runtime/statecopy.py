@@ -1,4 +1,4 @@
-"""The tensors `optimizer.state[p]` gives for a prepared optimizer (optim.ChunkStates).
+"""The tensors `optimizer.state[p]` gives for a prepared optimizer (ChunkStates).
 
 [Note: optimizer states read by parameter]
 torch.optim's `state[p]["exp_avg"]` is the state itself: a step changes it, and a change made in place through it
@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
+
+from chunkmem.chunks.store import ParamRecord
+
+if TYPE_CHECKING:
+    from chunkmem.runtime.optim import ChunkOptimizer
 
 
 class States(Protocol):
@@ -115,3 +122,64 @@ def _view_of(out: Any, roots: list[StateCopy]) -> Any:
             view._root = root
             return view
     return out
+
+
+class ChunkStates(Mapping):
+    """A prepared optimizer's `state`: torch.optim's per-parameter states read from their chunks, as fp32 copies on the
+    host that behave as the states themselves (Adam's step, exp_avg and exp_avg_sq; SGD's momentum_buffer, once a step
+    with momentum made it): statecopy's Note. A state or a parameter's entry is not added, replaced or removed (the
+    empty dict torch.optim's own would have been took those and did nothing). Not under ZeRO, where each rank holds a
+    share of every state."""
+
+    def __init__(self, optimizer: ChunkOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def _stepped(self) -> dict[Any, ParamRecord]:
+        self._not_sharded()
+        return {r.param: r for r in self.optimizer.steps if self._has_stepped(r)}
+
+    def _record(self, param: Any) -> ParamRecord | None:
+        """`param`'s record if it has stepped (one lookup: a loop over the parameters reads each)."""
+        self._not_sharded()
+        record = self.optimizer.runtime.store.records.get(param)
+        return record if record in self.optimizer.steps and self._has_stepped(record) else None
+
+    def _has_stepped(self, record: ParamRecord) -> bool:
+        """Whether `record`'s parameter has states: a step counted, or a count set back to 0 (torch keeps those)."""
+        return self.optimizer.steps[record].item() > 0 or record in self.optimizer.restarted
+
+    def _not_sharded(self) -> None:
+        if self.optimizer.runtime.shards is not None:
+            raise RuntimeError("optimizer.state is not read under ZeRO, where each rank holds a share of every state: "
+                               "save the states with chunkmem.save_checkpoint(path, model, optimizer)")
+
+    def __getitem__(self, param: Any) -> Mapping[str, torch.Tensor]:
+        record = self._record(param)
+        if record is None:
+            return MappingProxyType({})  # as torch.optim's defaultdict reads a parameter that has not stepped
+        return MappingProxyType({kind: StateCopy.made(self.optimizer, record, kind) for kind in self._kinds()})
+
+    def snapshot(self, param: Any) -> dict[str, torch.Tensor]:
+        """`param`'s states as plain tensors, copies of their values now (a state dict's: `ChunkOptimizer.state_dict`);
+        {} before it has stepped."""
+        record = self._record(param)
+        return {} if record is None else {kind: self.optimizer.read_state(record, kind) for kind in self._kinds()}
+
+    def _kinds(self) -> tuple[str, ...]:
+        return (("step",) if self.optimizer.steps_adam else ()) + self.optimizer.runtime.store.families.saved
+
+    def __contains__(self, param: Any) -> bool:
+        return self._record(param) is not None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._stepped())
+
+    def __len__(self) -> int:
+        return len(self._stepped())
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a chunkmem optimizer keeps its states in chunks: optimizer.state[p] gives them, and takes "
+                        "changes made in place (optimizer.state[p]['exp_avg'].zero_()), not states added, replaced or "
+                        "removed; to save or restore them use chunkmem.save_checkpoint / load_checkpoint")
+
+    __setitem__ = __delitem__ = clear = pop = update = setdefault = _refuse

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import chunkmem
-from chunkmem.runtime import optim
+from chunkmem.runtime import optim, rules
 from chunkmem.runtime.optim import ChunkOptimizer
 from tests.helpers import gpt2_batches, gpt2_loss, mlp, mlp_batches, mlp_loss, param_bytes, tiny_gpt2, train
 
@@ -156,7 +156,7 @@ def count_updates(optimizer: torch.optim.Optimizer) -> list[int]:
 @pytest.mark.parametrize("make", [ADAMW, functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)])
 @pytest.mark.parametrize("chunk_size", [None, 64 * 33])  # the default size (6 chunk groups here) and a smaller one
 def test_groups_that_all_stay_on_the_device_update_in_one_call_per_param_group(make, chunk_size: int | None) -> None:
-    # Updated together at the end of the step (optim.Together), bit-identical to the plain optimizer, however
+    # Updated together at the end of the step (rules.Together), bit-identical to the plain optimizer, however
     # many chunk groups the parameters fill.
     model, batches = mlp(), mlp_batches(4)
     ref = copy.deepcopy(model)
@@ -189,7 +189,7 @@ def homes(cm: nn.Module) -> str:
 
 @pytest.mark.parametrize("foreach", [True, False])
 def test_streaming_groups_update_in_runs_on_the_host_and_all_together_on_the_device(foreach: bool) -> None:
-    # optim's Note on updates made together: a run of host groups updates when a homed group comes (whose access
+    # rules.py's Note on updates made together: a run of host groups updates when a homed group comes (whose access
     # may move chunks) or the step ends; the homed groups update together at the end: in one call with foreach
     # (CUDA's default), a call per parameter one tensor at a time (the host's), whose temporaries the budget
     # holds for one parameter at a time (ChunkOptimizer._reserve_run).
@@ -266,7 +266,7 @@ def test_fused_adamw_steps_as_pytorchs_fused_adamw_does(budget: float | None) ->
 
 def test_fused_adam_gets_step_counters_on_the_device_of_the_parameters_it_updates() -> None:
     # torch's fused CUDA kernel reads the counters by address on the GPU: host counters there are garbage.
-    from chunkmem.runtime.optim import fused_steps
+    from chunkmem.runtime.rules import fused_steps
 
     steps = [torch.tensor(3.0), torch.tensor(5.0)]
     on_device = [torch.empty(4, device="meta"), torch.empty(2, device="meta")]
@@ -336,10 +336,10 @@ def test_a_run_split_into_slices_updates_a_transposed_parameter_whole_and_a_cont
 
     group = {"betas": (0.9, 0.999), "lr": 1e-2, "weight_decay": 0.01, "eps": 1e-8, "maximize": False,
              "foreach": False, "decoupled_weight_decay": True}
-    rule = optim.rule_for(torch.optim.AdamW([torch.zeros(1)]))
+    rule = rules.rule_for(torch.optim.AdamW([torch.zeros(1)]))
     outcomes = []
     for reserve in (None, lambda _: optim.SLICE_ALIGN):
-        together, lists = optim.Together(rule, reserve), run()
+        together, lists = rules.Together(rule, reserve), run()
         together.add(group, *lists)
         together.update()
         outcomes.append(lists)
@@ -382,7 +382,7 @@ def test_a_homed_bf16_update_made_in_slices_has_the_bits_of_the_whole_range_at_o
             monkeypatch.setattr(ChunkOptimizer, "_room_on_device", lambda self, group, numel, sliceable: part)
         cm, opt = chunkmem.prepare(model, make(model.parameters()), chunkmem.Config(device="cpu", dtype="bf16"))
         sliced = []
-        monkeypatch.setattr(optim, "_pieces", lambda *args, pieces=optim._pieces: sliced.append(1) or pieces(*args))
+        monkeypatch.setattr(optim, "pieces", lambda *args, pieces=optim.pieces: sliced.append(1) or pieces(*args))
         runs.append((train(cm, opt, batches, mlp_loss), cm.state_dict(), len(sliced)))
     (losses, state, none), (sliced_losses, sliced_state, slices) = runs
     numel = sum(p.numel() for p in model.parameters())

@@ -1,10 +1,10 @@
-"""What torch.optim allocates on the device for a run of parameters updated together (optim.run_scratch)."""
+"""What torch.optim allocates on the device for a run of parameters updated together (rules.run_scratch)."""
 
 from __future__ import annotations
 
 import torch
 
-from chunkmem.runtime.optim import run_scratch
+from chunkmem.runtime.rules import run_scratch
 
 MiB = 2**20
 

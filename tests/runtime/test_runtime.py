@@ -24,7 +24,7 @@ from chunkmem.finetune.lora import apply_lora
 from chunkmem.memory.sim import HazardError, SimulatedDevice
 from chunkmem.runtime.activations import ActivationMeter
 from chunkmem.runtime.grads import ShownGrads
-from chunkmem.runtime.optim import rule_for
+from chunkmem.runtime.rules import rule_for
 from chunkmem.runtime.runtime import LAZY_ROOM, Runtime
 from tests import zoo
 from tests.helpers import (accepts, gpt2_batches, gpt2_loss, least_accepted, mlp, mlp_batches, mlp_loss, param_bytes,
