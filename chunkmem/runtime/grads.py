@@ -14,19 +14,20 @@ copy stays (it is clean: the host payload holds the same values), and the next f
 back at it (`restore`): under gradient accumulation, dropping it made every backward but the last cost an
 upload of every streamed parameter chunk, which the plan does not foresee (benchmarks/placement.py
 --accumulate 2: 1.30x the optimum's bytes). A parameter changed in place meanwhile (its `_version` moved:
-`with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped, and the forward uploads the
-host payload. Changes made in place through `p.grad`
-(clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None is taken at the next
-step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next forward (or zero_grad,
-or a backward reaching the model's outputs again: Runtime.backward_begins), after which the next backward
-accumulates into the chunks, not into `p.grad`. A tensor of the user's set as `p.grad` (a view of a flat gradient
-buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch (`users`): each show copies the
-chunk's gradient into it, a change made to it in place (zeroing it, which is how such loops clear gradients) goes into
-the chunk when taken (and when a backward begins: zeroed between the forward and the backward), model.clip_grad_norm_
-takes them first and leaves the clipped values in them, and one set before any backward, which autograd then adds
-into, is the whole gradient. Views of one flat buffer share one version counter: versions are read before the copies
-into them and recorded after (`users_seen`). Before,
-`p.grad` showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients added up from
+`with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped before anything reads the chunk
+(a state_dict, a deep copy, the step: `drop_stale`), and the forward uploads the host payload. Changes made in
+place through `p.grad` (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None
+is taken at the next step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next
+forward (or zero_grad, or a backward reaching the model's outputs again: Runtime.backward_begins), after which the
+next backward accumulates into the chunks, not into `p.grad` (so `p.grad = None` between a forward and its backward
+clears nothing: not yet; the README says to clear with zero_grad there). A tensor of the user's set as `p.grad`
+(a view of a flat gradient buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch
+(`users`): each show copies the chunk's gradient into it, a change made to it in place (zeroing it, which is how
+such loops clear gradients) goes into the chunk when taken (and when a backward begins: zeroed between the forward
+and the backward), model.clip_grad_norm_ takes them first and leaves the clipped values in them, and one set
+before any backward, which autograd then adds into, is the whole gradient. Views of one flat buffer share one
+version counter: versions are read before the copies into them and recorded after (`users_seen`). Before, `p.grad`
+showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients added up from
 step to step. Where the parameter has moved between the host and the device since, its `p.grad` shows the chunk, and
 the user's tensor is let go. So a forward with gradients enabled that no backward follows
 before the step (a metric computed without torch.no_grad) leaves `p.grad` None until then, where PyTorch still shows
@@ -281,14 +282,20 @@ class ShownGrads:
     def restore(self) -> None:
         """Parameters that view their host payload beside a clean device copy view the device copy again, or, if
         changed in place since, the device copy is dropped (the Note)."""
-        for group, versions in self.host_viewed.items():
-            if not group.param.state.on_device:
-                continue  # it left the device meanwhile (the step's host update claimed it): views follow it
-            if versions == group.versions():
+        self.drop_stale()
+        for group in self.host_viewed:
+            if group.param.state.on_device:  # else it left meanwhile (the step's host update claimed it): views follow
                 self.store.point_views(group.param)
-            else:
-                self.residency.evict(group.param)
         self.host_viewed.clear()
+
+    def drop_stale(self) -> None:
+        """The device copies that parameters viewing their host payload were changed in place beside (`with
+        torch.no_grad(): p.sub_(lr * p.grad)` after backward) are dropped: what reads the chunk (state_dict, a deep
+        copy, a checkpoint) reads the change, as the next forward would (the Note)."""
+        for group, versions in list(self.host_viewed.items()):
+            if group.param.state.on_device and versions != group.versions():
+                self.residency.evict(group.param)
+                del self.host_viewed[group]
 
     def hide(self, records: Container[ParamRecord] | None = None, edits: bool = True, dropped: bool = False) -> None:
         """`p.grad` None again, for all shown gradients (`records` None) or those in `records`, what the user put

@@ -81,8 +81,8 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     still works: the prepared optimizer shares its list of param groups (a group added to the prepared one after
     prepare is the scheduler's too; one added to the user's is added to the prepared one), and says when it stepped
     (ChunkOptimizer.step). Step and state dict hooks registered on either, before prepare or after, run at the prepared
-    one's steps and state dicts: the two share them too. Its state_dict and load_state_dict are the prepared one's (a
-    load gave it a list of its own, and a scheduler on it then changed groups nothing trained with)."""
+    one's steps and state dicts: the two share them too. Its state_dict, load_state_dict and zero_grad are the prepared
+    one's (a load gave it a list of its own, and a scheduler on it then changed groups nothing trained with)."""
     optimizer.param_groups = prepared.param_groups  # the same dicts, in the same order, until now in two lists
     optimizer.add_param_group = prepared.add_param_group  # type: ignore[method-assign]  # with its checks and states
     for hooks in HOOKS:
@@ -97,6 +97,8 @@ def retire(optimizer: Optimizer, prepared: ChunkOptimizer) -> None:
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign, assignment]
     optimizer.state_dict = prepared.state_dict  # type: ignore[method-assign]  # the states are in its chunks
+    # torch's would set `p.grad` to None, unseen between a forward and its backward (grads.py's Note)
+    optimizer.zero_grad = prepared.zero_grad  # type: ignore[method-assign]
     optimizer.load_state_dict = prepared.load_state_dict  # type: ignore[method-assign]
 
 
@@ -246,7 +248,8 @@ class ChunkOptimizer(Optimizer):
         runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
         self._check_still_frozen()
-        for group in self.param_groups:
+        for group in self.param_groups:  # flags set after prepare too
+            check_flags(type(self.original).__name__, group)
             self._check_momentum(group)
         if runtime.shards is not None:
             runtime.shards.check_order()

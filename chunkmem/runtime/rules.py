@@ -63,8 +63,8 @@ def rule_for(optimizer: Optimizer) -> Rule:
 def check_flags(name: str, group: dict) -> None:
     for flag in ("amsgrad", "differentiable", "capturable"):
         if group.get(flag):
-            raise ValueError(f"{name}({flag}=True) is not supported by chunkmem: construct the optimizer with "
-                             f"{flag}=False")
+            raise ValueError(f"{name}({flag}=True) is not supported by chunkmem (a param group has {flag}="
+                             f"{group[flag]!r}): construct the optimizer with {flag}=False, and leave it so")
 
 
 def adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],

@@ -194,6 +194,7 @@ class Runtime:
         self.largest_output = -1  # which of those outputs it is
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
+        self.warned_graph = False  # a gradient with a graph was taken into its chunk (`_warn_graph`)
         self.summed: set[ParamRecord] = set()  # `p.grad` made the whole gradient for a user's hook (`sum_for_users`)
         self.ahead: Ahead | None = None  # host updates made ahead of step() (ahead.py), set by the optimizer
         records = self.store.records
@@ -710,6 +711,7 @@ class Runtime:
         rounding to bf16 before). Not under ZeRO, where parameters view gathered copies."""
         if self.shards is not None:
             return
+        self.grads.drop_stale()
         store = self.store
         for group in store.owned_groups():
             chunk = group.param
@@ -783,6 +785,8 @@ class Runtime:
 
     def _take_grad(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """Write `grad`, `record`'s fresh gradient, into its chunk."""
+        if grad.requires_grad and not self.warned_graph:
+            self._warn_graph()
         if self.grads.accumulated(record, grad):  # autograd added into the shown gradient: the chunk has the sum
             self.grads.hide([record], edits=False)
             return
@@ -799,6 +803,15 @@ class Runtime:
         record.move_grad("write")
         if self.ahead is not None and not self.placer.homed(record.group.index):
             self.ahead.written(record, accumulate)
+
+    def _warn_graph(self) -> None:
+        """A gradient with a graph of its own (`backward(create_graph=True)`) goes into its chunk as values: `p.grad`
+        then has no graph, and a term computed from it would get no gradient, silently."""
+        self.warned_graph = True
+        log.warning("chunkmem: backward(create_graph=True) on a prepared model: its gradients go into chunks as "
+                    "values, so p.grad has no graph and a term computed from it (a gradient penalty on p.grad) gets no "
+                    "gradient; compute such terms from torch.autograd.grad(loss, params, create_graph=True), as "
+                    "PyTorch also recommends over backward(create_graph=True)")
 
     def _write_grad(self, group: ChunkGroup, grad: torch.Tensor, part: Callable[[torch.Tensor], torch.Tensor],
                     accumulate: bool, start: int | None = None) -> None:

@@ -535,13 +535,39 @@ def test_sgd_momentum_given_to_a_group_after_steps_without_starts_its_buffers_as
         torch.testing.assert_close(cm.state_dict()[name], value, rtol=1e-6 if native else 0, atol=0)
 
 
-def test_sgd_momentum_given_after_prepare_to_an_optimizer_without_any_is_an_error() -> None:
+@pytest.mark.parametrize("make,option,match", [
+    (functools.partial(torch.optim.SGD, lr=0.05), {"momentum": 0.9},
+     "momentum=0.9, .* no momentum buffers: make the optimizer with the momentum"),
+    (torch.optim.Adam, {"amsgrad": True}, r"Adam\(amsgrad=True\) is not supported .* leave it so"),  # was Adam's
+    (ADAMW, {"capturable": True}, r"AdamW\(capturable=True\) is not supported"),
+])
+def test_an_option_set_after_prepare_that_chunkmem_cannot_step_is_an_error_and_changes_nothing(make, option,
+                                                                                             match) -> None:
     model = mlp()
-    cm, opt = chunkmem.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05), chunkmem.Config(device="cpu"))
+    cm, opt = chunkmem.prepare(model, make(model.parameters()), chunkmem.Config(device="cpu"))
     mlp_loss(cm, mlp_batches(1)[0]).backward()
-    opt.param_groups[0]["momentum"] = 0.9
-    with pytest.raises(ValueError, match="momentum=0.9, .* no momentum buffers: make the optimizer with the momentum"):
+    before = cm.state_dict()
+    opt.param_groups[0].update(option)
+    with pytest.raises(ValueError, match=match):
         opt.step()
+    assert all(torch.equal(v, cm.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_optimizer_given_to_prepare_clears_gradients_as_the_prepared_one() -> None:
+    """Its zero_grad was torch's: after a forward, where `p.grad` shows nothing (grads.py's Note), it cleared nothing,
+    and the next backward added into the last step's gradients."""
+    model, batches = mlp(), mlp_batches(3)
+    ref, ref_opt, cm, opt = twins(model, param_bytes(model) // 2)
+    losses = []
+    for net, optimizer, cleared in ((ref, ref_opt, ref_opt), (cm, opt, opt.original)):
+        losses.append([])
+        for batch in batches:
+            loss = mlp_loss(net, batch)
+            cleared.zero_grad()  # between the forward and its backward
+            loss.backward()
+            optimizer.step()
+            losses[-1].append(loss.item())
+    assert losses[0] == losses[1]
 
 
 def test_an_optimizer_chunkmem_cannot_drive_is_named_and_a_read_of_an_empty_state_is_no_use() -> None:

@@ -401,6 +401,25 @@ def test_parameters_changed_in_place_after_a_step_keep_the_change(budget, throug
     same_bits(steps(constrain), budget)
 
 
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_parameters_changed_in_place_after_backward_are_what_state_dict_and_a_deep_copy_read(budget) -> None:
+    """A step made by hand after backward (`p.sub_(lr * p.grad)`), read before the next forward: the parameters of a
+    streamed group view their host payload then, beside a clean device copy, and state_dict(), a deep copy and a
+    checkpoint read that copy, the values before the change (fp32 at 0.3 and 1.5). grads.py's `drop_stale`."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    cm, _ = prepared(model, ADAMW, device_memory=gpt2_budget(budget))
+    for net in (plain, cm):
+        gpt2_loss(net, gpt2_batches(1)[0]).backward()
+        with torch.no_grad():
+            for param in net.parameters():
+                param.sub_(0.1 * param.grad)
+    want = plain.state_dict()
+    for got in (cm.state_dict(), copy.deepcopy(cm).state_dict()):
+        differ = [k for k, v in want.items() if not torch.equal(v, got[k])]
+        assert not differ, f"{len(differ)} of {len(want)} tensors differ, {differ[0]} first"
+
+
 @pytest.mark.parametrize("through", ["p", "p.data", "p.data, default device set"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("budget", [None, 0.3])
@@ -908,6 +927,24 @@ def test_under_fp16_an_input_gets_its_gradient_without_the_loss_scale(budget) ->
         cm(inputs_embeds=outside(ids), labels=ids).loss.float().backward()
         norms[dtype] = outside.weight.grad.norm().item()
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-2)
+
+
+@pytest.mark.parametrize("budget", [0.3, 1.5])
+def test_backward_with_create_graph_says_that_p_grad_has_no_graph(budget, caplog) -> None:
+    """`loss.backward(create_graph=True)` then a penalty on `p.grad`: the gradients went into chunks as values, so the
+    penalty got no gradient, silently. torch.autograd.grad(create_graph=True), which gives the graph, is named once; a
+    backward without it is not warned of. (A resident step, where the model fits, leaves autograd's `p.grad`, graph and
+    all: runtime's Note on resident steps.)"""
+    cm, opt = prepared(tiny_gpt2(), ADAMW, device_memory=gpt2_budget(budget))
+    batches = gpt2_batches(3)
+    gpt2_loss(cm, batches[0]).backward()
+    opt.step()
+    assert not any("create_graph" in r.getMessage() for r in caplog.records)
+    for ids in batches[1:]:
+        opt.zero_grad()
+        gpt2_loss(cm, ids).backward(create_graph=True)
+    said = [r.getMessage() for r in caplog.records if "create_graph" in r.getMessage()]
+    assert len(said) == 1 and "torch.autograd.grad(loss, params, create_graph=True)" in said[0]
 
 
 def test_under_fp16_a_change_to_scaled_gradients_through_p_grad_is_named(caplog) -> None:
