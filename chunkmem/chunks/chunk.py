@@ -64,6 +64,10 @@ class HostTier(Protocol):
         """The host payload changes: the disk copy is stale."""
         ...
 
+    def unread(self, chunk: Chunk) -> None:
+        """The read filling `chunk`'s host payload failed: the tier takes the buffer back (Chunk.settled)."""
+        ...
+
 
 class Chunk:
     """`numel` elements of `dtype`. host: allocated (pinned on CUDA), but for a disk-backed chunk (`tier`)
@@ -87,6 +91,7 @@ class Chunk:
         self._host_read_by: object | None = None  # an upload from the host payload the host has not waited for
         self.landings: list[Landing] = []  # downloads into `host` not waited for, oldest first
         self.io: list[Waitable] = []  # disk reads into and writes from `host` not waited for
+        self.reading: Waitable | None = None  # the read that fills `host` from disk, until waited for
         self.unwritten: list[tuple[int, int]] = []  # [start, end) of `_fresh` nobody wrote yet (Note above)
         self._fresh: torch.Tensor | None = None  # the payload, device or host, those ranges are in
         self.lent: dict[int, torch.Tensor] = {}  # start -> the tensor holding [start, start + numel) (Note above)
@@ -119,8 +124,16 @@ class Chunk:
         """The host payload in host memory, once every copy and disk I/O on it is done (the tier's own access)."""
         self.settled_copies()
         io, self.io = self.io, []
-        for done in io:
-            done.wait()
+        for index, done in enumerate(io):
+            try:
+                done.wait()
+            except BaseException:
+                self.io = io[index + 1:] + self.io
+                if done is self.reading:  # its buffer holds no values: on disk alone again, read anew when next needed
+                    self.state, self._host, self.reading = self._check("spill"), None, None
+                    self.tier.unread(self)  # type: ignore[union-attr]  # (a read is a tier's)
+                raise
+        self.reading = None
         if self._host is None:
             raise ChunkStateError(f"{self!r} has no host payload: it is on disk (a bug: its tier must bring it back)")
         self._zero_unwritten(self._host)
@@ -145,6 +158,7 @@ class Chunk:
         if read is not None:
             self.state = self._check("load")
             self.io.append(read)
+        self.reading = read
         self._host = buffer
 
     def read_ahead(self) -> object | None:

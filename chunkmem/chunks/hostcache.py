@@ -92,6 +92,14 @@ class HostCache:
     def changed(self, chunk: Chunk) -> None:
         self.dirty.add(chunk.name)
 
+    def unread(self, chunk: Chunk) -> None:
+        """Its buffer goes: the read that filled it failed (a caller that went on after the error, to save a checkpoint,
+        read its unfilled bytes as values), and the next access reads the disk again. Not written back: a write it was
+        taken for (`changed`) saw only the read's error."""
+        self.used -= self.buffers.pop(chunk.name).numel()
+        del self.lru[chunk.name]
+        self.dirty.discard(chunk.name)
+
     # -- the optimizer's groups --------------------------------------------------------------------
     @contextlib.contextmanager
     def using(self, chunks: Iterable[Chunk]) -> Iterator[None]:

@@ -15,6 +15,7 @@ import torch
 
 import chunkmem
 from chunkmem.chunks.hostcache import HostCache
+from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import DiskTierError, MemoryBudgetError
 from chunkmem.memory import disk as disk_module
 from chunkmem.memory.disk import IoToken
@@ -259,3 +260,30 @@ def test_a_failed_write_back_keeps_the_chunk_changed_in_host_memory_and_writes_i
     assert name not in cache.buffers
     cache.needed(chunk)
     assert torch.equal(chunk.settled(), expected)
+
+
+def test_a_failed_read_leaves_the_chunk_on_disk_and_the_next_access_reads_it_again(tmp_path, monkeypatch):
+    # The read's error was raised once, and the chunk kept the buffer it had not filled: a caller that went on after the
+    # error (to save a checkpoint) read those bytes as its optimizer states, and the checkpoint took them.
+    model = mlp(width=64, depth=6)
+    cm, opt = prepare(model, ADAMW, tmp_path)
+    train(cm, opt, mlp_batches(2, width=64), mlp_loss)
+    cache = cm.runtime.host_cache
+    name = next(iter(cache.buffers))
+    chunk = cache.chunks[name]
+    expected = chunk.settled().clone()
+    cache._release(name)  # written back, on disk alone
+    original = disk_module.os.preadv
+
+    def broken(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk_module.os, "preadv", broken)
+    for _ in range(2):  # and again, rather than handing over the unfilled buffer
+        with pytest.raises(DiskTierError, match=rf"reading {name} from .*\(Input/output error\)"):
+            with cache.using([chunk]):
+                chunk.host
+        assert name not in cache.buffers and chunk.state is ChunkState.DISK
+    monkeypatch.setattr(disk_module.os, "preadv", original)
+    with cache.using([chunk]):
+        assert torch.equal(chunk.host, expected)
