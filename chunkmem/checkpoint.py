@@ -390,7 +390,9 @@ def _model_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Ten
         if given[key].shape != shape:
             raise CheckpointError(f"{file}: model/{key} has shape {tuple(given[key].shape)}, the model's is "
                                   f"{tuple(shape)}: the checkpoint is of another model configuration")
-        _check_dtype(file, f"model/{key}", given[key], torch.float32 if record is not None else target.dtype)
+        # A float buffer is in the compute dtype where that is wider (wrapper.py): the run's dtype may be another.
+        if record is not None or not (given[key].is_floating_point() and target.is_floating_point()):
+            _check_dtype(file, f"model/{key}", given[key], torch.float32 if record is not None else target.dtype)
     unexpected = sorted(given.keys() - known)
     if unexpected:
         raise CheckpointError(f"{file} holds model/{unexpected[0]}, which the model does not have "
@@ -416,11 +418,11 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
     steps = _step_counts(file, meta["steps"], optimizer)
     states = {}
     for record, count in steps.items():
-        if count <= 0:
-            continue
         for kind in optimizer.runtime.store.families.saved:
             key = f"optim/{kind}/{record.name}"
             value = tensors.get(key)
+            if value is None and count <= 0:  # never stepped (or a count set back to 0 with its states: saved then)
+                continue
             if value is None:
                 raise CheckpointError(f"{path / TENSORS} has no {key!r}, but {record.name} has taken {count:g} "
                                       f"steps: the checkpoint is incomplete; resume from an earlier one")
@@ -463,12 +465,10 @@ def _groups(file: Path, saved: Any, optimizer: ChunkOptimizer) -> list[dict[str,
         if not isinstance(group, dict) or group.get("params") != names:
             raise CheckpointError(f"{file}: param_groups[{index}] holds other parameters than the optimizer's "
                                   f"group {index}: build the optimizer's groups as the saved run did")
-        # An option the optimizer has: another optimizer configuration. Another key (an LR scheduler's `initial_lr`,
-        # where the saved run had none) keeps its value.
-        missing = [k for k in optimizer.defaults if k not in group]
-        if missing:
-            raise CheckpointError(f"{file}: param_groups[{index}] has no {missing[0]!r}: the checkpoint was "
-                                  f"saved with another optimizer configuration")
+        # An option the optimizer has that the saved group lacks (one a later torch added: AdamW's
+        # `decoupled_weight_decay`) is at its default, as optimizer.load_state_dict leaves it. Another key (an LR
+        # scheduler's `initial_lr`, where the saved run had none) keeps its value.
+        group = {**optimizer.defaults, **group}
         wrong = [k for k in current if k != "params" and k in group and not _same_kind(group[k], current[k])]
         if wrong:
             raise CheckpointError(f"{file}: param_groups[{index}][{wrong[0]!r}] is {group[wrong[0]]!r}, the "
@@ -522,7 +522,7 @@ def _collect(model: ChunkedModel, optimizer: ChunkOptimizer) -> tuple[dict[str, 
     tensors = {f"model/{k}": v.contiguous() for k, v in _untied(state).items()}
     steps = steps_by_name(optimizer)
     for (record, kind), value in optimizer_states(optimizer, root).items():
-        if steps[record.name] > 0:
+        if steps[record.name] > 0 or record in optimizer.restarted:  # those with states (statecopy's `_has_stepped`)
             tensors[f"optim/{kind}/{record.name}"] = value.contiguous()
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [runtime.store.records[p].name
                                                                           for p in g["params"]]}

@@ -164,9 +164,11 @@ def _stepped(optimizer: ChunkOptimizer | None) -> Stepped | None:
     if optimizer is None:
         return None
     counts = steps_by_name(optimizer)
-    if not any(counts.values()):
+    kept = {r for r in optimizer.steps if counts[r.name] > 0 or r in optimizer.restarted}  # those with states
+    if not kept:
         return None
-    states = {(record.param, kind): value for (record, kind), value in optimizer_states(optimizer).items()}
+    states = {(record.param, kind): value for (record, kind), value in optimizer_states(optimizer).items()
+              if record in kept}
     return {record.param: counts[record.name] for record in optimizer.steps}, states
 
 

@@ -65,7 +65,8 @@ def test_resume_is_bit_identical_to_uninterrupted_training(case, tmp_path):
 
 def test_a_run_resumed_with_an_lr_scheduler_the_saved_run_lacked_loads_its_checkpoint(tmp_path):
     # A scheduler's `initial_lr` in the groups was taken for another optimizer configuration (torch.optim's
-    # load_state_dict takes the same states); the options the optimizer has must still all be there.
+    # load_state_dict takes the same states). An option the saved groups lack (one a later torch added, as AdamW's
+    # `decoupled_weight_decay`) is at the optimizer's default, as optimizer.load_state_dict leaves it: it was refused.
     model, batches = mlp(), mlp_batches(4)
     adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
     full, full_opt = make(model, adamw, "fp32")
@@ -82,8 +83,61 @@ def test_a_run_resumed_with_an_lr_scheduler_the_saved_run_lacked_loads_its_check
     del meta["param_groups"][0]["weight_decay"]
     meta["meta_checksum"] = ckpt.meta_checksum(meta)
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="has no 'weight_decay'"):
-        chunkmem.load_checkpoint(tmp_path / "ckpt", second, second_opt)
+    second_opt.param_groups[0]["weight_decay"] = 0.5
+    chunkmem.load_checkpoint(tmp_path / "ckpt", second, second_opt)
+    assert second_opt.param_groups[0]["weight_decay"] == second_opt.defaults["weight_decay"] == 1e-2
+
+
+class _Scaled(torch.nn.Module):
+    """An MLP with a float buffer of low precision, which a prepared model holds in the wider of its dtype and the
+    compute dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale.to(x.dtype)
+
+
+@pytest.mark.parametrize("saved,resumed", [("fp32", "bf16"), ("bf16", "fp32"), ("fp16", "bf16")])
+def test_a_model_with_a_low_precision_buffer_resumes_in_another_dtype(tmp_path, saved, resumed):
+    # The buffer's dtype follows the run's, and a checkpoint of another dtype's was refused as written by something
+    # else (model.load_state_dict took it).
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    model, opt = make(_Scaled(), adamw, saved)
+    train(model, opt, mlp_batches(2), mlp_loss)
+    chunkmem.save_checkpoint(tmp_path / "ckpt", model, opt)
+    other, other_opt = make(_Scaled(), adamw, resumed)
+    chunkmem.load_checkpoint(tmp_path / "ckpt", other, other_opt)
+    assert torch.equal(other.state_dict()["scale"].float(), model.state_dict()["scale"].float())
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in model.state_dict().items() if k != "scale")
+
+
+def test_adam_moments_kept_at_a_step_count_set_back_to_0_are_saved_and_loaded(tmp_path):
+    # optimizer.state[p]["step"].zero_() keeps the moments (as torch.optim's); a checkpoint, or a state dict loaded,
+    # then had none, and the resumed run started them afresh.
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+    model, batches = mlp(), mlp_batches(4)
+    plain = copy.deepcopy(model)
+    plain_opt = adamw(plain.parameters())
+    first, first_opt = make(model, adamw, "fp32", device_memory=param_bytes(model) // 2)
+    for net, opt in ((plain, plain_opt), (first, first_opt)):
+        train(net, opt, batches[:2], mlp_loss)
+        for param in net.parameters():
+            opt.state[param]["step"].zero_()
+    chunkmem.save_checkpoint(tmp_path / "ckpt", first, first_opt)
+    want = train(plain, plain_opt, batches[2:], mlp_loss)
+    for load in ("checkpoint", "state dict"):
+        second, second_opt = make(mlp(seed=99), adamw, "fp32", device_memory=param_bytes(model) // 2)
+        if load == "checkpoint":
+            chunkmem.load_checkpoint(tmp_path / "ckpt", second, second_opt)
+        else:
+            second.load_state_dict(first.state_dict())
+            second_opt.load_state_dict(first_opt.state_dict())
+        assert len(second_opt.state_dict()["state"]) == len(plain_opt.state_dict()["state"]) == 14
+        assert train(second, second_opt, batches[2:], mlp_loss) == want
 
 
 def test_a_checkpoint_resumed_in_another_dtype_says_so(tmp_path, caplog):

@@ -189,10 +189,11 @@ class ChunkOptimizer(Optimizer):
         self._make_ahead()
 
     def set_states(self, steps: dict[ParamRecord, float], states: dict[tuple[ParamRecord, str], torch.Tensor]) -> None:
-        """Every parameter's step count, and its states of each kind, from `states` (those it lacks: zeros)."""
+        """Every parameter's step count, and its states of each kind, from `states` (those it lacks: zeros). One
+        given states at a count of 0 has them, as torch.optim's (`restarted`)."""
         data = self.runtime.data
         self.state_writes += 1
-        self.restarted.clear()
+        self.restarted = {record for record, _ in states if steps[record] <= 0}
         for record, step in self.steps.items():
             step.fill_(steps[record])
             for kind in self.runtime.store.families.saved if record.group.owned and record.group.trainable else ():
