@@ -201,23 +201,32 @@ def meta_checksum(meta: dict[str, Any]) -> str:
 
 
 @outside_inference_mode
-def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer, *,
+                    together: Any = None) -> dict[str, Any]:
     """Restore what `save_checkpoint` wrote; returns its metadata. Training continues bit-identically.
 
     Raises CheckpointDamaged when the files are unreadable or fail their checksums, CheckpointError
     when they do not fit this model or optimizer; either way nothing has been changed (but by a module's
-    `set_extra_state` that raises, after the values were written, as in PyTorch).
+    `set_extra_state` that raises, after the values were written, as in PyTorch). `together`: a process group
+    whose every rank loads its own part of one checkpoint in this call, all of them or none (a pipeline's stages).
     """
     _check_pair(model, optimizer)
     shards = model.runtime.shards
     try:
-        path, meta, restore = _read(Path(path), model, optimizer)
-    except Exception as error:
+        try:
+            path, meta, restore = _read(Path(path), model, optimizer)
+        except Exception as error:
+            if shards is not None:
+                all_read(shards.group, path, error)
+            raise
         if shards is not None:
-            all_read(shards.group, path, error)
+            all_read(shards.group, path, meta.get("meta_checksum"))
+    except Exception as error:
+        if together is not None:
+            all_read(together, path, error)
         raise
-    if shards is not None:
-        all_read(shards.group, path, meta.get("meta_checksum"))
+    if together is not None:  # the parts differ: that each rank read its own is all there is to agree on
+        all_read(together, path, "its part")
     _apply(restore, model, optimizer)
     saved, dtype = meta.get("dtype"), model.runtime.config.dtype
     if saved is not None and saved != dtype:  # (values and states are fp32 in the file)

@@ -356,7 +356,8 @@ class Pipeline:
             if model.runtime.shards is not None:
                 all_read(model.runtime.shards.group, path, error)
             raise
-        result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer)
+        # A stage whose part fails to load (damaged) makes every stage's fail: the stages would hold two steps' values
+        result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer, together=dist.group.WORLD)
         if self.versions is not None:
             self.versions.newest = int(meta["updates"])
         self._pending_load = None  # not before: a load the first step made that failed is made again, not forgotten

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import chunkmem
-from chunkmem.errors import CheckpointError
+from chunkmem.errors import CheckpointDamaged, CheckpointError
 from chunkmem.pipeline import pipeline
 from chunkmem.pipeline.schedule import order_of, simulate, validate
 from tests.multiproc import free_port, run_workers
@@ -472,6 +472,38 @@ def test_state_dict_and_checkpoints_keep_a_layers_extra_state(tmp_path: Path) ->
         for name, value in rank["state"].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(rank["resumed"][name], value), name
+
+
+def damaged_stage_worker(rank: int, world: int, folder: str) -> tuple[str, bool]:
+    """Two stages save; stage 1's part is then damaged, a step taken, and the checkpoint loaded: the error this rank
+    got, and whether its stage kept the values of that step."""
+    data, path = batches(4), Path(folder) / "ckpt"
+    pipe = pipeline(model(), ADAMW, loss_fn("mean"), n_microbatches=2, config=chunkmem.Config(device="cpu"))
+    pipe.step(*data[0])
+    pipe.save_checkpoint(path)
+    dist.barrier()
+    if rank == 0:
+        part = path / "stage-1" / "state.safetensors"
+        damaged = bytearray(part.read_bytes())
+        damaged[-3] ^= 1
+        part.write_bytes(bytes(damaged))
+    dist.barrier()
+    pipe.step(*data[1])
+    before = {k: v.clone() for k, v in pipe.model.state_dict().items()}
+    try:
+        pipe.load_checkpoint(path)
+        error = "loaded"
+    except CheckpointDamaged as caught:
+        error = str(caught)
+    after = pipe.model.state_dict()
+    return error, all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_a_pipeline_checkpoint_one_stage_cannot_load_is_loaded_by_no_stage(tmp_path: Path) -> None:
+    # Stage 0 loaded its part while stage 1 refused its own: the stages held two steps' values, and trained on.
+    (first, kept_first), (second, kept_second) = run_workers(damaged_stage_worker, 2, str(tmp_path), timeout=120)
+    assert first.startswith("a rank could not load the checkpoint") and "has checksum" in second
+    assert kept_first and kept_second
 
 
 def unshared_load_worker(rank: int, world: int, folder: str) -> tuple[str, float]:
