@@ -202,7 +202,7 @@ def meta_checksum(meta: dict[str, Any]) -> str:
 
 @outside_inference_mode
 def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: ChunkOptimizer, *,
-                    together: Any = None) -> dict[str, Any]:
+                    together: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Restore what `save_checkpoint` wrote; returns its metadata. Training continues bit-identically.
 
     Raises CheckpointDamaged when the files are unreadable or fail their checksums, CheckpointError
@@ -210,10 +210,10 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
     `set_extra_state` that raises, after the values were written, as in PyTorch). `together`: a process group
     whose every rank loads its own part of one checkpoint in this call, all of them or none (a pipeline's stages).
     """
-    _check_pair(model, optimizer)
     shards = model.runtime.shards
     try:
         try:
+            _check_pair(model, optimizer)
             path, meta, restore = _read(Path(path), model, optimizer)
         except Exception as error:
             if shards is not None:
@@ -225,8 +225,8 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
         if together is not None:
             all_read(together, path, error)
         raise
-    if together is not None:  # the parts differ: that each rank read its own is all there is to agree on
-        all_read(together, path, "its part")
+    if together is not None:
+        all_read(together, path, OWN_PART)
     _apply(restore, model, optimizer)
     saved, dtype = meta.get("dtype"), model.runtime.config.dtype
     if saved is not None and saved != dtype:  # (values and states are fp32 in the file)
@@ -234,6 +234,9 @@ def load_checkpoint(path: str | os.PathLike, model: ChunkedModel, optimizer: Chu
                     ": its loss scale is not used" if meta.get("loss_scaler") and restore.scaler is None else "")
     return meta
 
+
+# What a rank of `load_checkpoint(..., together=group)` says it read: each its own part, so only errors are compared.
+OWN_PART = "its own part"
 
 # What a rank that read a checkpoint raises when another could not: the other's kind of error (a user resuming where
 # one is found, `except FileNotFoundError`, starts afresh on every rank, or on none).
@@ -426,15 +429,18 @@ def _optimizer_values(path: Path, meta: dict[str, Any], tensors: dict[str, torch
                                   "keeps no momentum buffers: make it with the saved momentum") from error
     steps = _step_counts(file, meta["steps"], optimizer)
     states = {}
+    kinds = optimizer.runtime.store.families.saved
     for record, count in steps.items():
-        for kind in optimizer.runtime.store.families.saved:
+        # Never stepped: no states. A count set back to 0 that kept its states (`restarted`): all of them.
+        if count <= 0 and not any(f"optim/{kind}/{record.name}" in tensors for kind in kinds):
+            continue
+        for kind in kinds:
             key = f"optim/{kind}/{record.name}"
             value = tensors.get(key)
-            if value is None and count <= 0:  # never stepped (or a count set back to 0 with its states: saved then)
-                continue
             if value is None:
                 raise CheckpointError(f"{path / TENSORS} has no {key!r}, but {record.name} has taken {count:g} "
-                                      f"steps: the checkpoint is incomplete; resume from an earlier one")
+                                      f"steps (or keeps states at 0): the checkpoint is incomplete; resume from an "
+                                      f"earlier one")
             if value.shape != record.shape:
                 raise CheckpointError(f"{path / TENSORS}: {key!r} has shape {tuple(value.shape)}, the parameter's "
                                       f"is {tuple(record.shape)}: the checkpoint is of another model")
@@ -474,16 +480,16 @@ def _groups(file: Path, saved: Any, optimizer: ChunkOptimizer) -> list[dict[str,
         if not isinstance(group, dict) or group.get("params") != names:
             raise CheckpointError(f"{file}: param_groups[{index}] holds other parameters than the optimizer's "
                                   f"group {index}: build the optimizer's groups as the saved run did")
-        # An option the optimizer has that the saved group lacks (one a later torch added: AdamW's
-        # `decoupled_weight_decay`) is at its default, as optimizer.load_state_dict leaves it. Another key (an LR
-        # scheduler's `initial_lr`, where the saved run had none) keeps its value.
-        group = {**optimizer.defaults, **group}
         wrong = [k for k in current if k != "params" and k in group and not _same_kind(group[k], current[k])]
         if wrong:
             raise CheckpointError(f"{file}: param_groups[{index}][{wrong[0]!r}] is {group[wrong[0]]!r}, the "
                                   f"optimizer's is {current[wrong[0]]!r}: the file was changed or written by "
                                   f"something else")
-        out.append({k: tuple(v) if k == "betas" else v for k, v in group.items() if k != "params"})
+        # An option the optimizer has that the saved group lacks (one a later torch added: AdamW's
+        # `decoupled_weight_decay`) is at its default, as optimizer.load_state_dict leaves it. Another key (an LR
+        # scheduler's `initial_lr`, where the saved run had none) keeps its value.
+        saved_options = {k: tuple(v) if k == "betas" else v for k, v in group.items() if k != "params"}
+        out.append({**optimizer.defaults, **saved_options})
     return out
 
 

@@ -128,8 +128,9 @@ class Chunk:
             try:
                 done.wait()
             except BaseException:
-                self.io = io[index + 1:] + self.io
-                if done is self.reading:  # its buffer holds no values: on disk alone again, read anew when next needed
+                failed = getattr(done, "failure", None) is not None  # else timed out or interrupted: waited for again
+                self.io = io[index + 1 if failed else index:] + self.io
+                if failed and done is self.reading:  # its buffer holds no values: on disk alone, read anew when needed
                     self.state, self._host, self.reading = self._check("spill"), None, None
                     self.tier.unread(self)  # type: ignore[union-attr]  # (a read is a tier's)
                 raise

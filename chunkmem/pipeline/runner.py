@@ -352,9 +352,10 @@ class Pipeline:
                 raise ValueError(f"checkpoint {path} was saved with schedule={meta.get('schedule')!r}, this pipeline "
                                  f"runs {self.schedule_name!r}: 2BW's older weights version is in one and not the "
                                  f"other; resume with schedule={meta.get('schedule')!r}")
-        except Exception as error:  # the stage's other data-parallel ranks wait for it in load_checkpoint
+        except Exception as error:  # the stage's data-parallel ranks, and the other stages, wait in load_checkpoint
             if model.runtime.shards is not None:
                 all_read(model.runtime.shards.group, path, error)
+            all_read(dist.group.WORLD, path, error)
             raise
         # A stage whose part fails to load (damaged) makes every stage's fail: the stages would hold two steps' values
         result = load_checkpoint(path / f"stage-{self.stage}", model, optimizer, together=dist.group.WORLD)

@@ -19,8 +19,10 @@ upload of every streamed parameter chunk, which the plan does not foresee (bench
 place through `p.grad` (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None
 is taken at the next step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next
 forward (or zero_grad, or a backward reaching the model's outputs again: Runtime.backward_begins), after which the
-next backward accumulates into the chunks, not into `p.grad` (so `p.grad = None` between a forward and its backward
-clears nothing: not yet; the README says to clear with zero_grad there). A tensor of the user's set as `p.grad`
+next backward accumulates into the chunks, not into `p.grad`. Those on the device with their parameters stay shown
+until that backward begins (`kept_through_forward`), so that a clear made meanwhile (`p.grad = None`) is seen; a
+streamed group's `p.grad = None` there clears nothing (not yet: the README says to clear with zero_grad). A tensor of
+the user's set as `p.grad`
 (a view of a flat gradient buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch
 (`users`): each show copies the chunk's gradient into it, a change made to it in place (zeroing it, which is how
 such loops clear gradients) goes into the chunk when taken (and when a backward begins: zeroed between the forward
@@ -112,11 +114,13 @@ class ShownGrads:
         self.users: dict[ParamRecord, torch.Tensor] = {}
         self.device_views: dict[ParamRecord, weakref.ref] = {}  # each view of a device payload shown last (`show`)
         self.shown_on_device: dict[str, ChunkGroup] = {}  # gradient chunk name -> its group, shown on the device
+        self.through_forward: set[ParamRecord] = set()  # shown through the forward running now (`kept_through_forward`)
         self.left: dict[ParamRecord, int] = {}  # shown gradients whose chunk left the device since: versions then
 
     def show(self, zeroed: Collection[ChunkGroup] | None = None) -> None:
         """Point every `p.grad` of a parameter with a gradient at it: at the end of a backward, or of a zero_grad
         that left zeros in those of the groups `zeroed` (the Note)."""
+        self.through_forward = set()
         if zeroed is None:
             self.zeroed.clear()
             self.left.clear()
@@ -168,7 +172,10 @@ class ShownGrads:
         if group is not None:
             for record in group.members:
                 shown = self.shown.get(record)
-                if shown is not None and record not in self.users:
+                if shown is not None and record in self.through_forward:  # its slot would stay through the forward
+                    record.param.grad = None
+                    del self.shown[record]
+                elif shown is not None and record not in self.users:
                     self.left[record] = shown._version
 
     def _device_view(self, record: ParamRecord, flat: torch.Tensor) -> torch.Tensor:
@@ -288,6 +295,15 @@ class ShownGrads:
                 self.store.point_views(group.param)
         self.host_viewed.clear()
 
+    def drop_copies(self) -> None:
+        """Parameters viewing their host payload beside a device copy (clean, or stale beside a change made in place)
+        have it dropped, copying nothing: a write into their chunk (a load) then writes the payload they view, where it
+        made the copy newer than what they showed until the next forward (and a change made meanwhile was lost)."""
+        for group in self.host_viewed:
+            if group.param.state.on_device:
+                self.residency.evict(group.param)
+        self.host_viewed.clear()
+
     def drop_stale(self) -> None:
         """The device copies that parameters viewing their host payload were changed in place beside (`with
         torch.no_grad(): p.sub_(lr * p.grad)` after backward) are dropped: what reads the chunk (state_dict, a deep
@@ -344,8 +360,12 @@ class ShownGrads:
 
     def hide_for_forward(self, records: Container[ParamRecord] | None = None, strays: bool = False) -> None:
         """A forward with gradients enabled begins: the gradients shown (of `records`, its model's parameters; None:
-        all) are hidden, so that its backward adds into their chunks (the Note). Unless `strays` (autograd's own may
-        wait in `p.grad`: Runtime.adopt_grads), a tensor in `p.grad` now is the user's."""
+        all) are hidden, so that its backward adds into their chunks (the Note), but those `kept_through_forward`.
+        Unless `strays` (autograd's own may wait in `p.grad`: Runtime.adopt_grads), a tensor in `p.grad` now that
+        chunkmem does not show is the user's."""
+        kept = self.through_forward = self.kept_through_forward(records)
+        if kept:
+            records = {r for r in self.store.records.values() if (records is None or r in records) and r not in kept}
         self.hidden_by_forward.update(r for r in self.shown if records is None or r in records)
         self.hide(records)
         if strays:
@@ -354,6 +374,23 @@ class ShownGrads:
             grad = record.param.grad
             if grad is not None and (records is None or record in records):
                 self.users[record] = grad
+
+    def kept_through_forward(self, records: Container[ParamRecord] | None) -> set[ParamRecord]:
+        """The shown gradients (of `records`; None: all) that stay shown until the backward begins (Runtime.
+        backward_begins hides them), as in PyTorch: views of a device payload, their parameters' device, so that a
+        clear made meanwhile (`p.grad = None`, a submodule's or another optimizer's zero_grad) is seen. Not zeros
+        zero_grad(set_to_none=False) left, whose chunk the forward frees, nor the user's tensors (the Note); those
+        whose chunk leaves the device before the backward are hidden then (`left_device`)."""
+        kept: set[ParamRecord] = set()
+        for group in self.shown_on_device.values():
+            if group in self.zeroed or not group.grad.state.on_device:
+                continue
+            for record in group.members:
+                shown = self.shown.get(record)
+                if shown is not None and record not in self.users and (records is None or record in records) and \
+                        shown.device == record.param.device:
+                    kept.add(record)
+        return kept
 
     def _zeros_left(self, records: Container[ParamRecord] | None) -> list[tuple[ChunkGroup, list[weakref.ref]]]:
         """Gradient chunks still holding only the zeros zero_grad(set_to_none=False) left, of groups whose every member

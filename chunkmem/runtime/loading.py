@@ -67,6 +67,7 @@ def load_values(module: nn.Module, runtime: Runtime, state_dict: Mapping[str, An
             raise RuntimeError(f"load_state_dict got a value for {_name_of(module, tensor)} that is {kind}: nothing was "
                                "loaded (give dense tensors with data: materialize meta ones, .to_dense() sparse "
                                "ones)")
+    runtime.grads.drop_copies()  # a parameter viewing its host payload sees the values written there
     try:
         with torch.no_grad():
             for tensor, value in given.items():

@@ -250,7 +250,7 @@ class ChunkOptimizer(Optimizer):
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
         self._check_still_frozen()
         for group in self.param_groups:  # flags set after prepare too
-            check_flags(type(self.original).__name__, group)
+            check_flags(self.wrapped_type.__name__, group)
             self._check_momentum(group)
         if runtime.shards is not None:
             runtime.shards.check_order()

@@ -50,6 +50,10 @@ class BackwardRoom:
         self.largest_block = 0
         self._segment_sizes: dict[int, int] = {}  # bytes -> Device.segment_for's (`_segments`)
 
+    def saw(self, largest: int) -> None:
+        """A memory reading found non-model data's largest block of `largest` bytes."""
+        self.largest_block = max(self.largest_block, largest)
+
     def for_grad(self, chunk: Chunk, numel: int, nonmodel: int) -> None:
         """Backward of an op that saved `numel` elements of a trainable parameter chunk allocates the gradients of
         its inputs next (that parameter's and an activation's, as autograd's node says: `grad_sizes`), and an

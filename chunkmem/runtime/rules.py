@@ -61,6 +61,8 @@ def rule_for(optimizer: Optimizer) -> Rule:
 
 
 def check_flags(name: str, group: dict) -> None:
+    """Refuse options of optimizer `name`'s param group `group` that chunkmem cannot step (AMSGrad's states have no
+    chunks), whenever they are set."""
     for flag in ("amsgrad", "differentiable", "capturable"):
         if group.get(flag):
             raise ValueError(f"{name}({flag}=True) is not supported by chunkmem (a param group has {flag}="
@@ -68,7 +70,8 @@ def check_flags(name: str, group: dict) -> None:
 
 
 def adam(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
-          states: dict[str, list], steps: list[torch.Tensor]) -> None:
+         states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    """torch.optim's Adam and AdamW over these lists, with the step counts kept on the host (`fused_steps`)."""
     beta1, beta2 = group["betas"]
     counted = fused_steps(group, params, steps)
     adam_update(params, grads, states["exp_avg"], states["exp_avg_sq"], [], counted,
@@ -97,7 +100,8 @@ def fused_steps(group: dict, params: list[torch.Tensor], steps: list[torch.Tenso
 
 
 def sgd(group: dict, params: list[torch.Tensor], grads: list[torch.Tensor],
-         states: dict[str, list], steps: list[torch.Tensor]) -> None:
+        states: dict[str, list], steps: list[torch.Tensor]) -> None:
+    """torch.optim's SGD over these lists, its momentum buffers in the chunks."""
     # torch.optim.SGD starts a momentum buffer as a copy of the first gradient a step with momentum takes: pass None
     # until then. SGD's step counts are the steps taken with momentum (torch's SGD counts none), so a group given
     # momentum after steps without (a schedule's, or by hand) starts its buffers as torch's would.

@@ -290,7 +290,7 @@ class Runtime:
         held, largest = reading
         arena = self.device.arena
         if arena.allocations == self._slots_seen:  # no slot among the blocks: the largest is non-model data's
-            self.room.largest_block = max(self.room.largest_block, largest)
+            self.room.saw(largest)
         self._slots_seen = arena.allocations
         own = arena.footprint + (self.shards.live if self.shards is not None else 0)  # ZeRO's: apart
         nonmodel = max(0, held - own) + self.outside()

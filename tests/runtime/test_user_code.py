@@ -420,6 +420,49 @@ def test_parameters_changed_in_place_after_backward_are_what_state_dict_and_a_de
         assert not differ, f"{len(differ)} of {len(want)} tensors differ, {differ[0]} first"
 
 
+@pytest.mark.parametrize("budget", [0.3, 1.5])
+def test_a_load_between_backward_and_the_next_forward_is_what_the_parameters_show(budget) -> None:
+    """load_state_dict after backward wrote a streamed group's device copy, its parameters viewing the host payload:
+    they read the values from before the load until the next forward, and a change made in place then was lost
+    (grads.py's `drop_copies`)."""
+    model = tiny_gpt2()
+    plain = copy.deepcopy(model)
+    cm, _ = prepared(model, ADAMW, device_memory=gpt2_budget(budget))
+    loaded = {k: v + 1.0 if v.is_floating_point() else v for k, v in plain.state_dict().items()}
+    for net in (plain, cm):
+        gpt2_loss(net, gpt2_batches(1)[0]).backward()
+        net.load_state_dict(loaded)
+    shown = dict(plain.named_parameters())
+    assert all(torch.equal(p.detach(), shown[n.removeprefix("module.")]) for n, p in cm.named_parameters())
+    with torch.no_grad():
+        for net in (plain, cm):
+            for param in net.parameters():
+                param.mul_(0.5)
+    want, got = plain.state_dict(), cm.state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in want.items())
+
+
+@pytest.mark.parametrize("clear", ["p.grad = None", "the module's zero_grad", "another optimizer's zero_grad"])
+def test_gradients_cleared_by_hand_between_a_forward_and_its_backward_are_cleared_where_the_model_fits(clear) -> None:
+    """After a forward, `p.grad` was None (hidden so that the backward adds into the chunk), so a clear made then
+    changed nothing chunkmem could see, and the backward added into the last step's gradients. Where gradients are on
+    the device with their parameters they stay shown until the backward begins (grads.py's `kept_through_forward`);
+    a streamed group's are still hidden at the forward (the README's "not yet")."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        other = torch.optim.SGD(model.parameters(), lr=0.0)
+        for ids in gpt2_batches(STEPS):
+            loss = gpt2_loss(model, ids)
+            if clear == "p.grad = None":
+                for param in model.parameters():
+                    param.grad = None
+            else:
+                (unwrapped(model) if clear == "the module's zero_grad" else other).zero_grad()
+            loss.backward()
+            opt.step()
+
+    same_bits(loop, None)
+
+
 @pytest.mark.parametrize("through", ["p", "p.data", "p.data, default device set"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("budget", [None, 0.3])
@@ -1009,7 +1052,10 @@ def test_a_forward_with_gradients_between_backward_and_step_is_named_and_clippin
 
     with caplog.at_level("WARNING", logger="chunkmem"):
         named = warned(gpt2_loss)  # a forward whose loss is dropped (a metric computed without torch.no_grad)
-        assert len(named) == 1 and "or run that forward under torch.no_grad()" in named[0]  # once
+        if budget is None:  # gradients on the device stay shown until a backward begins (`kept_through_forward`)
+            assert not named
+        else:
+            assert len(named) == 1 and "or run that forward under torch.no_grad()" in named[0]  # once
         assert not warned(gpt2_loss, True)  # its backward followed: gradient accumulation
         assert not warned(torch.no_grad()(gpt2_loss))
         named = warned(raising)  # a backward that raised partway: its gradients so far stay, as in PyTorch
@@ -1019,7 +1065,8 @@ def test_a_forward_with_gradients_between_backward_and_step_is_named_and_clippin
     gpt2_loss(cm, ids).backward()
     assert float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.05)) > 0
     gpt2_loss(cm, ids)
-    assert float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.05)) == 0  # what the warning names
+    clipped = float(torch.nn.utils.clip_grad_norm_(cm.parameters(), 0.05))
+    assert clipped > 0 if budget is None else clipped == 0  # what the warning names
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
