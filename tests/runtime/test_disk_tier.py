@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import chunkmem
+from chunkmem.chunks.chunk import Chunk
 from chunkmem.chunks.hostcache import HostCache
 from chunkmem.chunks.state import ChunkState
 from chunkmem.errors import DiskTierError, MemoryBudgetError
@@ -228,17 +229,22 @@ def test_zero_two_ranks_with_the_disk_tier_equal_zero_without_it_bit_for_bit(tmp
     assert list(tmp_path.iterdir()) == [], "each rank removed its files at exit"
 
 
-@pytest.mark.parametrize("seen", ["at its release", "where the chunk is read next"])
-def test_a_failed_write_back_keeps_the_chunk_changed_in_host_memory_and_writes_it_next_time(tmp_path, monkeypatch,
-                                                                                             seen):
-    # The chunk was spilled at its next release as if written: a caller that went on after the error (to save a
-    # checkpoint elsewhere) read the states of a step before.
+def _trained_cache(tmp_path) -> tuple[HostCache, str, Chunk]:
+    """The disk tier of an MLP trained two steps, and the first chunk it holds in host memory (by name)."""
     model = mlp(width=64, depth=6)
     cm, opt = prepare(model, ADAMW, tmp_path)
     train(cm, opt, mlp_batches(2, width=64), mlp_loss)
     cache = cm.runtime.host_cache
     name = next(iter(cache.buffers))
-    chunk = cache.chunks[name]
+    return cache, name, cache.chunks[name]
+
+
+@pytest.mark.parametrize("seen", ["at its release", "where the chunk is read next"])
+def test_a_failed_write_back_keeps_the_chunk_changed_in_host_memory_and_writes_it_next_time(tmp_path, monkeypatch,
+                                                                                             seen):
+    # The chunk was spilled at its next release as if written: a caller that went on after the error (to save a
+    # checkpoint elsewhere) read the states of a step before.
+    cache, name, chunk = _trained_cache(tmp_path)
     expected = chunk.settled().add_(1.0).clone()  # a step's change, not on disk yet
     cache.changed(chunk)
     original = disk_module.os.pwritev
@@ -265,12 +271,7 @@ def test_a_failed_write_back_keeps_the_chunk_changed_in_host_memory_and_writes_i
 def test_a_failed_read_leaves_the_chunk_on_disk_and_the_next_access_reads_it_again(tmp_path, monkeypatch):
     # The read's error was raised once, and the chunk kept the buffer it had not filled: a caller that went on after the
     # error (to save a checkpoint) read those bytes as its optimizer states, and the checkpoint took them.
-    model = mlp(width=64, depth=6)
-    cm, opt = prepare(model, ADAMW, tmp_path)
-    train(cm, opt, mlp_batches(2, width=64), mlp_loss)
-    cache = cm.runtime.host_cache
-    name = next(iter(cache.buffers))
-    chunk = cache.chunks[name]
+    cache, name, chunk = _trained_cache(tmp_path)
     expected = chunk.settled().clone()
     cache._release(name)  # written back, on disk alone
     original = disk_module.os.preadv
