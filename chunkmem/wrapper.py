@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import logging
 import re
 import typing
 from collections import OrderedDict
@@ -28,8 +29,8 @@ from chunkmem.config import Config
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
 from chunkmem.runtime.optim import ChunkOptimizer, retire
-from chunkmem.runtime.rules import SUPPORTED, rule_for
 from chunkmem.runtime.reporting import Report, plain_class, put_back, report_device, report_of
+from chunkmem.runtime.rules import SUPPORTED, rule_for
 from chunkmem.runtime.runtime import Runtime
 from chunkmem.zero.agreement import fingerprints
 from chunkmem.zero.collectives import default_group
@@ -532,6 +533,7 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     group = shard_group(group, config)
     check_fresh(model, optimizer)
     rule = rule_for(optimizer)
+    _say_if_wider(model, config)
     before = Snapshot.of(model)
     wrapped: ChunkedModel | None = None
     try:
@@ -548,6 +550,18 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
     for watcher in _WATCHERS:
         watcher(*prepared)
     return prepared
+
+
+def _say_if_wider(model: nn.Module, config: Config) -> None:
+    """A model cast to low precision before prepare (`model.to(torch.bfloat16)`) and prepared in a wider compute dtype
+    (Config's default, fp32) computes and trains in that dtype: twice its memory, and other losses than its own."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes and all(d.itemsize < config.torch_dtype.itemsize for d in dtypes):
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        logging.getLogger("chunkmem").warning(
+            "chunkmem: the model's parameters are %s, and Config.dtype=%r computes and trains them in %s (more "
+            "memory, other losses): pass Config(dtype='bf16') or 'fp16' to compute in low precision, from fp32 master "
+            "weights", names, config.dtype, str(config.torch_dtype).removeprefix("torch."))
 
 
 Watcher = Callable[[ChunkedModel, ChunkOptimizer], None]

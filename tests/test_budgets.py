@@ -665,6 +665,34 @@ def checkpointed(arch: str) -> torch.nn.Module:
     return model.train()
 
 
+@pytest.mark.parametrize("share", [0.3, 0.6])
+def test_a_checkpointed_model_with_frozen_layers_is_refused_at_prepare_or_trains(share) -> None:
+    """GPT-2 with only its last block trained, checkpointed by transformers (non-reentrant), which makes the inputs
+    require gradients (enable_input_require_grads): backward re-computes the frozen blocks too, whole. prepare counted
+    the chunks of layers with something to train alone, accepted 30% of the parameter bytes, and the first backward
+    died re-computing a frozen block (helper-80). A budget prepare accepts trains every step, as plain PyTorch."""
+    def model() -> torch.nn.Module:
+        built = checkpointed("gpt2")
+        built.requires_grad_(False)
+        built.transformer.h[-1].requires_grad_(True)
+        built.enable_input_require_grads()
+        return built
+
+    batches = [torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = model()
+    expected = helpers.train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad]), batches,
+                             helpers.gpt2_loss)
+    built = model()
+    budget = int(share * sum(p.numel() * 4 for p in built.parameters()))
+    optimizer = torch.optim.AdamW([p for p in built.parameters() if p.requires_grad])
+    if share == 0.3:
+        with pytest.raises(chunkmem.MemoryBudgetError, match=r"re-computed whole by non-reentrant activation"):
+            chunkmem.prepare(built, optimizer, chunkmem.Config(device="cpu", device_memory=budget))
+        return
+    cm, opt = chunkmem.prepare(built, optimizer, chunkmem.Config(device="cpu", device_memory=budget))
+    assert helpers.train(cm, opt, batches, helpers.gpt2_loss) == expected
+
+
 @pytest.mark.parametrize("arch, kib", [("gpt2", 600), ("gpt2", 700), ("llama", 400), ("llama", 450)])
 def test_a_model_checkpointed_by_torchs_non_reentrant_kind_trains_as_plain_pytorch_or_is_refused_plainly(
         sim_memory, arch, kib):

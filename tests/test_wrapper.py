@@ -411,3 +411,14 @@ def test_a_config_that_is_not_a_config_is_refused_by_name() -> None:
         chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), {})  # type: ignore[arg-type]
     cm, _ = chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(device="cpu"))
     assert cm.module is model, "the refused call left the model as it was"
+
+
+def test_a_model_cast_to_low_precision_and_prepared_in_fp32_is_told_so(caplog) -> None:
+    # Its parameters silently became fp32 (twice the memory, other losses than the bf16 model's): helper-80.
+    for dtype, said in (("fp32", True), ("bf16", False)):
+        model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chunkmem"):
+            chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(device="cpu", dtype=dtype))
+        assert ("parameters are bfloat16, and Config.dtype='fp32'" in caplog.text) == said
+

@@ -355,15 +355,16 @@ def pinned_chunks(module: nn.Module, chunk_size: int
     name_of = {p: n for n, p in module.named_parameters()}
     # Around a checkpointed layer (it too), a module's parameters in a ParameterList or ParameterDict of its own are
     # held through the layer's re-computation as its direct ones are (Hooks._enclosing)
-    around_layers = {m for m in module.modules() if any(checkpointed(sub) for sub in m.modules())}
+    trained = trained_modules(module)
+    around_layers = {m for m in module.modules() if any(checkpointed(sub, sub in trained) for sub in m.modules())}
 
     def params(m: nn.Module) -> list[nn.Parameter]:
-        if recomputed_whole(m):
+        if recomputed_whole(m, m in trained):
             return list(m.parameters())
         own = list(m.parameters(recurse=False))
         if m in around_layers:
             own += listed_parameters(m)
-        if checkpointed(m):  # those of its modules around others, held through its re-computation
+        if checkpointed(m, m in trained):  # those of its modules around others, held through its re-computation
             own += [p for sub in m.modules() if sub is not m and next(sub.children(), None) is not None
                     for p in (*sub.parameters(recurse=False), *listed_parameters(sub))]
         return own
@@ -376,28 +377,37 @@ def listed_parameters(module: nn.Module) -> list[nn.Parameter]:
             for p in child.parameters()]
 
 
-def checkpointed(module: nn.Module) -> bool:
+def trained_modules(module: nn.Module) -> set[nn.Module]:
+    """The modules of those models among `module` (a ModelSet's, or itself) that train something."""
+    models = list(module.children()) if isinstance(module, ModelSet) else [module]
+    return {sub for model in models if any(p.requires_grad for p in model.parameters()) for sub in model.modules()}
+
+
+def checkpointed(module: nn.Module, trained: bool | None = None) -> bool:
     """Whether `module` is a transformers layer that backward re-computes (activation checkpointing on, something to
-    train). Transformers checkpoints its forward, so it and the modules whose methods it calls directly (Gemma3n's
-    AltUp: predict, correct) run there without their hooks, and the parameters of every module around the one a
+    train: `trained`, whether its model trains anything, as transformers' checkpointing makes the inputs require
+    gradients, so that a trained model's frozen layers are re-computed too (GPT-2 with its last block alone trained
+    was refused nothing at prepare, and died re-computing a frozen one); None: whether it trains something itself).
+    Transformers checkpoints its forward, so it and the modules whose methods it calls directly (Gemma3n's AltUp:
+    predict, correct) run there without their hooks, and the parameters of every module around the one a
     re-computation starts in come to the device then and stay until it is done (hooks.py's Note on re-computation):
-    those of its modules that call others are pinned beside every module of it (Gemma3n's AltUp owns its output scale
-    and calls its router, and the layer's attention found no room beside it at the least budget prepare accepted,
-    under the reentrant kind). Counted so for modules called through their hooks too, which hold nothing then: a
-    budget a little above what the layer needs."""
+    those of its modules that call others are pinned beside every module of it (Gemma3n's AltUp owns its output
+    scale and calls its router, and the layer's attention found no room beside it at the least budget prepare
+    accepted, under the reentrant kind). Counted so for modules called through their hooks too, which hold nothing
+    then: a budget a little above what the layer needs."""
     layers = sys.modules.get("transformers.modeling_layers")
     layer = getattr(layers, "GradientCheckpointingLayer", None)
     return layer is not None and isinstance(module, layer) and getattr(module, "gradient_checkpointing", False) and \
-        any(p.requires_grad for p in module.parameters())
+        (trained if trained is not None else any(p.requires_grad for p in module.parameters()))
 
 
-def recomputed_whole(module: nn.Module) -> bool:
+def recomputed_whole(module: nn.Module, trained: bool | None = None) -> bool:
     """Whether `module` is a transformers layer checkpointed by torch's non-reentrant kind (transformers 5's default):
     what its re-computation saves views the chunks of all its parameters until its backward is done, so they are
     pinned together then (hooks.py's Note on re-computation), as a module's own are while it runs. Not the reentrant
-    kind, whose re-computation streams them module by module, nor a layer with nothing to train (a frozen reference
-    model's, which no backward re-computes)."""
-    if not checkpointed(module):
+    kind, whose re-computation streams them module by module, nor a layer with nothing to train (`checkpointed`: a
+    frozen reference model's, which no backward re-computes)."""
+    if not checkpointed(module, trained):
         return False
     checkpoint = getattr(module, "_gradient_checkpointing_func", None)
     return isinstance(checkpoint, functools.partial) and checkpoint.keywords.get("use_reentrant") is False

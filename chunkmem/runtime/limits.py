@@ -12,7 +12,8 @@ from torch import nn
 
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.layout import chunk_size_candidates
-from chunkmem.chunks.store import checkpointed, layouts, pinned_chunks, planned_model_data_bytes, recomputed_whole
+from chunkmem.chunks.store import (checkpointed, layouts, pinned_chunks, planned_model_data_bytes, recomputed_whole,
+                                   trained_modules)
 from chunkmem.config import Config
 from chunkmem.errors import MemoryBudgetError
 from chunkmem.memory.hostpool import reserve_bytes
@@ -125,7 +126,8 @@ def _check_working_set(module: nn.Module, config: Config, size: int, world: int,
                                                              "largest parameter's elements: chunks can be no smaller)")
         raise MemoryBudgetError(
             f"module {type(chain[-1][1]).__name__} ({where}) needs its parameter chunks and those of the modules "
-            f"it runs inside on the device at once{_recomputed(chain)}: {count} chunks of {chunk_bytes} bytes, {need} "
+            f"it runs inside on the device at once{_recomputed(chain, trained_modules(module))}: {count} chunks of "
+            f"{chunk_bytes} bytes, {need} "
             f"bytes, but {_limit_source(config)} allows {limit}: {fix}")
     return need
 
@@ -148,12 +150,14 @@ def read_elsewhere(params: list[str], running: list[str], read: list[str], held:
             "them)")
 
 
-def _recomputed(chain: list[tuple[str, nn.Module]]) -> str:
-    """What activation checkpointing adds to the chunks pinned at once by the modules of `chain` (outermost first)."""
-    if recomputed_whole(chain[-1][1]):
+def _recomputed(chain: list[tuple[str, nn.Module]], trained_ones: set[nn.Module]) -> str:
+    """What activation checkpointing adds to the chunks pinned at once by the modules of `chain` (outermost first), of a
+    model whose modules that train something (a frozen layer's too) are `trained_ones`."""
+    trained = chain[-1][1] in trained_ones
+    if recomputed_whole(chain[-1][1], trained):
         return (", its own modules' too: it is re-computed whole by non-reentrant activation checkpointing, whose "
                 "backward holds them all (checkpointing with use_reentrant=True streams them)")
-    if any(checkpointed(module) for _, module in chain):
+    if any(checkpointed(module, trained) for _, module in chain):
         return (", and those of the modules that call others in the layer around it: backward re-computes that layer "
                 "under activation checkpointing, holding them meanwhile")
     return ""

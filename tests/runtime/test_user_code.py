@@ -442,6 +442,25 @@ def test_a_load_between_backward_and_the_next_forward_is_what_the_parameters_sho
     assert all(torch.equal(v, got[k]) for k, v in want.items())
 
 
+def test_accumulating_a_loss_on_a_captured_activation_after_a_forward_clips_as_plain_pytorch() -> None:
+    """Two micro-batches, the second's loss on an activation a forward hook caught (its backward never reaches the
+    model's outputs), then torch's clip_grad_norm_: where the model fits, the second forward hid the first's gradients
+    and nothing showed them again, so the norm was of the second's alone (0.0078 against 4.1: helper-80)."""
+    def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        caught = {}
+        unwrapped(model).transformer.h[1].register_forward_hook(lambda _m, _a, out: caught.__setitem__("h", out))
+        for first, second in zip(*[iter(gpt2_batches(2 * STEPS))] * 2):
+            gpt2_loss(model, first).backward()
+            model(second)
+            hidden = caught["h"][0] if isinstance(caught["h"], tuple) else caught["h"]
+            hidden.pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+            opt.step()
+            opt.zero_grad()
+
+    same_bits(loop, None)
+
+
 @pytest.mark.parametrize("clear", ["p.grad = None", "the module's zero_grad", "another optimizer's zero_grad"])
 def test_gradients_cleared_by_hand_between_a_forward_and_its_backward_are_cleared_where_the_model_fits(clear) -> None:
     """After a forward, `p.grad` was None (hidden so that the backward adds into the chunk), so a clear made then
