@@ -21,21 +21,21 @@ is taken at the next step (`take`), as torch.optim would read it, or when the gr
 forward (or zero_grad, or a backward reaching the model's outputs again: Runtime.backward_begins), after which the
 next backward accumulates into the chunks, not into `p.grad`. Those on the device with their parameters stay shown
 until that backward begins (`kept_through_forward`), so that a clear made meanwhile (`p.grad = None`) is seen; a
-streamed group's `p.grad = None` there clears nothing (not yet: the README says to clear with zero_grad). A tensor of
-the user's set as `p.grad`
-(a view of a flat gradient buffer, as apex and fairseq keep them; zeros_like) stays `p.grad`, as in PyTorch
-(`users`): each show copies the chunk's gradient into it, a change made to it in place (zeroing it, which is how
-such loops clear gradients) goes into the chunk when taken (and when a backward begins: zeroed between the forward
-and the backward), model.clip_grad_norm_ takes them first and leaves the clipped values in them, and one set
-before any backward, which autograd then adds into, is the whole gradient. Views of one flat buffer share one
-version counter: versions are read before the copies into them and recorded after (`users_seen`). Before, `p.grad`
-showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients added up from
-step to step. Where the parameter has moved between the host and the device since, its `p.grad` shows the chunk, and
-the user's tensor is let go. So a forward with gradients enabled that no backward follows
-before the step (a metric computed without torch.no_grad) leaves `p.grad` None until then, where PyTorch still shows
-the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`), as after a backward that
-raised (its end, which shows them, never came). A `p.grad` the user assigns with no backward (from
-torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be (Runtime.adopt_grads).
+streamed group's `p.grad = None` there clears nothing (not yet: the README says to clear with zero_grad). A tensor
+of the user's set as `p.grad` (a view of a flat gradient buffer, as apex and fairseq keep them; zeros_like) stays
+`p.grad`, as in PyTorch (`users`): each show copies the chunk's gradient into it, a change made to it in place
+(zeroing it, which is how such loops clear gradients) goes into the chunk when taken (and when a backward begins:
+zeroed between the forward and the backward), model.clip_grad_norm_ takes them first and leaves the clipped values
+in them, and one set before any backward, which autograd then adds into, is the whole gradient. Views of one flat
+buffer share one version counter: versions are read before the copies into them and recorded after (`users_seen`).
+Before, `p.grad` showed the chunk instead, and zeroing the buffer cleared nothing: a streamed model's gradients
+added up from step to step. Where the parameter has moved between the host and the device since, its `p.grad` shows
+the chunk, and the user's tensor is let go. So a forward with gradients enabled that no backward follows
+before the step (a metric computed without torch.no_grad) leaves a streamed group's `p.grad` None until then, where
+PyTorch still shows the gradients, and clipping through it clips nothing: step() warns (`hidden_by_forward`), as
+after a backward that raised (its end, which shows them, never came). A `p.grad` the user assigns with no backward
+(from torch.autograd.grad, say) is taken at the step as a gradient autograd left there would be
+(Runtime.adopt_grads).
 `zero_grad(set_to_none=False)` zeroes the gradients where they are and shows them, as PyTorch leaves zeros in
 `p.grad`; those still zeros when hidden (nothing added into them) have their chunk freed, as set_to_none=True
 frees it, where it reads as zeros: a parameter the next backward gives no gradient (a branch not taken, a layer
