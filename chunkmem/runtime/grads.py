@@ -15,7 +15,7 @@ back at it (`restore`): under gradient accumulation, dropping it made every back
 upload of every streamed parameter chunk, which the plan does not foresee (benchmarks/placement.py
 --accumulate 2: 1.30x the optimum's bytes). A parameter changed in place meanwhile (its `_version` moved:
 `with torch.no_grad(): p.mul_(...)`) makes the device copy stale: it is dropped before anything reads the chunk
-(a state_dict, a deep copy, the step: `drop_stale`), and the forward uploads the host payload. Changes made in
+(a state_dict, a deep copy, the step: `drop_copies`), and the forward uploads the host payload. Changes made in
 place through `p.grad` (clipping, scaling) are changes of the chunk. A `p.grad` the user replaces or sets to None
 is taken at the next step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next
 forward (or zero_grad, or a backward reaching the model's outputs again: Runtime.backward_begins), after which the
@@ -289,29 +289,28 @@ class ShownGrads:
     def restore(self) -> None:
         """Parameters that view their host payload beside a clean device copy view the device copy again, or, if
         changed in place since, the device copy is dropped (the Note)."""
-        self.drop_stale()
+        self.drop_copies(changed_only=True)
         for group in self.host_viewed:
             if group.param.state.on_device:  # else it left meanwhile (the step's host update claimed it): views follow
                 self.store.point_views(group.param)
         self.host_viewed.clear()
 
-    def drop_copies(self) -> None:
+    def drop_copies(self, changed_only: bool = False) -> None:
         """Parameters viewing their host payload beside a device copy (clean, or stale beside a change made in place)
-        have it dropped, copying nothing: a write into their chunk (a load) then writes the payload they view, where it
-        made the copy newer than what they showed until the next forward (and a change made meanwhile was lost)."""
-        for group in self.host_viewed:
-            if group.param.state.on_device:
-                self.residency.evict(group.param)
-        self.host_viewed.clear()
-
-    def drop_stale(self) -> None:
-        """The device copies that parameters viewing their host payload were changed in place beside (`with
-        torch.no_grad(): p.sub_(lr * p.grad)` after backward) are dropped: what reads the chunk (state_dict, a deep
-        copy, a checkpoint) reads the change, as the next forward would (the Note)."""
+        have it dropped, copying nothing: before a write into their chunk (a load), which then writes the payload they
+        view (it made the copy newer than what they showed until the next forward, and a change made meanwhile was
+        lost). `changed_only`: those changed in place since (`with torch.no_grad(): p.sub_(lr * p.grad)` after
+        backward), before what reads the chunk (state_dict, a deep copy, a checkpoint, a step) reads the change, as the
+        next forward would (the Note)."""
         for group, versions in list(self.host_viewed.items()):
-            if group.param.state.on_device and versions != group.versions():
+            if group.param.state.on_device and (not changed_only or versions != group.versions()):
                 self.residency.evict(group.param)
                 del self.host_viewed[group]
+
+    def forward_over(self) -> None:
+        """The window of a forward no backward followed ends (a step): gradients shown through it stay shown as after
+        any backward (`left_device`)."""
+        self.through_forward = set()
 
     def hide(self, records: Container[ParamRecord] | None = None, edits: bool = True, dropped: bool = False) -> None:
         """`p.grad` None again, for all shown gradients (`records` None) or those in `records`, what the user put

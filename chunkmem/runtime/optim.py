@@ -248,7 +248,7 @@ class ChunkOptimizer(Optimizer):
         runtime.adopt_data()
         runtime.adopt_grads(assigned=True)
         runtime.grads.take()  # a p.grad replaced or set to None since backward (grads.py's Note)
-        runtime.grads.through_forward.clear()  # a forward with no backward of its own ran: its window ends here
+        runtime.grads.forward_over()
         self._check_still_frozen()
         for group in self.param_groups:  # flags set after prepare too
             check_flags(self.wrapped_type.__name__, group)

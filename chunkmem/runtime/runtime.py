@@ -711,7 +711,7 @@ class Runtime:
         rounding to bf16 before). Not under ZeRO, where parameters view gathered copies."""
         if self.shards is not None:
             return
-        self.grads.drop_stale()
+        self.grads.drop_copies(changed_only=True)
         store = self.store
         for group in store.owned_groups():
             chunk = group.param

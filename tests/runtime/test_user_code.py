@@ -405,7 +405,7 @@ def test_parameters_changed_in_place_after_a_step_keep_the_change(budget, throug
 def test_parameters_changed_in_place_after_backward_are_what_state_dict_and_a_deep_copy_read(budget) -> None:
     """A step made by hand after backward (`p.sub_(lr * p.grad)`), read before the next forward: the parameters of a
     streamed group view their host payload then, beside a clean device copy, and state_dict(), a deep copy and a
-    checkpoint read that copy, the values before the change (fp32 at 0.3 and 1.5). grads.py's `drop_stale`."""
+    checkpoint read that copy, the values before the change (fp32 at 0.3 and 1.5). grads.py's `drop_copies`."""
     model = tiny_gpt2()
     plain = copy.deepcopy(model)
     cm, _ = prepared(model, ADAMW, device_memory=gpt2_budget(budget))
