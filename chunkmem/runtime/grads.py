@@ -52,7 +52,8 @@ gradient set to None (by zero_grad(set_to_none=True) too) that the user still ho
 values (`_keep_held`): in PyTorch the next backward makes new tensors and leaves it as it was, where here that
 backward writes the chunk it viewed. A view of one kept (`p.grad.detach()`, a slice) is not that tensor: where
 zero_grad(set_to_none=True) frees a gradient chunk whose host payload something else still views, the chunk takes
-a fresh one (`keep_viewed`). Past `p.grad = None`, which frees no chunk, such a view is still written (not yet).
+a fresh one (`keep_viewed`); so does one whose every `p.grad` was set to None by hand, freed when that is taken
+(`free_cleared`). Past `p.grad = None` of only some of a chunk's parameters, such a view is still written (not yet).
 Under a manager a model's forward hides its own gradients only: another model's stay shown, as PyTorch leaves them
 (hidden, that model's clipping read None and clipped nothing), and so do its zeros left by zero_grad(set_to_none=False).
 Not yet: the parameters of that model's streamed groups view their device copy again from that forward on, while
@@ -415,11 +416,14 @@ class ShownGrads:
         """Before a step, or before the gradients are hidden: a `p.grad` the user replaced since it was shown (of
         `records`, None: all) is copied into its chunk's range, and one set to None is the parameter's gradient no
         longer (the step leaves it, the next backward writes it afresh), as torch would see them."""
-        _keep_held(self._taken(records))
+        cleared: set[ChunkGroup] = set()
+        _keep_held(self._taken(records, cleared))
+        for group in cleared:
+            self.free_cleared(group)
 
-    def _taken(self, records: Container[ParamRecord] | None) -> list[torch.Tensor]:
+    def _taken(self, records: Container[ParamRecord] | None, cleared: set[ChunkGroup]) -> list[torch.Tensor]:
         """`take`'s own; gives the shown gradients set to None that were chunk memory (for `_keep_held`, as
-        `_unshown`)."""
+        `_unshown`), and adds their groups to `cleared`."""
         gone = []
         addresses, left = self.addresses, self.left
         for record, shown in list(self.shown.items()):
@@ -445,11 +449,22 @@ class ShownGrads:
                 if self._chunk_memory(record, self.shown.pop(record)):
                     gone.append(shown)
                 self.users.pop(record, None)
+                cleared.add(record.group)
             else:  # a tensor of the user's: into the chunk, and p.grad stays that tensor (the Note)
                 self._range(record).copy_(grad)
                 self.users[record] = grad
                 self.showing(record, grad)
         return gone
+
+    def free_cleared(self, group: ChunkGroup) -> None:
+        """A gradient chunk none of whose members holds a gradient any more (each `p.grad` set to None by hand) is
+        freed, as zero_grad(set_to_none=True) frees it, and leaves its host payload to a view of it the user kept
+        (`keep_viewed`): the next backward wrote the payload that view still showed."""
+        chunk = group.grad
+        if chunk.state is not ChunkState.FREE and group not in self.zeroed and \
+                all(r.grad_state is not TensorState.HOLD for r in group.members):
+            self.residency.reset(chunk)
+            self.keep_viewed(chunk)
 
     def _moved(self, record: ParamRecord, grad: torch.Tensor) -> None:
         """The shown `p.grad` was given other storage (`p.grad.data = t`, older code's clipping): its values go into

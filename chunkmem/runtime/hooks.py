@@ -249,6 +249,7 @@ class Hooks:
         # leaves gradients in `p.grad`, where a forward hid the sum: Runtime.adopt_grads takes them all at its end).
         self.firsts: dict[nn.Parameter, RemovableHandle] = {}
         self._grad_hooks(True)
+        runtime.hooks_last.append(weakref.WeakMethod(self._grad_hooks_last))
         _LIVE.add(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:

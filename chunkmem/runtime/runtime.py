@@ -58,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -193,6 +194,7 @@ class Runtime:
         self.upcast_bytes = 0  # its fp32 copy's, where it is of lower precision
         self.largest_output = -1  # which of those outputs it is
         self.unhooked: set[int] = set()  # id() of the models' Hooks whose gradient hooks are off (adopt_grads)
+        self.hooks_last: list[weakref.WeakMethod] = []  # each model's Hooks._grad_hooks_last (`backward_begins`)
         self.strays = False  # gradients may wait in `p.grad` since those hooks went off (adopt_grads)
         self.warned_graph = False  # a gradient with a graph was taken into its chunk (`_warn_graph`)
         self.summed: set[ParamRecord] = set()  # `p.grad` made the whole gradient for a user's hook (`sum_for_users`)
@@ -893,6 +895,10 @@ class Runtime:
         if task == self.room_task:  # another output of this backward's (a loss, then its logits)
             return
         self.room_task = task
+        for method in self.hooks_last:  # a user's gradient hook registered since the forward runs before ours too
+            hooks_last = method()
+            if hooks_last is not None:
+                hooks_last()
         first = self.upcast_bytes if output not in (-1, self.largest_output) else self.output_bytes
         if self.warmup:
             self.room.for_output(self._room_for_activations(), 0, first)  # those that may leave, left
