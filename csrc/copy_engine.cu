@@ -91,9 +91,15 @@ using DeviceGuard = c10::cuda::CUDAGuard;
 class Event {
  public:
   explicit Event(int device) : device_(device) {}
-  // Destroying an event whose work is still pending is legal: the driver releases it once it completes.
+  // Destroying an event whose work is still pending is legal: the driver releases it once it completes. On its own
+  // device: the garbage collector may drop the last token on a thread that never chose one.
   ~Event() {
-    if (event_ != nullptr) (void)cudaEventDestroy(event_);
+    if (event_ == nullptr) return;
+    try {
+      DeviceGuard guard(static_cast<c10::DeviceIndex>(device_));
+      (void)cudaEventDestroy(event_);
+    } catch (...) {  // a destructor must not throw (the guard does where the driver is gone at exit)
+    }
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -294,12 +300,13 @@ std::pair<long long, long long> take_allocation_reading(int device) {
 }
 
 // What the caching allocator holds on `device` and would not give back at its cap (gpu_memory.held_bytes): its
-// live blocks and the free blocks inside split segments. A copy of the device's statistics under the allocator's
-// lock, where torch.cuda.memory_stats builds a Python dictionary of every statistic, at every moment of a step.
+// live blocks, those freed while another stream's copy may still use them (active, not allocated), and the free
+// blocks inside split segments. A copy of the device's statistics under the allocator's lock, where
+// torch.cuda.memory_stats builds a Python dictionary of every statistic, at every moment of a step.
 long long held_bytes(int device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
   constexpr auto all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  return stats.allocated_bytes[all].current + stats.inactive_split_bytes[all].current;
+  return stats.active_bytes[all].current + stats.inactive_split_bytes[all].current;
 }
 
 // (address, "") or (0, what failed): a refusal to pin is not fatal (hostpool.py falls back to pageable memory).

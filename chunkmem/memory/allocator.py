@@ -212,8 +212,8 @@ class CachingAllocator:
 
     @property
     def held(self) -> int:
-        """Reserved bytes that are not free for the taking: live blocks and the holes between them (CUDA's allocated
-        plus inactive_split bytes)."""
+        """Reserved bytes that are not free for the taking: live blocks and the holes between them (CUDA's active
+        plus inactive_split bytes: active counts a block freed while a copy still uses it, as `held` does here)."""
         return self.reserved - self.releasable
 
     def room(self) -> Room | None:

@@ -123,6 +123,11 @@ class Device(Protocol):
     def total_bytes(self) -> int: ...
 
 
+CAPTURED = ("chunkmem moves chunks between host and device while a step runs, on streams and into memory a CUDA graph "
+            "cannot replay (torch.cuda.graph, make_graphed_callables, torch.compile(mode='reduce-overhead') capture "
+            "one): compile a prepared model with the default mode, or capture only what runs outside it")
+
+
 def cuda_index(name: str, environ: dict[str, str] | os._Environ = os.environ, count: int | None = None) -> int:
     """The CUDA device `name` means: "cuda:N" is N; under torchrun "cuda" is LOCAL_RANK's device (ranks of
     one node must not all land on GPU 0), else the current device."""
@@ -175,9 +180,9 @@ class CudaDevice:
             self.engine = native.copy_engine(self.torch_device.index)
             if self.tracking:
                 module.track_allocations()
-            allocator = EngineAllocator(module)
+            allocator = EngineAllocator(module, self.torch_device.index)
         else:
-            allocator = RegisteredAllocator()
+            allocator = RegisteredAllocator(device=self.torch_device.index)
         if self.engine is not None:
             # The engine's streams as torch sees them, for record_stream on the buffers they read or fill.
             self.h2d_stream = torch.cuda.ExternalStream(self.engine.h2d_stream, device=self.torch_device)
@@ -216,6 +221,8 @@ class CudaDevice:
         queued: a new device buffer was allocated there, an evicted one last written there. Returns an
         event that marks the copy's end. record_stream keeps the caching allocator from handing
         `device_buffer` out again before the copy is done with it."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(CAPTURED)
         compute = torch.cuda.current_stream(self.torch_device)
         # First, so that a copy issued and then failing (its event not recorded) still keeps its buffers.
         device_buffer.record_stream(stream)
@@ -357,7 +364,7 @@ def peak_reading(stats: dict[str, int], last_peak: int) -> tuple[int, int]:
     unseen, and the plan gave its room to chunks. Where the peak did not move, nothing more is known (chunkmem does not
     reset the statistics: torch.cuda.max_memory_allocated stays the user's); where it fell, the user reset them
     (torch.cuda.reset_peak_memory_stats), and the peak since is new. Gives the reading and the peak for the next."""
-    peak, live = stats.get("allocated_bytes.all.peak", 0), stats.get("allocated_bytes.all.current", 0)
+    peak, live = stats.get("allocated_bytes.all.peak", 0), stats.get("active_bytes.all.current", 0)
     return held_in(stats) + (max(peak - live, 0) if peak != last_peak else 0), peak
 
 

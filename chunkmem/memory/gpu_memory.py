@@ -92,15 +92,17 @@ class DeviceMemory:
 
 
 def held_bytes(device: torch.device) -> int:
-    """What the caching allocator holds on `device` and would not give back at its cap: its live blocks and the free
-    blocks between them in split segments (holes a request fits only if it is no larger). Wholly free cached
-    segments are not counted: the allocator releases them and retries before it runs out of memory."""
+    """What the caching allocator holds on `device` and would not give back at its cap: its live blocks, those freed
+    while a copy on another stream may still use them (record_stream: no longer allocated, not reusable until that
+    stream passes the event, as the simulation holds a copy's source until it lands), and the free blocks between
+    them in split segments (holes a request fits only if it is no larger). Wholly free cached segments are not
+    counted: the allocator releases them and retries before it runs out of memory."""
     return held_in(torch.cuda.memory_stats(device))
 
 
 def held_in(stats: dict[str, int]) -> int:
     """`held_bytes` by the allocator's statistics `stats` (torch.cuda.memory_stats)."""
-    return stats.get("allocated_bytes.all.current", 0) + stats.get("inactive_split_bytes.all.current", 0)
+    return stats.get("active_bytes.all.current", 0) + stats.get("inactive_split_bytes.all.current", 0)
 
 
 def nvml_uuid(device: torch.device) -> str:

@@ -22,6 +22,7 @@ its next user's copies are queued after them on the same stream (as activation o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -104,14 +105,17 @@ class RegisteredAllocator:
     Each block is its own mapping, so its own pages. Registering a page another block registered
     already fails (cudaErrorHostMemoryAlreadyRegistered), which 64-byte-aligned blocks from a general
     allocator hit as soon as two small ones share a page. `cudart` and `clear_error` are
-    torch.cuda.cudart() and a cudaGetLastError call unless given (tests give fakes).
+    torch.cuda.cudart() and a cudaGetLastError call unless given (tests give fakes); `device`, the
+    CUDA device whose context frees the blocks (`on_device`).
     """
 
     pinned = True
 
-    def __init__(self, cudart: Any = None, clear_error: Callable[[], None] | None = None) -> None:
+    def __init__(self, cudart: Any = None, clear_error: Callable[[], None] | None = None,
+                 device: int | None = None) -> None:
         self.cudart = cudart if cudart is not None else torch.cuda.cudart()
         self.clear_error = clear_error or clear_cuda_error
+        self.device = device
 
     def alloc(self, nbytes: int) -> Block:
         region: mmap.mmap = mmap.mmap(-1, nbytes)
@@ -127,13 +131,22 @@ class RegisteredAllocator:
         return Block(ptr, nbytes, True, [region, anchor])
 
     def free(self, block: Block) -> None:
-        status = int(self.cudart.cudaHostUnregister(block.ptr))
+        with on_device(self.device):
+            status = int(self.cudart.cudaHostUnregister(block.ptr))
         if status != 0:  # the mapping goes all the same; the error would be reported as the next kernel's
             self.clear_error()
             _log.warning("cudaHostUnregister of %d bytes failed with CUDA error %d", block.nbytes, status)
         region = block.owner[0]  # type: ignore[index]
         block.owner = None  # drops the anchor, so the mapping can close
         region.close()
+
+
+def on_device(index: int | None) -> contextlib.AbstractContextManager:
+    """A scope in which `index` is the current CUDA device (None: the thread's own). Pinned blocks go back from the
+    pool's finalizer, which the garbage collector runs on whatever thread allocated (a disk reader, a user's
+    logging thread): one that never chose a device would make GPU 0's context for the call, half a GiB on a GPU a
+    rank under torchrun does not use. torch's guard creates none where it restores the thread's device."""
+    return contextlib.nullcontext() if index is None else torch.cuda.device(index)
 
 
 def clear_cuda_error() -> None:
@@ -159,8 +172,9 @@ class EngineAllocator:
 
     pinned = True
 
-    def __init__(self, engine: ModuleType) -> None:
+    def __init__(self, engine: ModuleType, device: int | None = None) -> None:
         self.engine = engine
+        self.device = device  # as RegisteredAllocator's
 
     def alloc(self, nbytes: int) -> Block:
         ptr, error = self.engine.pinned_alloc(nbytes)
@@ -169,7 +183,8 @@ class EngineAllocator:
         return Block(int(ptr), nbytes, True)
 
     def free(self, block: Block) -> None:
-        error = self.engine.pinned_free(block.ptr)
+        with on_device(self.device):
+            error = self.engine.pinned_free(block.ptr)
         if error:
             raise RuntimeError(error)
 

@@ -540,8 +540,9 @@ class ChunkOptimizer(Optimizer):
         """Whether a gradient of this optimizer's parameters is inf or nan, as torch's GradScaler.unscale_(optimizer)
         looks at its own alone: a gradient outside it, which its zero_grad leaves, once overflowed skipped every step
         after (fp16 BERT with some biases left out of the optimizer never stepped), as did another model's under a
-        manager."""
+        manager. One read of the verdicts per device: a read per group waited for the device at each."""
         data = self.runtime.data
+        finite: list[torch.Tensor] = []
         for group in self.runtime.groups():
             mine = [r for r in group.members if r in group_of and r.grad_state is TensorState.HOLD]
             if not mine or group.grad.state is ChunkState.FREE:
@@ -551,9 +552,9 @@ class ChunkOptimizer(Optimizer):
             else:
                 flat = data.read(group.grad)
                 parts = [flat] if all(r in group_of for r in group.members) else [r.view(flat) for r in mine]
-            if not all(torch.isfinite(part).all().item() for part in parts):
-                return True
-        return False
+            finite.extend(torch.isfinite(part).all() for part in parts)
+        devices = {verdict.device for verdict in finite}
+        return not all(torch.stack([v for v in finite if v.device == device]).all().item() for device in devices)
 
     def adam_args(self, members: list[ParamRecord], group: dict, inv_scale: float) -> dict[str, Any]:
         """What the native Adam kernel is given for `members`, a span's, which all step in param group `group`."""

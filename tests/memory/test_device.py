@@ -67,8 +67,8 @@ def test_allocator_options_that_change_its_blocks_are_named_under_a_budget(caplo
 def test_without_the_copy_engine_a_reading_sees_a_new_peak_since_the_last_one():
     # device.py's peak_reading: a temporary an op made and freed between two readings counts, where the allocator's
     # peak rose (its statistics are not reset: they stay the user's); where it did not, what is held now.
-    stats = {"allocated_bytes.all.current": 100, "inactive_split_bytes.all.current": 20,
-             "allocated_bytes.all.peak": 150}
+    stats = {"allocated_bytes.all.current": 100, "active_bytes.all.current": 100,
+             "inactive_split_bytes.all.current": 20, "allocated_bytes.all.peak": 150}
     assert device.peak_reading(stats, last_peak=0) == (170, 150)
     assert device.peak_reading(stats, last_peak=150) == (120, 150)
     # The user reset the peak (torch.cuda.reset_peak_memory_stats, as the GPU benchmarks do after prepare): the peak
@@ -95,3 +95,10 @@ def test_a_budget_the_cap_refuses_is_not_counted_for_the_next_models(monkeypatch
     with pytest.raises(ValueError, match="no room"):  # a budget changed and refused: the one before stays
         device.CudaDevice.limit_memory(fake, other, 900, 0)  # type: ignore[arg-type]
     assert device._BUDGETS[7] == {other: (400, 0)}
+
+
+def test_a_copy_under_cuda_graph_capture_is_refused_with_what_to_do_instead(monkeypatch):
+    # A graph would bake the copy streams, slot addresses and host buffers of one step into every replay.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"CUDA graph.*mode='reduce-overhead'.*default mode"):
+        device.CudaDevice._copy(None, torch.empty(1), torch.empty(1), None, torch.empty(1))  # type: ignore[arg-type]

@@ -47,9 +47,13 @@ class FakeNvml:
 
 @pytest.fixture
 def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    readings = {"allocated": 700 * MiB, "holes": 50 * MiB, "reserved": 900 * MiB}
+    readings = {"allocated": 700 * MiB, "pending": 30 * MiB, "holes": 50 * MiB, "reserved": 900 * MiB}
+    # A block freed while a copy stream may still read it (record_stream) leaves allocated at once, active only once
+    # that stream passed the event (c10's DeviceCachingAllocator::free, then free_block).
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
-        "allocated_bytes.all.current": readings["allocated"], "inactive_split_bytes.all.current": readings["holes"]})
+        "allocated_bytes.all.current": readings["allocated"],
+        "active_bytes.all.current": readings["allocated"] + readings["pending"],
+        "inactive_split_bytes.all.current": readings["holes"]})
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: readings["reserved"])
     # torch reports UUIDs without NVML's "GPU-" prefix, numbered as CUDA_VISIBLE_DEVICES renumbers devices.
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -58,8 +62,9 @@ def allocator(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 def test_the_allocator_holds_its_live_blocks_and_the_holes_between_them_and_nvml_sees_the_rest(allocator) -> None:
-    # Allocated plus the holes in split segments (room chunks cannot count on), not wholly free cached segments.
-    assert gpu_memory.held_bytes(torch.device("cuda", 0)) == (700 + 50) * MiB
+    # Allocated, freed but still used by a copy, and the holes in split segments (room chunks cannot count on), not
+    # wholly free cached segments.
+    assert gpu_memory.held_bytes(torch.device("cuda", 0)) == (700 + 30 + 50) * MiB
     nvml = FakeNvml(used=1400 * MiB)  # 500 MiB beyond what PyTorch reserved: context and workspaces
     assert DeviceMemory(torch.device("cuda", 0), nvml).outside_allocator() == 500 * MiB
 

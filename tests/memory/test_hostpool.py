@@ -7,10 +7,13 @@ the one CUDA runs (tests/test_cuda.py covers the real page-locked allocators).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import logging
+import types
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -333,3 +336,29 @@ def test_a_failed_registration_clears_the_cuda_error_it_leaves():
     with pytest.raises(RuntimeError, match="cudaHostRegister of 100 bytes failed with CUDA error 2"):
         allocator.alloc(100)
     assert cudart.last_error == 0, "torch's next kernel-launch check would report it as its own"
+
+
+@pytest.mark.parametrize("kind", ["registered", "engine"])
+def test_pinned_blocks_go_back_on_their_own_device_whatever_thread_frees_them(kind, monkeypatch):
+    # The pool's finalizer runs on whichever thread the garbage collector ran on; one that never chose a device would
+    # make GPU 0's context for cudaFreeHost or cudaHostUnregister (half a GiB on a GPU a rank under torchrun leaves).
+    current = ["the thread's own"]
+
+    @contextlib.contextmanager
+    def device(index: int):
+        before, current[0] = current[0], index
+        yield
+        current[0] = before
+    monkeypatch.setattr(torch.cuda, "device", device)
+    freed_on = []
+    if kind == "registered":
+        cudart = FakeCudart()
+        unregister = cudart.cudaHostUnregister
+        cudart.cudaHostUnregister = lambda ptr: freed_on.append(current[0]) or unregister(ptr)  # type: ignore
+        allocator: Any = hostpool.RegisteredAllocator(cudart, clear_error=lambda: None, device=3)
+    else:
+        engine = types.SimpleNamespace(pinned_alloc=lambda n: (4096, ""),
+                                       pinned_free=lambda ptr: freed_on.append(current[0]) or "")
+        allocator = hostpool.EngineAllocator(engine, device=3)  # type: ignore[arg-type]
+    allocator.free(allocator.alloc(100))
+    assert freed_on == [3] and current[0] == "the thread's own"
