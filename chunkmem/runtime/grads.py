@@ -20,7 +20,8 @@ place through `p.grad` (clipping, scaling) are changes of the chunk. A `p.grad` 
 is taken at the next step (`take`), as torch.optim would read it, or when the gradients are hidden again: the next
 forward (or zero_grad, or a backward reaching the model's outputs again: Runtime.backward_begins), after which the
 next backward accumulates into the chunks, not into `p.grad`. Those on the device with their parameters stay shown
-until that backward begins (`kept_through_forward`), so that a clear made meanwhile (`p.grad = None`) is seen; a
+until that backward begins (`kept_through_forward`), so that a clear made meanwhile (`p.grad = None`) is seen, and
+through a resident backward, which adds into them in place, as PyTorch's does (`hide_for_backward`); a
 streamed group's `p.grad = None` there clears nothing (not yet: the README says to clear with zero_grad). A tensor
 of the user's set as `p.grad` (a view of a flat gradient buffer, as apex and fairseq keep them; zeros_like) stays
 `p.grad`, as in PyTorch (`users`): each show copies the chunk's gradient into it, a change made to it in place
@@ -374,6 +375,19 @@ class ShownGrads:
             grad = record.param.grad
             if grad is not None and (records is None or record in records):
                 self.users[record] = grad
+
+    def hide_for_backward(self, resident: bool) -> None:
+        """A backward reaching the model's outputs begins (Runtime.backward_begins): the gradients shown are hidden, so
+        that it adds into their chunks (the Note). Not, in a `resident` backward, which moves nothing, those kept
+        through the forward, on the device: autograd adds into them in place, as into plain PyTorch's `p.grad`, and in
+        its order. A parameter that reentrant checkpointing's inner backwards gave several gradients (DeBERTa's
+        relative embeddings, a layer shared by the checkpointed blocks) had them summed apart, then added into the
+        chunk once, 1e-14 off plain PyTorch's under accumulation, and further at each step (helper-84)."""
+        kept: set[ParamRecord] = set()
+        if resident and self.through_forward:
+            self.take(self.through_forward)  # what was done to them since the forward first (`p.grad = None`)
+            kept = {r for r in self.through_forward if r in self.shown and r not in self.users}
+        self.hide({r for r in self.shown if r not in kept} if kept else None)
 
     def kept_through_forward(self, records: Container[ParamRecord] | None) -> set[ParamRecord]:
         """The shown gradients (of `records`; None: all) that stay shown until the backward begins (Runtime.

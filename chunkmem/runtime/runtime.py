@@ -877,7 +877,7 @@ class Runtime:
         the host. `output`: which of the model's outputs it reached (`mark_outputs`); another than the largest first, a
         loss the forward computed from that."""
         if self.grads.shown:
-            self.grads.hide()
+            self.grads.hide_for_backward(self.placer.resident and self.shards is None)
         if self.grads.users:
             self.grads.take_users()
         if self.scaler is not None and not self.grads_scaled:  # clipped, then no zero_grad (`p.grad` zeroed in place)
@@ -938,6 +938,8 @@ class Runtime:
             return
         self.queued.clear()  # those of backwards that raised: they never end
         self.release_held_back()
+        if self.grads.through_forward:  # shown through a resident backward: a user's hook may have cleared one since
+            self.grads.take(self.grads.through_forward)
         self.adopt_grads()
         self.placer.backwards += 1
         if self.placer.resident:
