@@ -33,6 +33,8 @@ FAILURES = {  # how prepare is made to fail, after it has started changing the m
                                                                           host_memory=param_bytes(m))),
     "optimizer over another model, bf16": lambda m: (ADAMW(list(m.parameters()) + [nn.Parameter(torch.ones(3))]),
                                                       chunkmem.Config(device="cpu", dtype="bf16")),
+    # torch.optim updates it once per listing, chunkmem once: training went on apart from plain PyTorch's, silently
+    "a parameter listed twice": lambda m: (ADAMW([*m.parameters(), next(m.parameters())]), chunkmem.Config(device="cpu")),
 }
 
 
@@ -421,4 +423,5 @@ def test_a_model_cast_to_low_precision_and_prepared_in_fp32_is_told_so(caplog) -
         with caplog.at_level("WARNING", logger="chunkmem"):
             chunkmem.prepare(model, torch.optim.AdamW(model.parameters()), chunkmem.Config(device="cpu", dtype=dtype))
         assert ("parameters are bfloat16, and Config.dtype='fp32'" in caplog.text) == said
+
 

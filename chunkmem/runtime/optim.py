@@ -47,6 +47,12 @@ HOOKS = [f"_optimizer_{kind}_{when}_hooks" for kind in ("step", "state_dict", "l
 LOSS_SCALER = "chunkmem_loss_scaler"  # the key of state_dict() that holds the fp16 loss scaler's state
 
 
+def _listed_twice(record: ParamRecord) -> ValueError:
+    return ValueError(f"the optimizer's param groups list parameter {record.name} more than once: torch.optim updates "
+                      "it once per listing (and warns), chunkmem once in all; list each parameter once "
+                      "(dict.fromkeys(params) drops repeats and keeps their order)")
+
+
 def _described(value: Any) -> str:
     return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}" if isinstance(
         value, torch.Tensor) else repr(value)
@@ -155,8 +161,14 @@ class ChunkOptimizer(Optimizer):
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # torch.optim refuses a set
             param_group["params"] = params = list(params)  # a generator is read once: here, not also in torch.optim's
-        for param in [params] if isinstance(params, torch.Tensor) else params:
-            self._check_own(param[1] if isinstance(param, tuple) else param)  # (name, parameter): named_parameters()
+        listed = [p[1] if isinstance(p, tuple) else p  # (name, parameter): named_parameters()
+                  for p in ([params] if isinstance(params, torch.Tensor) else params)]
+        seen: set[torch.Tensor] = set()
+        for param in listed:
+            self._check_own(param)
+            if param in seen:
+                raise _listed_twice(self.runtime.store.records[param])
+            seen.add(param)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -230,6 +242,8 @@ class ChunkOptimizer(Optimizer):
             for param in group["params"]:
                 if param not in records or (own is not None and param not in own):
                     self._check_own(param)  # raises
+                if records[param] in out:  # appended to `params` by hand
+                    raise _listed_twice(records[param])
                 out[records[param]] = group
                 if records[param] not in self.steps:
                     self.steps[records[param]] = zero_steps()

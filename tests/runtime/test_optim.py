@@ -105,6 +105,7 @@ def test_a_param_group_added_after_prepare_trains_as_in_pytorch(spelling) -> Non
 
 @pytest.mark.parametrize("make,group,match", [
     (ADAMW, {"params": [nn.Parameter(torch.ones(2))]}, "not in the model passed to chunkmem.prepare"),
+    (ADAMW, {"params": "later, one twice"}, "list parameter 2.weight more than once: torch.optim updates it once per"),
     (ADAMW, {"params": "later", "amsgrad": True}, r"AdamW\(amsgrad=True\) is not supported"),
     (functools.partial(torch.optim.SGD, lr=0.1), {"params": "later", "momentum": 0.9},
      "momentum=0.9, and the SGD optimizer given to chunkmem.prepare had momentum=0 in every group"),
@@ -112,8 +113,8 @@ def test_a_param_group_added_after_prepare_trains_as_in_pytorch(spelling) -> Non
 def test_a_param_group_chunkmem_cannot_step_is_refused_and_changes_nothing(make, group, match) -> None:
     model = mlp()
     _, opt = chunkmem.prepare(model, make(outside_the_optimizer(model)), chunkmem.Config(device="cpu"))
-    if group["params"] == "later":
-        group = group | {"params": list(model[2].parameters())}
+    if group["params"] in ("later", "later, one twice"):
+        group = group | {"params": list(model[2].parameters()) + [model[2].weight] * (group["params"] != "later")}
     groups = [dict(g) for g in opt.param_groups]
     with pytest.raises(ValueError, match=match):
         opt.add_param_group(group)
@@ -139,7 +140,10 @@ def test_parameters_put_into_a_param_group_by_hand_train_as_in_pytorch() -> None
     opt.param_groups[0]["params"].append(model[2].weight)
     assert train(cm, opt, batches[2:], mlp_loss) == train(ref, ref_opt, batches[2:], mlp_loss)
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
-    opt.param_groups[0]["params"].append(nn.Parameter(torch.ones(2)))
+    opt.param_groups[0]["params"].append(model[2].weight)  # torch would update it twice a step
+    with pytest.raises(ValueError, match="list parameter 2.weight more than once"):
+        opt.step()
+    opt.param_groups[0]["params"][-1] = nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="not in the model passed to chunkmem.prepare"):
         opt.step()
 
