@@ -147,7 +147,10 @@ def _run(args: argparse.Namespace, stdout: Any, shown: int = 5) -> int:
                       disk=args.disk)
     if args.gpus:
         return _layouts(config, args.gpus, request, args.json, stdout)
-    spec = spec_from_config(config, getattr(config, "model_type", "model"))
+    try:
+        spec = spec_from_config(config, getattr(config, "model_type", "model"))
+    except ValueError as error:  # a config transformers reads but cannot build (heads that do not divide the width)
+        return _error(f"{args.model}: transformers cannot build a causal LM from it: {error}")
     estimate = plan(spec, request)
     found = options(spec, request)
     better = [o for o in found if VERDICTS.index(o.estimate.verdict) < VERDICTS.index(estimate.verdict)]

@@ -77,9 +77,11 @@ def resolve(path: str | os.PathLike) -> ModelSource:
                          f"(chunkmem does not download from the hub)")
     try:
         config = AutoConfig.from_pretrained(str(config_file))
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
+    # Not only ValueError and KeyError: a config class that checks its fields' types raises huggingface_hub's
+    # StrictDataclassFieldValidationError, an Exception of its own (a layer count of "two").
+    except Exception as error:
         raise InputError(f"--model {path}: {config_file} is not a Hugging Face config ({error}); "
-                         f"check its model_type") from error
+                         f"check its model_type and the fields named") from error
     directory = config_file.parent
     weights = weight_files(directory) if path.is_dir() else ()
     if path.is_dir() and not weights:

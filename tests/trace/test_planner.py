@@ -132,6 +132,18 @@ def test_verdicts_binding_and_fixes() -> None:
     assert roomy.verdict == "fits"
 
 
+@pytest.mark.parametrize("field,said", [("n_layer", "Field 'n_layer' expected int, got str"),
+                                        ("n_head", "cannot build a causal LM from it: `embed_dim` must be divisible")])
+def test_plan_says_what_is_wrong_with_a_config_transformers_refuses(field, said, tmp_path, capsys) -> None:
+    # Tracebacks, before: a field of the wrong type fails huggingface_hub's validation with an exception of its own,
+    # and heads that do not divide the width fail only when transformers builds the model.
+    config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config | {field: {"n_layer": "two", "n_head": 3}[field]}))
+    assert main(["plan", str(path), "--device", "cpu"]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_plan_command(capsys) -> None:
     args = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", "--batch-size", "2", "--seq-len", "16"]
     assert main(args + ["--json", "--device-memory", "1GiB", "--host-memory", "64GiB"]) == 0
