@@ -541,14 +541,14 @@ def prepare(model: nn.Module, optimizer: Optimizer, config: Config | None = None
         runtime = Runtime(model, config, families, group, fingerprints(model, config, optimizer))
         wrapped = ChunkedModel(model, runtime)
         prepared = wrapped, ChunkOptimizer(runtime, optimizer, rule)
+        for watcher in _WATCHERS:  # `chunkmem trace`'s recorder, which may fail to write its directory
+            watcher(*prepared)
     except BaseException:  # SPEC: a prepare that raises leaves the model as it was
         if wrapped is not None:
             wrapped.hooks.remove()
         before.restore()
         raise
     retire(optimizer, prepared[1])
-    for watcher in _WATCHERS:
-        watcher(*prepared)
     return prepared
 
 

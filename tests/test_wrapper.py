@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import chunkmem
+from chunkmem import wrapper
 from chunkmem.errors import CheckpointError
 from tests import zoo
 from tests.helpers import mlp, mlp_batches, mlp_loss, param_bytes, train
@@ -425,3 +426,18 @@ def test_a_model_cast_to_low_precision_and_prepared_in_fp32_is_told_so(caplog) -
         assert ("parameters are bfloat16, and Config.dtype='fp32'" in caplog.text) == said
 
 
+
+
+def test_a_prepare_whose_watcher_fails_leaves_the_model_and_its_optimizer_as_they_were(monkeypatch) -> None:
+    # `chunkmem trace`'s recorder, unable to write its directory, failed after the optimizer was retired and the model
+    # hooked: prepare raised, and the model and optimizer it left could not train.
+    def fails(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        raise OSError("cannot write the trace")
+    monkeypatch.setattr(wrapper, "_WATCHERS", [fails])
+    model, batches = mlp(), mlp_batches(2)
+    original = copy.deepcopy(model)
+    optimizer = ADAMW(model.parameters())
+    with pytest.raises(OSError, match="cannot write the trace"):
+        chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu"))
+    assert hook_count(model) == 0
+    assert train(model, optimizer, batches, mlp_loss) == train(original, ADAMW(original.parameters()), batches, mlp_loss)

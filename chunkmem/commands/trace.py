@@ -87,11 +87,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def clear_earlier_trace(output: Path) -> str | None:
-    """Remove an earlier trace's files from `output`; returns why it cannot be used, or None."""
+    """Remove an earlier trace's files from `output` (made if new); returns why it cannot be used, or None: the traced
+    command's prepare would fail to write it, and this would report a trace of nothing."""
     if not output.exists():
+        try:
+            output.mkdir(parents=True)
+        except OSError as error:
+            return f"--output {output}: cannot make that directory ({error.strerror}); pass one you can write"
         return None
     if not output.is_dir():
         return f"--output {output} is a file; pass a directory for the trace"
+    if not os.access(output, os.W_OK | os.X_OK):
+        return f"--output {output}: cannot write there; pass a directory you can write"
     entries = list(output.iterdir())
     foreign = sorted(p.name for p in entries if not TRACE_FILES.fullmatch(p.name))
     if foreign:

@@ -93,8 +93,12 @@ class RunDir:
                 raise InputError(f"--resume with settings that differ from the run in {self.path}: "
                                  + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
                                  + "; use the same settings, or another --output")
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_text(run_file, json.dumps(settings, indent=1))
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_text(run_file, json.dumps(settings, indent=1))
+        except OSError as error:
+            raise InputError(f"--output {self.path}: cannot write the run there ({error.strerror}); pass a directory "
+                             "you can write") from None
         self._remove_leftovers()
         if not resume:
             self.cut_metrics(0)  # an earlier run's rows (one that saved no checkpoint) are not this run's

@@ -235,6 +235,14 @@ def test_a_directory_with_other_files_is_refused_untouched(tmp_path: Path) -> No
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.txt"]
 
 
+def test_an_output_that_cannot_be_made_is_refused_before_the_command_runs(tmp_path: Path) -> None:
+    # The traced script died in prepare, unable to write its trace there, and this said it recorded nothing.
+    (tmp_path / "a_file").write_text("")
+    ran = tmp_path / "ran"
+    done = run_trace(tmp_path / "a_file" / "trace", sys.executable, "-c", f"open({str(ran)!r}, 'w')")
+    assert done.returncode == 2 and "cannot make that directory" in done.stderr and not ran.exists()
+
+
 def test_the_disk_tier_shows_in_the_trace_and_the_report(tmp_path: Path) -> None:
     model = mlp(width=64, depth=6)
     optimizer = torch.optim.AdamW(model.parameters())
