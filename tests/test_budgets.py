@@ -719,3 +719,18 @@ def test_a_model_checkpointed_by_torchs_non_reentrant_kind_trains_as_plain_pytor
     assert helpers.train(cm, opt, batches, helpers.gpt2_loss) == expected
     assert all(torch.equal(cm.state_dict()[k], v) for k, v in ref.state_dict().items())
     assert cm.memory_stats()["oom_fallbacks"] == 0 and memory.allocator.peak_reserved <= kib * 1024
+
+
+def test_a_model_prepared_beside_one_of_a_smaller_budget_brings_its_chunks_under_both(sim_memory) -> None:
+    # Everything fitting, its chunks came to the device before its budget counted in the allocator's cap, under the
+    # earlier model's budget alone: a 5 MiB one beside one of 64 KiB was refused at prepare (helper-88).
+    sim_memory()
+    ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
+    small = helpers.prepared(helpers.mlp(width=64, depth=2), ADAMW, device_memory=64 * 1024)
+    model = helpers.mlp(width=64, depth=2)
+    plain = copy.deepcopy(model)
+    cm, opt = helpers.prepared(model, ADAMW, device_memory=5 * 2**20)
+    batches = helpers.mlp_batches(2, width=64)
+    assert helpers.train(cm, opt, batches, helpers.mlp_loss) == \
+        helpers.train(plain, ADAMW(plain.parameters()), batches, helpers.mlp_loss)
+    assert small[0].memory_stats()["device_limit_bytes"] == 64 * 1024

@@ -215,6 +215,11 @@ class Runtime:
         self.metering = True  # saved activations pass through the meter (off in a lean forward: its Note)
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
                              self._headroom, lambda: self.largest_rise + self.room.largest_block)
+        self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
+        # The budget holds for what the process takes (gpu_memory's Note); this model's counts before its chunks come:
+        # they came under the cap of the models prepared before it alone, and a model of a larger budget was refused.
+        if config.device_memory is not None:
+            self._cap(self.outside())
         if self.placer.all_homed:  # everything fits: all of it stays on the device
             for chunk in self.store.chunks():
                 self.residency.bring(chunk)
@@ -223,9 +228,6 @@ class Runtime:
         self.dtype = config.torch_dtype  # the compute dtype, that of every chunk's parameters
         self.scaler = LossScaler() if config.torch_dtype == torch.float16 else None
         self.grads_scaled = self.scaler is not None  # gradients in chunks still carry the loss scale
-        self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
-        if config.device_memory is not None:  # the budget holds for what the process takes (gpu_memory's Note)
-            self._cap(self.outside())
 
     # -- set-up ------------------------------------------------------------------------------
     def _take_first_ranks_values(self, module: nn.Module, group: Any) -> None:
