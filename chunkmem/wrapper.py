@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from chunkmem.chunks.family import Families
 from chunkmem.chunks.store import MANAGED, ParamRecord, outside_inference_mode, put_data
 from chunkmem.config import Config
+from chunkmem.errors import DiskTierError
 from chunkmem.runtime.hooks import Hooks, already_hooked
 from chunkmem.runtime.loading import load_values
 from chunkmem.runtime.optim import ChunkOptimizer, retire
@@ -403,6 +404,10 @@ class ChunkedModel(nn.Module):
         """state_dict's values, on every rank, or under ZeRO on rank `root` alone (empty elsewhere). Under ZeRO a
         collective: every rank calls it."""
         records = self.runtime.store.records
+        if self.runtime.step_failed is not None:
+            raise DiskTierError(f"a step failed midway ({self.runtime.step_failed}), having updated some parameters and "
+                                "not others: their values mix two steps, and the disk tier holds no more; load the "
+                                "last checkpoint in a new process") from self.runtime.step_failed
         self.runtime.adopt_data()
         by_record = self.runtime.data.values(root=root)
         if not self.runtime.data.receives(root):

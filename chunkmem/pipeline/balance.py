@@ -11,7 +11,10 @@ chunkmem streams parameter chunks, so a stage needs on the device at once only i
 layer's parameters (in the compute dtype), not all of them; what it cannot stream are the
 activations of the micro-batches in flight: min(M, K - s) under 1F1B, M under GPipe. With
 checkpointing, a micro-batch in flight holds only its stage input, and one micro-batch at a time
-re-computes the full activations.
+re-computes the full activations; that re-computation, one non-reentrant checkpoint over the whole
+stage (stage.py), holds every layer's parameters until its backward is done (hooks' Note on
+re-computation), so the stage needs them all at once. Parameters come in whole chunks, and a layer
+may straddle two: where the chunk size is known, the estimate counts one chunk more than they fill.
 """
 
 from __future__ import annotations
@@ -43,11 +46,15 @@ class StageNeeds:
 
     in_flight: int
     checkpoint: str  # "always" | "except_last" | "never"
+    chunk_bytes: int = 0  # a parameter chunk's, where Config.chunk_size sets it (0: searched at prepare)
 
 
 def stage_bytes(costs: Sequence[LayerCost], input_bytes: int, needs: StageNeeds) -> int:
     """Device bytes a stage of these layers needs at its peak (see the Note)."""
-    working = max((c.param_bytes for c in costs), default=0)
+    params = [c.param_bytes for c in costs]
+    working = max(params, default=0) if needs.checkpoint == "never" else sum(params)
+    if needs.chunk_bytes:
+        working = (-(-working // needs.chunk_bytes) + 1) * needs.chunk_bytes
     full = sum(c.activation_bytes for c in costs)
     if needs.checkpoint == "never":
         return working + needs.in_flight * full
@@ -98,9 +105,10 @@ def _infeasible(costs: Sequence[LayerCost], n_stages: int, input_bytes: int,
                            needs[s])
         lines.append(f"stage {s}: {count} layers need about {need} bytes, budget {budgets[s]}")
         start += count
+    checkpoint = "" if all(n.checkpoint == "always" for n in needs) else ", or checkpoint activations " \
+        "(checkpoint='always')"
     return (f"no split of {len(costs)} layers into {n_stages} stages fits the device budgets (an even split: "
-            + "; ".join(lines) + "): raise Config.device_memory, use more stages or micro-batches, "
-            "or checkpoint activations (checkpoint='always')")
+            + "; ".join(lines) + f"): raise Config.device_memory, use more stages or micro-batches{checkpoint}")
 
 
 def even_counts(n_layers: int, n_stages: int) -> list[int]:

@@ -150,7 +150,9 @@ class Pipeline:
             costs = balancing.profile([layer for _, layer in self._layers], sample, self.device,
                                       self.configs[0].torch_dtype)
             flights = in_flight(self.effective_schedule, self.layout.n_ranks, self.n_microbatches, self.virtual)
-            needs = [balancing.StageNeeds(flights[i], self.checkpoint) for i in range(self.n_stages)]
+            dtype, chunk_size = self.configs[0].torch_dtype, self.configs[0].chunk_size
+            needs = [balancing.StageNeeds(flights[i], self.checkpoint, (chunk_size or 0) * dtype.itemsize)
+                     for i in range(self.n_stages)]
             budgets = [int(c.device_memory) // self.virtual if c.device_memory else None
                        for c in (self.configs[r] for r in self.stage_ranks)]
             input_bytes = sample.nbytes if sample.is_floating_point() else 0

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from chunkmem.chunks.placement import update_scratch
 from chunkmem.chunks.state import ChunkState, TensorState
 from chunkmem.chunks.store import ChunkGroup, ParamRecord
-from chunkmem.errors import MemoryBudgetError
+from chunkmem.errors import DiskTierError, MemoryBudgetError
 from chunkmem.memory import native
 from chunkmem.runtime.ahead import Ahead
 from chunkmem.runtime.runtime import Runtime
@@ -161,8 +161,8 @@ class ChunkOptimizer(Optimizer):
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # torch.optim refuses a set
             param_group["params"] = params = list(params)  # a generator is read once: here, not also in torch.optim's
-        listed = [p[1] if isinstance(p, tuple) else p  # (name, parameter): named_parameters()
-                  for p in ([params] if isinstance(params, torch.Tensor) else params)]
+        given = [params] if isinstance(params, torch.Tensor) else params
+        listed: list[Any] = [p[1] if isinstance(p, tuple) else p for p in given]  # (name, param): named_parameters()
         seen: set[torch.Tensor] = set()
         for param in listed:
             self._check_own(param)
@@ -251,6 +251,13 @@ class ChunkOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        try:
+            return self._step(closure)
+        except DiskTierError as error:  # some groups updated, others not: the model's values mix two steps
+            self.runtime.step_failed = error
+            raise
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         self.original._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler made on it looks for
         self.state_writes += 1
         loss = None

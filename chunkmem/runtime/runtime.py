@@ -216,6 +216,7 @@ class Runtime:
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
                              self._headroom, lambda: self.largest_rise + self.room.largest_block)
         self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
+        self.step_failed: BaseException | None = None  # the disk tier failed a step midway (ChunkedModel.consolidated)
         # The budget holds for what the process takes (gpu_memory's Note); this model's counts before its chunks come:
         # they came under the cap of the models prepared before it alone, and a model of a larger budget was refused.
         if config.device_memory is not None:

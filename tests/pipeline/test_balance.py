@@ -69,11 +69,20 @@ def test_budget_moves_layers_off_a_small_stage() -> None:
     assert partition(costs([1, 1, 1, 1]), 2, 8, [110, None], [NEVER, NEVER]) == [1, 3]
 
 
-def test_checkpointing_lowers_the_memory_estimate() -> None:
+def test_checkpointing_lowers_the_memory_estimate_and_re_computes_with_every_layers_parameters() -> None:
+    # The stage re-computes under one non-reentrant checkpoint, which holds every layer's chunks until its backward
+    # is done: a split counting the largest layer's alone was accepted and ran out of its budget in that backward.
     layer_costs = costs([1, 1, 1], act=50)
     assert stage_bytes(layer_costs, 8, StageNeeds(4, "never")) == 100 + 4 * 150
-    assert stage_bytes(layer_costs, 8, StageNeeds(4, "always")) == 100 + 4 * 8 + 150
-    assert stage_bytes(layer_costs, 8, StageNeeds(4, "except_last")) == 100 + 3 * 8 + 150
+    assert stage_bytes(layer_costs, 8, StageNeeds(4, "always")) == 3 * 100 + 4 * 8 + 150
+    assert stage_bytes(layer_costs, 8, StageNeeds(4, "except_last")) == 3 * 100 + 3 * 8 + 150
+
+
+def test_parameters_are_counted_in_whole_chunks_where_their_size_is_known() -> None:
+    # 300 bytes of parameters fill 3 chunks of 128 bytes, and a layer may straddle two: 4 chunks.
+    layer_costs = costs([1, 1, 1], act=50)
+    assert stage_bytes(layer_costs, 8, StageNeeds(4, "always", chunk_bytes=128)) == 4 * 128 + 4 * 8 + 150
+    assert stage_bytes(layer_costs, 8, StageNeeds(4, "never", chunk_bytes=128)) == 2 * 128 + 4 * 150
 
 
 def test_too_many_stages_is_an_error_that_says_what_to_do() -> None:

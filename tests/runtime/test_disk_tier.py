@@ -175,6 +175,25 @@ def test_a_file_truncated_under_a_running_job_never_hands_zeros_to_the_optimizer
             train(cm, opt, batches[2:], loss)
 
 
+def test_a_step_the_disk_tier_failed_midway_leaves_values_nobody_can_read_as_the_models(tmp_path):
+    # The step updated the groups before the one whose states read back wrong, and state_dict (save_pretrained too)
+    # handed back that mix of two steps without a word (helper-88).
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+    batches = [(torch.randn(4, 32), torch.randn(4, 32)) for _ in range(4)]
+    cm, opt = chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+        device="cpu", device_memory="16KiB", host_memory="120KiB", chunk_size=2112, disk=str(tmp_path)))
+    loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    train(cm, opt, batches[:3], loss)
+    file = cm.runtime.host_cache.disk.file
+    loss(cm, batches[3]).backward()
+    file.write_bytes(bytes(range(256)) * (file.stat().st_size // 256))
+    with pytest.raises(DiskTierError, match=rf"{file}"):
+        opt.step()
+    with pytest.raises(DiskTierError, match="a step failed midway .* mix two steps"):
+        cm.state_dict()
+
+
 TRAIN = """
 import sys
 from tests.runtime.test_disk_tier import ADAMW, mlp, mlp_batches, mlp_loss, prepare, train
