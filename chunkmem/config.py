@@ -29,7 +29,9 @@ def parse_size(field: str, value: int | str | None) -> int | None:
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"Config.{field}={value!r}: expected a size like 1024, '512MiB', '20GiB' or '20GB'")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        given, value = value, int(float(match.group(1)) * _UNITS[unit])
+        if value <= 0:
+            raise ValueError(f"Config.{field}={given!r}: a size must be at least one byte")
     if value <= 0:
         raise ValueError(f"Config.{field}={value!r}: a size must be positive")
     return value
@@ -110,7 +112,7 @@ class Config:
                              f"cuda:0 to cuda:{count - 1}")
         object.__setattr__(self, "device_memory", parse_size("device_memory", self.device_memory))
         object.__setattr__(self, "host_memory", parse_size("host_memory", self.host_memory))
-        if self.dtype not in _DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"Config.dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
         if self.chunk_size is not None and (
                 isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0):

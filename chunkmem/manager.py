@@ -53,6 +53,9 @@ class Manager:
 
     def __init__(self, config: Config | None = None, group: Any = None) -> None:
         """group: the process group to shard the models' data over, as `chunkmem.prepare` takes it."""
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"chunkmem.Manager's config is {type(config).__name__} {config!r:.80}: expected a "
+                            "chunkmem.Config (chunkmem.Config(**options) makes one from a dict of its fields)")
         self.config = config or Config()
         self.group = shard_group(group, self.config)
         self.models: list[ChunkedModel] = []

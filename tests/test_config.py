@@ -23,6 +23,8 @@ def test_sizes_accept_ints_and_units(text, expected):
     (dict(device_memory=-5), r"Config.device_memory=-5: a size must be positive"),
     (dict(host_memory="3XB"), r"Config.host_memory='3XB'"),
     (dict(dtype="int8"), r"Config.dtype='int8': expected one of \['bf16', 'fp16', 'fp32'\]"),
+    (dict(dtype=["fp32"]), r"Config.dtype=\['fp32'\]: expected one of"),  # unhashable: a bare TypeError before
+    (dict(device_memory="0.5"), r"Config.device_memory='0.5': a size must be at least one byte"),  # said =0
     (dict(chunk_size=0), r"Config.chunk_size=0"),
     (dict(chunk_size=2.5), r"Config.chunk_size=2.5"),
     (dict(device="tpu"), r"Config.device='tpu': expected 'cuda', 'cuda:N' or 'cpu'"),
@@ -146,3 +148,9 @@ def test_chunkmem_device_chooses_the_default_device(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CHUNKMEM_DEVICE", "gpu0")
     with pytest.raises(ValueError, match=r"CHUNKMEM_DEVICE='gpu0': expected 'cuda', 'cuda:N' or 'cpu', or unset it"):
         chunkmem.Config()
+
+
+def test_a_manager_given_a_dict_for_its_config_says_what_it_expects():
+    # An AttributeError ('dict' object has no attribute 'device') where prepare says what to do.
+    with pytest.raises(TypeError, match=r"Manager's config is dict .*chunkmem.Config\(\*\*options\)"):
+        chunkmem.Manager({"device": "cpu"})  # type: ignore[arg-type]

@@ -48,6 +48,10 @@ class Rule:
 
 
 def rule_for(optimizer: Optimizer) -> Rule:
+    if optimizer is None:
+        raise TypeError("chunkmem.prepare(model, optimizer) needs the optimizer that trains the model (e.g. "
+                        "torch.optim.AdamW(model.parameters())); a model nothing trains (a frozen reference) is "
+                        "prepared by a chunkmem.Manager: chunkmem.Manager(config).prepare(model)")
     if type(optimizer) not in SUPPORTED:
         names = ", ".join(f"torch.optim.{t.__name__}" for t in SUPPORTED)
         raise TypeError(f"chunkmem cannot drive {type(optimizer).__module__}.{type(optimizer).__qualname__}: "

@@ -578,6 +578,8 @@ def test_an_optimizer_chunkmem_cannot_drive_is_named_and_a_read_of_an_empty_stat
     model = mlp()
     with pytest.raises(TypeError, match="cannot drive torch.optim.adagrad.Adagrad"):  # it fills state when made
         chunkmem.prepare(model, torch.optim.Adagrad(model.parameters()), chunkmem.Config(device="cpu"))
+    with pytest.raises(TypeError, match=r"needs the optimizer that trains the model .*Manager\(config\).prepare"):
+        chunkmem.prepare(model, None, chunkmem.Config(device="cpu"))  # type: ignore[arg-type]  # "NoneType", before
     optimizer = ADAMW(model.parameters())
     assert optimizer.state[next(model.parameters())].get("step") is None  # leaves an empty entry behind
     chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu"))
