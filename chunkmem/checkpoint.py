@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import math
@@ -138,8 +139,10 @@ def _write(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -
         fsync_dir(tmp)
     except (OSError, SafetensorError) as error:  # a full disk, a quota, a lost mount
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write the checkpoint {path} ({error}): the previous checkpoint there is "
-                              "intact; free space there or save elsewhere") from error
+        kept = "the previous checkpoint there is intact; " if (path / META).exists() else ""
+        fix = "free space there or save elsewhere" if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) \
+            else "save where this process can write"
+        raise CheckpointError(f"could not write the checkpoint {path} ({error}): {kept}{fix}") from error
     try:
         verify_checkpoint(tmp)  # the previous checkpoint goes only once this one reads back whole
         swap_in(tmp, path)

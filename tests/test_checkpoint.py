@@ -165,6 +165,13 @@ def test_checkpoint_is_safetensors_and_json(tmp_path):
         assert "optim/exp_avg/0.weight" in f.keys() and "model/0.weight" in f.keys()
 
 
+def test_a_save_where_nothing_can_be_written_says_so_and_claims_no_previous_checkpoint(tmp_path):
+    model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(CheckpointError, match=r"could not write the checkpoint .*\): save where this process can"):
+        chunkmem.save_checkpoint(tmp_path / "a_file" / "c", model, opt)
+
+
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model, opt = make(mlp(), functools.partial(torch.optim.AdamW, lr=1e-2), "fp32")
     train(model, opt, mlp_batches(1), mlp_loss)
