@@ -130,7 +130,7 @@ class Runtime:
         self.first_outside: int | None = None  # the first reading of what it holds outside the allocator
         check_sizes(config, self.device.torch_device)
         self.device.empty_cache()  # blocks cached by earlier work would count as this model's non-model data
-        self.limit = int(config.device_memory or self.device.free_bytes())
+        self.limit = own_limit = int(config.device_memory or self.device.free_bytes())
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         if world > 1:  # every rank decides from the same budget (zero's Note on one order), with the same setup
             own = fingerprints or {}
@@ -138,7 +138,14 @@ class Runtime:
             self.limit = agreed[0]
             check_agreed(own, agreed[1:])
         size = self._chunk_size(module, world)
-        working_set = check_budgets(module, config, size, world, families, self.limit)
+        try:
+            working_set = check_budgets(module, config, size, world, families, self.limit)
+        except MemoryBudgetError as error:
+            if self.limit == own_limit:
+                raise
+            raise MemoryBudgetError(f"{error}. This rank's budget is {own_limit} bytes, but the ranks plan alike, "
+                                    f"with the least of theirs, {self.limit}: give every rank the same device_memory"
+                                    ) from None
         self.observers: list[Observer] = []
         self.host_cache = self._disk_tier(module, size, world, families)
         self.store = ParamStore(module, families, self.device, size, world, rank, self.host_cache)

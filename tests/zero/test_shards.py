@@ -334,6 +334,24 @@ def budget_worker(rank: int, world: int) -> dict:
     return {"message": message, "need": need, "stats": cm.memory_stats(), "updates": updates(initial, cm.state_dict())}
 
 
+def uneven_budget_worker(rank: int, world: int) -> str:
+    model = mlp_case()
+    try:
+        chunkmem.prepare(model, ADAMW(model.parameters()), chunkmem.Config(
+            device="cpu", device_memory=[None, WORLD1_BUDGET // 4][rank], chunk_size=CHUNK))
+    except chunkmem.MemoryBudgetError as error:
+        return str(error)
+    return ""
+
+
+def test_a_rank_refused_by_another_ranks_smaller_budget_is_told_so():
+    # Rank 0, with all of its device free, was told "Config.device_memory=None: what is free on the device allows"
+    # rank 1's budget, the one the ranks agreed on.
+    first, second = run_workers(uneven_budget_worker, 2)
+    assert "This rank's budget is" in first and f"the least of theirs, {WORLD1_BUDGET // 4}: give every rank" in first
+    assert "This rank's budget" not in second and f"{WORLD1_BUDGET // 4} bytes (Config.device_memory)" in second
+
+
 def test_zero_buffers_are_charged_to_the_device_budget():
     model = mlp_case()
     chunkmem.prepare(model, ADAMW(model.parameters()),  # one process: fits
