@@ -116,8 +116,10 @@ class FinetuneConfig:
         if self.resume and self.resume_or_start:
             raise InputError("--resume and --resume-or-start together: pass one (--resume fails when there "
                              "is no checkpoint, --resume-or-start then starts)")
-        if not 0 < self.peak_lr < math.inf or (self.epochs is not None and not 0 < self.epochs < math.inf):  # NaN too
-            raise InputError(f"--lr {self.lr} / --epochs {self.epochs}: expected positive finite numbers")
+        if not 0 < self.peak_lr < math.inf:  # NaN too
+            raise InputError(f"--lr {self.lr}: expected a positive finite learning rate")
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise InputError(f"--epochs {self.epochs}: expected a positive finite number of passes over the data")
         if not 0 <= self.weight_decay < math.inf:
             raise InputError(f"--weight-decay {self.weight_decay}: expected 0 (none) or a finite positive number")
         if self.stop_after is not None and self.stop_after <= 0:

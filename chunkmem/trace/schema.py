@@ -75,8 +75,10 @@ def read_trace(directory: str | Path) -> Trace:
     """Parse a trace directory written by chunkmem.trace; TraceError on anything unreadable."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise TraceError(f"{directory}: no such trace directory; record one with `chunkmem trace -- python "
-                         f"script.py` or `with chunkmem.trace(dir, model=model):`")
+        what = f"a file, not a trace directory (the directory that holds it is {directory.parent})" \
+            if directory.is_file() else "no such trace directory"
+        raise TraceError(f"{directory}: {what}; record one with `chunkmem trace -- python script.py` or "
+                         f"`with chunkmem.trace(dir, model=model):`")
     files = sorted(directory.glob("trace.rank*.jsonl"), key=lambda p: int(p.stem.split("rank")[1]))
     if not files:
         raise TraceError(f"{directory}: holds no trace.rank*.jsonl file: is this a chunkmem trace directory?")

@@ -209,8 +209,9 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
     (["--host-memory", "1KiB"], "--host-memory allows 1024: raise --host-memory, use a lower-precision --dtype\n"),
     (["--batch-size", "0"], "--batch-size 0: expected a positive integer"),
     (["--chunk-size", "7"], "set --chunk-size to at least 32768"),
-    (["--lr", "nan"], "--lr nan / --epochs None: expected positive finite numbers"),
-    (["--epochs", "inf"], "--epochs inf: expected positive finite numbers"),  # an OverflowError
+    (["--lr", "nan"], "--lr nan: expected a positive finite learning rate"),
+    (["--lr", "-1"], "--lr -1.0: expected a positive finite learning rate"),  # named --epochs None too
+    (["--epochs", "inf"], "--epochs inf: expected a positive finite number of passes"),  # an OverflowError
     (["--weight-decay", "nan"], "--weight-decay nan: expected 0"),  # trained on NaN
     (["--stop-after", "0"], "--stop-after 0: expected a positive number of steps"),  # "had finished", and no checkpoint
     (["--seq-len", "1"], "--seq-len 1: expected 2 or more"),  # nothing to predict: NaN losses

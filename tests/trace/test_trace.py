@@ -138,6 +138,8 @@ def test_schema_version_is_checked(tmp_path: Path) -> None:
         read_trace(tmp_path)
     with pytest.raises(TraceError, match="no such trace directory"):
         read_trace(tmp_path / "missing")
+    with pytest.raises(TraceError, match=rf"trace.rank0.jsonl: a file, not a trace directory .*is {tmp_path}\)"):
+        read_trace(tmp_path / "trace.rank0.jsonl")  # "no such trace directory", of a file that is there
     assert SCHEMA == "chunkmem.trace/1"
 
 
