@@ -405,9 +405,9 @@ class ChunkedModel(nn.Module):
         collective: every rank calls it."""
         records = self.runtime.store.records
         if self.runtime.step_failed is not None:
-            raise DiskTierError(f"a step failed midway ({self.runtime.step_failed}), having updated some parameters and "
-                                "not others: their values mix two steps, and the disk tier holds no more; load the "
-                                "last checkpoint in a new process") from self.runtime.step_failed
+            raise DiskTierError(f"a step failed ({self.runtime.step_failed}): it may have updated some parameters and "
+                                "not others, whose values then mix two steps, and the disk tier holds no more; load "
+                                "the last checkpoint in a new process")
         self.runtime.adopt_data()
         by_record = self.runtime.data.values(root=root)
         if not self.runtime.data.receives(root):

@@ -256,10 +256,11 @@ class CopyEngine {
   std::mutex mutex_;
 };
 
-// How far the caching allocator's allocated bytes rose above where they are now, since the last reading, per
-// device: the peak of the temporaries between two of chunkmem's moments (chunkmem/memory/gpu_memory.py), read
-// without resetting PyTorch's own peak statistics, which belong to the user. Fed by the allocator's trace
-// tracker, which it calls with its lock held for every allocation and completed free.
+// How far the caching allocator's live bytes rose above where they are now, since the last reading, per device:
+// the peak of the temporaries between two of chunkmem's moments (chunkmem/memory/gpu_memory.py), read without
+// resetting PyTorch's own peak statistics, which belong to the user. Fed by the allocator's trace tracker, which it
+// calls with its lock held for every allocation and completed free: a block stays live until a copy stream that
+// used it is done (active bytes, as held_bytes counts them), not only until it is freed.
 constexpr int kMaxDevices = 64;
 std::array<std::atomic<long long>, kMaxDevices> allocated_now{};
 std::array<std::atomic<long long>, kMaxDevices> allocated_peak{};

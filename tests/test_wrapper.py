@@ -35,7 +35,8 @@ FAILURES = {  # how prepare is made to fail, after it has started changing the m
     "optimizer over another model, bf16": lambda m: (ADAMW(list(m.parameters()) + [nn.Parameter(torch.ones(3))]),
                                                       chunkmem.Config(device="cpu", dtype="bf16")),
     # torch.optim updates it once per listing, chunkmem once: training went on apart from plain PyTorch's, silently
-    "a parameter listed twice": lambda m: (ADAMW([*m.parameters(), next(m.parameters())]), chunkmem.Config(device="cpu")),
+    "a parameter listed twice": lambda m: (ADAMW([*m.parameters(), next(m.parameters())]),
+                                           chunkmem.Config(device="cpu")),
 }
 
 
@@ -426,8 +427,6 @@ def test_a_model_cast_to_low_precision_and_prepared_in_fp32_is_told_so(caplog) -
         assert ("parameters are bfloat16, and Config.dtype='fp32'" in caplog.text) == said
 
 
-
-
 def test_a_prepare_whose_watcher_fails_leaves_the_model_and_its_optimizer_as_they_were(monkeypatch) -> None:
     # `chunkmem trace`'s recorder, unable to write its directory, failed after the optimizer was retired and the model
     # hooked: prepare raised, and the model and optimizer it left could not train.
@@ -440,4 +439,5 @@ def test_a_prepare_whose_watcher_fails_leaves_the_model_and_its_optimizer_as_the
     with pytest.raises(OSError, match="cannot write the trace"):
         chunkmem.prepare(model, optimizer, chunkmem.Config(device="cpu"))
     assert hook_count(model) == 0
-    assert train(model, optimizer, batches, mlp_loss) == train(original, ADAMW(original.parameters()), batches, mlp_loss)
+    expected = train(original, ADAMW(original.parameters()), batches, mlp_loss)
+    assert train(model, optimizer, batches, mlp_loss) == expected

@@ -95,10 +95,10 @@ class RunDir:
                                  + "; use the same settings, or another --output")
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            write_text(run_file, json.dumps(settings, indent=1))
         except OSError as error:
-            raise InputError(f"--output {self.path}: cannot write the run there ({error.strerror}); pass a directory "
+            raise InputError(f"--output {self.path}: cannot make that directory ({error.strerror or error}); pass one "
                              "you can write") from None
+        write_text(run_file, json.dumps(settings, indent=1))
         self._remove_leftovers()
         if not resume:
             self.cut_metrics(0)  # an earlier run's rows (one that saved no checkpoint) are not this run's

@@ -364,7 +364,7 @@ def peak_reading(stats: dict[str, int], last_peak: int) -> tuple[int, int]:
     unseen, and the plan gave its room to chunks. Where the peak did not move, nothing more is known (chunkmem does not
     reset the statistics: torch.cuda.max_memory_allocated stays the user's); where it fell, the user reset them
     (torch.cuda.reset_peak_memory_stats), and the peak since is new. Gives the reading and the peak for the next."""
-    peak, live = stats.get("allocated_bytes.all.peak", 0), stats.get("active_bytes.all.current", 0)
+    peak, live = stats.get("active_bytes.all.peak", 0), stats.get("active_bytes.all.current", 0)
     return held_in(stats) + (max(peak - live, 0) if peak != last_peak else 0), peak
 
 

@@ -378,16 +378,18 @@ class ShownGrads:
 
     def hide_for_backward(self, resident: bool) -> None:
         """A backward reaching the model's outputs begins (Runtime.backward_begins): the gradients shown are hidden, so
-        that it adds into their chunks (the Note). Not, in a `resident` backward, which moves nothing, those kept
-        through the forward, on the device: autograd adds into them in place, as into plain PyTorch's `p.grad`, and in
-        its order. A parameter that reentrant checkpointing's inner backwards gave several gradients (DeBERTa's
-        relative embeddings, a layer shared by the checkpointed blocks) had them summed apart, then added into the
-        chunk once, 1e-14 off plain PyTorch's under accumulation, and further at each step (helper-84)."""
+        that it adds into their chunks (the Note). Not, in a `resident` backward, which moves nothing, those shown on
+        the device with their parameters (`kept_through_forward`: any model's, and after a backward too, a retained
+        graph's second): autograd adds into them in place, as into plain PyTorch's `p.grad`, and in its order. A
+        parameter that reentrant checkpointing's inner backwards gave several gradients (DeBERTa's relative
+        embeddings, a layer shared by the checkpointed blocks) had them summed apart, then added into the chunk once,
+        1e-14 off plain PyTorch's under accumulation, and further at each step (helper-84)."""
         kept: set[ParamRecord] = set()
-        if resident and self.through_forward:
+        if resident:
+            self.through_forward = self.kept_through_forward(None)
             self.take(self.through_forward)  # what was done to them since the forward first (`p.grad = None`)
             kept = {r for r in self.through_forward if r in self.shown and r not in self.users}
-        self.hide({r for r in self.shown if r not in kept} if kept else None)
+        self.hide({r for r in self.store.records.values() if r not in kept} if kept else None)
 
     def kept_through_forward(self, records: Container[ParamRecord] | None) -> set[ParamRecord]:
         """The shown gradients (of `records`; None: all) that stay shown until the backward begins (Runtime.

@@ -253,8 +253,8 @@ class ChunkOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         try:
             return self._step(closure)
-        except DiskTierError as error:  # some groups updated, others not: the model's values mix two steps
-            self.runtime.step_failed = error
+        except DiskTierError as error:  # some groups may have updated, others not: the values may mix two steps
+            self.runtime.step_failed = str(error)
             raise
 
     def _step(self, closure: Callable[[], Any] | None) -> Any:

@@ -223,7 +223,7 @@ class Runtime:
         self.placer = Placer(self.residency, self.store, self.chunk_limit, working_set, self.nonmodel_bytes,
                              self._headroom, lambda: self.largest_rise + self.room.largest_block)
         self.capped_outside = 0  # what the process held outside the allocator when the cap was last applied
-        self.step_failed: BaseException | None = None  # the disk tier failed a step midway (ChunkedModel.consolidated)
+        self.step_failed: str | None = None  # why the disk tier failed a step midway (ChunkedModel.consolidated)
         # The budget holds for what the process takes (gpu_memory's Note); this model's counts before its chunks come:
         # they came under the cap of the models prepared before it alone, and a model of a larger budget was refused.
         if config.device_memory is not None:
@@ -651,6 +651,10 @@ class Runtime:
         grad = record.param.grad
         if grad is None or record.grad_state is TensorState.FREE or self.shards is not None or \
                 grad is self.grads.users.get(record) or self.grads.accumulated(record, grad):
+            return
+        # An earlier gradient of this backward (reentrant checkpointing gives a parameter several) made `p.grad` the sum
+        # already: as the tensor kept shown through a resident backward, or as the one a user's hook put there since.
+        if record in self.summed or (record in self.grads.shown and record in self.grads.through_forward):
             return
         # copy=True: a streamed group's range is a host payload, which the simulation's `.to(device)` would not copy
         record.param.grad = self.grads.range_now(record).to(grad.device, copy=True) + grad

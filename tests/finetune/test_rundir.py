@@ -123,5 +123,5 @@ def test_a_save_of_the_same_step_killed_between_its_renames_leaves_the_earlier_o
 
 def test_an_output_that_cannot_be_written_is_named(tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(InputError, match=r"--output .*a_file/run: cannot write the run there \(Not a directory\)"):
+    with pytest.raises(InputError, match=r"--output .*a_file/run: cannot make that directory \(Not a directory\)"):
         RunDir(tmp_path / "a_file" / "run").start({"lr": 1.0}, resume=False)

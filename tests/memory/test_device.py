@@ -67,8 +67,7 @@ def test_allocator_options_that_change_its_blocks_are_named_under_a_budget(caplo
 def test_without_the_copy_engine_a_reading_sees_a_new_peak_since_the_last_one():
     # device.py's peak_reading: a temporary an op made and freed between two readings counts, where the allocator's
     # peak rose (its statistics are not reset: they stay the user's); where it did not, what is held now.
-    stats = {"allocated_bytes.all.current": 100, "active_bytes.all.current": 100,
-             "inactive_split_bytes.all.current": 20, "allocated_bytes.all.peak": 150}
+    stats = {"active_bytes.all.current": 100, "inactive_split_bytes.all.current": 20, "active_bytes.all.peak": 150}
     assert device.peak_reading(stats, last_peak=0) == (170, 150)
     assert device.peak_reading(stats, last_peak=150) == (120, 150)
     # The user reset the peak (torch.cuda.reset_peak_memory_stats, as the GPU benchmarks do after prepare): the peak

@@ -190,20 +190,59 @@ class SharedCheckpointed(nn.Module):
         return self.out(hidden)
 
 
-@pytest.mark.parametrize("budget", [None, 2.0])
-def test_under_accumulation_a_layer_checkpointed_at_every_depth_adds_its_gradients_as_plain_pytorch(budget) -> None:
-    # A resident backward summed the segments' gradients of the shared layer apart, then added the sum into the chunk
-    # once, where plain PyTorch adds each into p.grad in turn: 3e-8 apart after 4 steps (helper-84, on DeBERTa).
-    generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(8)]
+CHECKPOINTED = ["accumulated", "a retained graph's second backward", "a hook replacing p.grad",
+                "a hook scaling p.grad in place"]
 
+
+def checkpointed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=generator), torch.randn(4, 4, generator=generator)) for _ in range(8)]
+
+
+@pytest.mark.parametrize("budget", [None, 2.0])
+@pytest.mark.parametrize("how", CHECKPOINTED)
+def test_a_layer_checkpointed_at_every_depth_adds_its_gradients_as_plain_pytorch(budget, how) -> None:
+    # A resident backward summed the segments' gradients of the shared layer apart, then added the sum into the chunk
+    # once, where plain PyTorch adds each into p.grad in turn: 3e-8 apart after 4 steps (helper-84, on DeBERTa). A
+    # user's hook that replaced p.grad between them had the chunk's sum added to it again (0.045; helper-89).
     def loop(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        for i, (x, y) in enumerate(batches):
-            nn.functional.mse_loss(model(x), y).backward()
+        def halve(param: torch.Tensor) -> None:
+            if how == "a hook replacing p.grad":
+                param.grad = param.grad * 0.5
+            else:
+                param.grad.mul_(0.5)
+
+        if "hook" in how:
+            for param in unwrapped(model).parameters():
+                param.register_post_accumulate_grad_hook(halve)
+        for i, (x, y) in enumerate(checkpointed_batches()):
+            loss = nn.functional.mse_loss(model(x), y)
+            again = how == "a retained graph's second backward"
+            loss.backward(retain_graph=again)
+            if again:
+                (loss * 0.5).backward()
             if i % 2:
                 opt.step()
                 opt.zero_grad()
     same_bits(loop, budget, SharedCheckpointed())
+
+
+def test_two_models_of_a_manager_with_layers_checkpointed_at_every_depth_train_as_plain_pytorch() -> None:
+    # Each model's forward kept its own gradients shown, and the backward of their joint loss added the first model's
+    # segments' gradients apart (3e-8 after 4 steps; helper-89).
+    models = [SharedCheckpointed(), SharedCheckpointed()]
+    plain = copy.deepcopy(models)
+    manager = chunkmem.Manager(chunkmem.Config(device="cpu"))
+    prepared_ = [manager.prepare(model, ADAMW(model.parameters())) for model in models]
+    for pair in ([(m, ADAMW(m.parameters())) for m in plain], prepared_):
+        for i, (x, y) in enumerate(checkpointed_batches()):
+            nn.functional.mse_loss(pair[0][0](x) + pair[1][0](x), y).backward()
+            if i % 2:
+                for _, opt in pair:
+                    opt.step()
+                    opt.zero_grad()
+    for want, (got, _) in zip(plain, prepared_):
+        assert all(torch.equal(v, got.state_dict()[k]) for k, v in want.state_dict().items())
 
 
 @pytest.mark.parametrize("budget", [None, 0.5])
